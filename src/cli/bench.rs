@@ -1,0 +1,85 @@
+//! `quarry bench single`: single-stream prefill and decode speed. scripts/bench-cpu runs it
+//! beside llama-cpp-python on the same tokens and prints both with their ratio.
+
+use clap::{Args, Subcommand};
+
+use super::ModelArgs;
+use crate::engine::{GenerateRequest, Generator};
+use crate::sampling::SamplingParams;
+
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// One request at a time: prefill tokens/s and decode tokens/s.
+    Single(SingleArgs),
+}
+
+#[derive(Args)]
+pub struct SingleArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[arg(long, default_value_t = 256)]
+    input_len: usize,
+    #[arg(long, default_value_t = 128)]
+    output_len: usize,
+    /// Timed repetitions after one warm-up; the median is reported.
+    #[arg(long, default_value_t = 5)]
+    repeats: usize,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The benchmark prompt: ordinary (non-special) token ids from a fixed formula, so any engine
+/// can be fed exactly the same sequence.
+pub fn bench_prompt(len: usize, vocab: usize) -> Vec<u32> {
+    (0..len).map(|i| (100 + (i * 7919) % (vocab - 200)) as u32).collect()
+}
+
+pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
+    match cmd {
+        BenchCommand::Single(args) => single(args),
+    }
+}
+
+fn single(args: SingleArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.output_len >= 2, "--output-len must be at least 2");
+    let (mut backend, tokenizer) = args.model.load()?;
+    let device = crate::runtime::Backend::device_name(&backend);
+    let prompt = bench_prompt(args.input_len, tokenizer.vocab_size());
+    let request = GenerateRequest {
+        prompt,
+        params: SamplingParams {
+            max_tokens: args.output_len,
+            ignore_eos: true,
+            ..SamplingParams::greedy(args.output_len)
+        },
+        arrival_step: 0,
+    };
+    let mut prefill = Vec::new();
+    let mut decode = Vec::new();
+    let mut generator = Generator::new(&mut backend, &tokenizer);
+    for rep in 0..=args.repeats {
+        let c = generator.run(std::slice::from_ref(&request), |_, _, _| {})?.remove(0);
+        if rep > 0 {
+            prefill.push(args.input_len as f64 / c.timings.prefill.as_secs_f64());
+            decode.push((c.tokens.len() - 1) as f64 / c.timings.decode.as_secs_f64());
+        }
+    }
+    let (p, d) = (median(&mut prefill), median(&mut decode));
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({"engine": "quarry", "device": device, "input_len": args.input_len,
+                "output_len": args.output_len, "prefill_tok_s": p, "decode_tok_s": d})
+        );
+    } else {
+        println!("engine  device  input  output  prefill tok/s  decode tok/s");
+        println!("quarry  {device}  {}  {}  {p:.1}  {d:.1}", args.input_len, args.output_len);
+    }
+    Ok(())
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}

@@ -1,0 +1,9 @@
+//! Quarry: schema-first structured extraction over a paged, continuously batched LLM engine.
+//! See shared/design.md for how the modules fit together.
+
+pub mod cli;
+pub mod engine;
+pub mod model_path;
+pub mod runtime;
+pub mod sampling;
+pub mod tokenizer;

@@ -1,0 +1,103 @@
+//! Model hyper-parameters, read from GGUF metadata for each supported architecture.
+
+use super::error::{Result, RuntimeError};
+use super::gguf::GgufFile;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Architecture {
+    Llama,
+    Qwen2,
+}
+
+/// How rotary embeddings pair up the dimensions of a head. GGUF llama weights are permuted by
+/// the converter so adjacent pairs rotate together; qwen2 keeps the NeoX split into halves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeStyle {
+    AdjacentPairs,
+    Halves,
+}
+
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    pub architecture: Architecture,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub rope_theta: f32,
+    pub rope_style: RopeStyle,
+    pub rms_norm_eps: f32,
+    pub context_length: usize,
+    /// qwen2 has biases on the q/k/v projections.
+    pub qkv_bias: bool,
+}
+
+impl ModelConfig {
+    pub fn from_gguf(gguf: &GgufFile) -> Result<Self> {
+        let arch_name = gguf.string("general.architecture")?;
+        let (architecture, rope_style, qkv_bias) = match arch_name.as_str() {
+            "llama" => (Architecture::Llama, RopeStyle::AdjacentPairs, false),
+            "qwen2" => (Architecture::Qwen2, RopeStyle::Halves, true),
+            other => return Err(RuntimeError::UnsupportedArchitecture(other.to_string())),
+        };
+        let key = |k: &str| format!("{arch_name}.{k}");
+        let hidden_size = gguf.usize(&key("embedding_length"))?;
+        let num_heads = gguf.usize(&key("attention.head_count"))?;
+        let num_kv_heads = gguf.usize_or(&key("attention.head_count_kv"), num_heads)?;
+        let head_dim = gguf.usize_or(&key("rope.dimension_count"), hidden_size / num_heads.max(1))?;
+        let vocab_size = match gguf.usize(&key("vocab_size")) {
+            Ok(v) => v,
+            Err(_) => gguf.array_len("tokenizer.ggml.tokens")?,
+        };
+        let config = ModelConfig {
+            architecture,
+            vocab_size,
+            hidden_size,
+            intermediate_size: gguf.usize(&key("feed_forward_length"))?,
+            num_layers: gguf.usize(&key("block_count"))?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            rope_theta: gguf.f32_or(&key("rope.freq_base"), 10_000.0)?,
+            rope_style,
+            rms_norm_eps: gguf.f32_or(&key("attention.layer_norm_rms_epsilon"), 1e-6)?,
+            context_length: gguf.usize_or(&key("context_length"), 2048)?,
+            qkv_bias,
+        };
+        config.check()?;
+        Ok(config)
+    }
+
+    fn check(&self) -> Result<()> {
+        let bad = |reason: String| {
+            Err(RuntimeError::BadMetadata {
+                key: "attention shape".into(),
+                reason,
+            })
+        };
+        if self.num_heads == 0 || self.num_kv_heads == 0 || self.head_dim == 0 {
+            return bad("zero heads or head dimension".into());
+        }
+        if self.num_heads % self.num_kv_heads != 0 {
+            return bad(format!(
+                "{} query heads are not a multiple of {} kv heads",
+                self.num_heads, self.num_kv_heads
+            ));
+        }
+        if self.head_dim % 2 != 0 {
+            return bad(format!("odd head dimension {}", self.head_dim));
+        }
+        Ok(())
+    }
+
+    pub fn q_size(&self) -> usize {
+        self.num_heads * self.head_dim
+    }
+
+    pub fn kv_size(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+}

@@ -1,0 +1,157 @@
+//! A projection `y = x W^T (+ b)` over quantized weights. Q4_1 goes through our SIMD kernel;
+//! every other GGUF dtype through candle's `QMatMul`. Projections that read the same input
+//! (q/k/v, gate/up) are stacked into one matrix so a decode step makes one parallel pass.
+
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{Device, Module, Tensor};
+
+use super::pool::{parallel_for, SyncPtr};
+use super::q4_1::{self, BlockQ4_1, BlockQ8_1, QK};
+use crate::runtime::error::{Result, RuntimeError};
+
+pub struct Linear {
+    out_features: usize,
+    in_features: usize,
+    weight: Weight,
+    bias: Option<Vec<f32>>,
+}
+
+enum Weight {
+    Q4_1(Vec<BlockQ4_1>),
+    Candle(QMatMul),
+    /// Different dtypes that could not be concatenated: run one after the other.
+    Stacked(Vec<Linear>),
+}
+
+/// Rows of activations processed against one column quad before moving on: keeps the quad's
+/// weights in L1 while several tokens of a prefill reuse them.
+const ROW_TILE: usize = 8;
+
+impl Linear {
+    pub fn from_qtensor(name: &str, t: QTensor, bias: Option<Vec<f32>>) -> Result<Self> {
+        let bad = |reason: String| RuntimeError::BadTensor {
+            name: name.into(),
+            reason,
+        };
+        let (out_features, in_features) = t.shape().dims2().map_err(|e| bad(e.to_string()))?;
+        if let Some(b) = &bias {
+            if b.len() != out_features {
+                return Err(bad(format!("bias has {} entries for {out_features} outputs", b.len())));
+            }
+        }
+        let weight = if t.dtype() == GgmlDType::Q4_1 && in_features % QK == 0 {
+            let bytes = t.data().map_err(|e| bad(e.to_string()))?;
+            Weight::Q4_1(q4_1::blocks_from_bytes(&bytes).ok_or_else(|| bad("ragged Q4_1 data".into()))?)
+        } else {
+            Weight::Candle(QMatMul::from_qtensor(t).map_err(|e| bad(e.to_string()))?)
+        };
+        Ok(Linear {
+            out_features,
+            in_features,
+            weight,
+            bias,
+        })
+    }
+
+    /// Stacks projections of the same input along the output dimension.
+    pub fn stack(parts: Vec<Linear>) -> Result<Self> {
+        let in_features = parts.first().map(|p| p.in_features).unwrap_or(0);
+        if parts.iter().any(|p| p.in_features != in_features) {
+            return Err(RuntimeError::BadTensor {
+                name: "stacked projection".into(),
+                reason: "input sizes differ".into(),
+            });
+        }
+        let out_features = parts.iter().map(|p| p.out_features).sum();
+        let bias = if parts.iter().any(|p| p.bias.is_some()) {
+            Some(parts.iter().flat_map(|p| p.bias.clone().unwrap_or_else(|| vec![0.0; p.out_features])).collect())
+        } else {
+            None
+        };
+        let weight = if parts.iter().all(|p| matches!(p.weight, Weight::Q4_1(_))) {
+            let mut blocks = Vec::new();
+            for p in &parts {
+                if let Weight::Q4_1(b) = &p.weight {
+                    blocks.extend_from_slice(b);
+                }
+            }
+            Weight::Q4_1(blocks)
+        } else {
+            Weight::Stacked(parts.into_iter().map(|p| Linear { bias: None, ..p }).collect())
+        };
+        Ok(Linear {
+            out_features,
+            in_features,
+            weight,
+            bias,
+        })
+    }
+
+    pub fn out_features(&self) -> usize {
+        self.out_features
+    }
+
+    pub fn in_features(&self) -> usize {
+        self.in_features
+    }
+
+    /// `x` is `[m, in]`, `out` is `[m, out]`, both row-major.
+    pub fn forward(&self, x: &[f32], m: usize, out: &mut [f32]) -> Result<()> {
+        debug_assert_eq!(x.len(), m * self.in_features);
+        debug_assert_eq!(out.len(), m * self.out_features);
+        match &self.weight {
+            Weight::Q4_1(w) => self.forward_q4_1(w, x, m, out),
+            Weight::Candle(mm) => {
+                let xt = Tensor::from_slice(x, (m, self.in_features), &Device::Cpu)?;
+                let y = mm.forward(&xt)?.flatten_all()?.to_vec1::<f32>()?;
+                out.copy_from_slice(&y);
+            }
+            Weight::Stacked(parts) => {
+                let mut col = 0;
+                for p in parts {
+                    let mut part = vec![0f32; m * p.out_features];
+                    p.forward(x, m, &mut part)?;
+                    for r in 0..m {
+                        out[r * self.out_features + col..][..p.out_features]
+                            .copy_from_slice(&part[r * p.out_features..][..p.out_features]);
+                    }
+                    col += p.out_features;
+                }
+            }
+        }
+        if let Some(b) = &self.bias {
+            for row in out.chunks_exact_mut(self.out_features) {
+                row.iter_mut().zip(b).for_each(|(y, b)| *y += b);
+            }
+        }
+        Ok(())
+    }
+
+    fn forward_q4_1(&self, w: &[BlockQ4_1], x: &[f32], m: usize, out: &mut [f32]) {
+        let (n, kb) = (self.out_features, self.in_features / QK);
+        let mut xq = vec![BlockQ8_1::ZERO; m * kb];
+        for (xr, qr) in x.chunks_exact(self.in_features).zip(xq.chunks_exact_mut(kb)) {
+            q4_1::quantize_row_q8_1(xr, qr);
+        }
+        let dot4 = q4_1::dot4();
+        let row = |c: usize| &w[c * kb..(c + 1) * kb];
+        let quads = n / 4;
+        let tiles = m.div_ceil(ROW_TILE);
+        let dst = SyncPtr(out.as_mut_ptr());
+        parallel_for(tiles * quads, |items| {
+            for item in items {
+                let (tile, c) = (item / quads, (item % quads) * 4);
+                for r in tile * ROW_TILE..m.min((tile + 1) * ROW_TILE) {
+                    let y = dot4([row(c), row(c + 1), row(c + 2), row(c + 3)], &xq[r * kb..(r + 1) * kb]);
+                    // SAFETY: each (row, column quad) is written by exactly one work item.
+                    unsafe { std::ptr::copy_nonoverlapping(y.as_ptr(), dst.at(r * n + c), 4) };
+                }
+            }
+        });
+        for c in quads * 4..n {
+            for r in 0..m {
+                out[r * n + c] = q4_1::vec_dot_scalar(row(c), &xq[r * kb..(r + 1) * kb]);
+            }
+        }
+    }
+}

@@ -1,0 +1,175 @@
+//! The CPU backend: quantized GGUF weights (candle), our Q4_1 kernel, paged attention over a
+//! host KV pool, all cores through candle's barrier pool.
+
+mod attention;
+mod kv_cache;
+mod linear;
+mod ops;
+mod pool;
+pub mod q4_1;
+mod weights;
+
+use std::path::Path;
+
+use attention::{paged_attention, AttentionInput, AttentionShape};
+use kv_cache::KvCache;
+use ops::Rope;
+use weights::ModelWeights;
+
+use super::batch::{ForwardBatch, KvLayout, Logits};
+use super::config::ModelConfig;
+use super::error::Result;
+use super::gguf::GgufFile;
+use super::Backend;
+
+pub struct CpuOptions {
+    /// KV cache capacity in tokens, rounded up to whole blocks.
+    pub kv_cache_tokens: usize,
+    pub block_size: usize,
+}
+
+impl Default for CpuOptions {
+    fn default() -> Self {
+        CpuOptions {
+            kv_cache_tokens: 16 * 1024,
+            block_size: 16,
+        }
+    }
+}
+
+pub struct CpuBackend {
+    config: ModelConfig,
+    weights: ModelWeights,
+    rope: Rope,
+    kv: KvCache,
+}
+
+impl CpuBackend {
+    pub fn load(path: &Path, options: &CpuOptions) -> Result<Self> {
+        let mut gguf = GgufFile::open(path)?;
+        let config = ModelConfig::from_gguf(&gguf)?;
+        let weights = ModelWeights::load(&mut gguf, &config)?;
+        let rope = Rope::new(config.head_dim, config.rope_theta, config.context_length, config.rope_style);
+        let block_size = options.block_size.max(1);
+        let layout = KvLayout {
+            num_blocks: options.kv_cache_tokens.div_ceil(block_size).max(1),
+            block_size,
+        };
+        let kv = KvCache::new(layout, config.num_layers, config.kv_size());
+        Ok(CpuBackend {
+            config,
+            weights,
+            rope,
+            kv,
+        })
+    }
+
+    /// Host memory the KV pool of this many tokens would take.
+    pub fn kv_cache_bytes(config: &ModelConfig, tokens: usize) -> usize {
+        let layout = KvLayout {
+            num_blocks: tokens.div_ceil(16),
+            block_size: 16,
+        };
+        KvCache::bytes(layout, config.num_layers, config.kv_size())
+    }
+}
+
+impl Backend for CpuBackend {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn kv_layout(&self) -> KvLayout {
+        self.kv.layout()
+    }
+
+    fn device_name(&self) -> String {
+        format!("cpu ({} threads)", pool::num_threads())
+    }
+
+    fn forward(&mut self, batch: &ForwardBatch) -> Result<Logits> {
+        let cfg = &self.config;
+        batch.validate(self.kv.layout(), cfg.vocab_size, cfg.context_length)?;
+        let (t, d) = (batch.num_tokens(), cfg.hidden_size);
+        let (q_size, kv_size) = (cfg.q_size(), cfg.kv_size());
+        let qkv_width = q_size + 2 * kv_size;
+        let block_size = self.kv.layout().block_size;
+
+        // Per sequence, the slot of every context position; shared by all layers.
+        let seq_slots: Vec<Vec<u32>> = (0..batch.num_seqs())
+            .map(|s| {
+                (0..batch.context_lens[s] as usize)
+                    .map(|p| batch.block_tables[s][p / block_size] * block_size as u32 + (p % block_size) as u32)
+                    .collect()
+            })
+            .collect();
+        let token_seq: Vec<u32> = (0..batch.num_seqs())
+            .flat_map(|s| {
+                let n = batch.query_start[s + 1] - batch.query_start[s];
+                std::iter::repeat_n(s as u32, n as usize)
+            })
+            .collect();
+        let shape = AttentionShape {
+            num_heads: cfg.num_heads,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+        };
+
+        let mut x = self.weights.embed(&batch.token_ids)?;
+        let mut h = vec![0f32; t * d];
+        let mut qkv = vec![0f32; t * qkv_width];
+        let mut attn = vec![0f32; t * q_size];
+        let mut gate_up = vec![0f32; t * 2 * cfg.intermediate_size];
+        let mut act = vec![0f32; t * cfg.intermediate_size];
+        for (li, layer) in self.weights.layers.iter().enumerate() {
+            ops::rms_norm(&x, &layer.attn_norm, cfg.rms_norm_eps, &mut h);
+            layer.qkv.forward(&h, t, &mut qkv)?;
+            for (row, (&pos, &slot)) in qkv
+                .chunks_exact_mut(qkv_width)
+                .zip(batch.positions.iter().zip(&batch.slot_mapping))
+            {
+                let (q, kv) = row.split_at_mut(q_size);
+                self.rope.apply(q, pos as usize);
+                let (k, v) = kv.split_at_mut(kv_size);
+                self.rope.apply(k, pos as usize);
+                self.kv.write(li, slot as usize, k, v);
+            }
+            let (k_pool, v_pool) = self.kv.layer(li);
+            let input = AttentionInput {
+                q: &qkv,
+                q_stride: qkv_width,
+                k_pool,
+                v_pool,
+                seq_slots: &seq_slots,
+                token_seq: &token_seq,
+                positions: &batch.positions,
+            };
+            paged_attention(&shape, &input, &mut attn);
+            layer.attn_out.forward(&attn, t, &mut h)?;
+            ops::add_in_place(&mut x, &h);
+
+            ops::rms_norm(&x, &layer.ffn_norm, cfg.rms_norm_eps, &mut h);
+            layer.gate_up.forward(&h, t, &mut gate_up)?;
+            ops::silu_mul(&gate_up, cfg.intermediate_size, &mut act);
+            layer.down.forward(&act, t, &mut h)?;
+            ops::add_in_place(&mut x, &h);
+        }
+
+        // Only the rows whose logits are wanted go through the final norm and the head.
+        let rows = batch.logits_rows.len();
+        let mut picked = Vec::with_capacity(rows * d);
+        for &r in &batch.logits_rows {
+            picked.extend_from_slice(&x[r as usize * d..(r as usize + 1) * d]);
+        }
+        let mut normed = vec![0f32; rows * d];
+        ops::rms_norm(&picked, &self.weights.output_norm, cfg.rms_norm_eps, &mut normed);
+        let mut data = vec![0f32; rows * cfg.vocab_size];
+        if rows > 0 {
+            self.weights.lm_head.forward(&normed, rows, &mut data)?;
+        }
+        Ok(Logits {
+            vocab_size: cfg.vocab_size,
+            data,
+        })
+    }
+}

@@ -1,0 +1,105 @@
+//! What a request asks of sampling, checked once before it reaches the engine.
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SamplingParams {
+    /// 0 means greedy (argmax).
+    pub temperature: f32,
+    /// 0 means no top-k cut.
+    pub top_k: usize,
+    pub top_p: f32,
+    pub min_p: f32,
+    /// Fixes the random stream of this request alone, whatever else runs beside it.
+    pub seed: Option<u64>,
+    /// Divides positive (multiplies negative) logits of tokens seen in prompt or output.
+    pub repetition_penalty: f32,
+    /// Subtracted once per earlier occurrence in the output.
+    pub frequency_penalty: f32,
+    /// Subtracted once if the token occurred in the output.
+    pub presence_penalty: f32,
+    /// Number of most likely alternatives to report per token (log-probabilities of the model's
+    /// own distribution, before penalties and temperature).
+    pub logprobs: Option<usize>,
+    pub max_tokens: usize,
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    /// Keep going past the model's end-of-generation tokens (benchmarks, references).
+    pub ignore_eos: bool,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: None,
+            repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            logprobs: None,
+            max_tokens: 256,
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("invalid sampling parameter `{field}`: {reason}")]
+pub struct SamplingParamError {
+    pub field: &'static str,
+    pub reason: String,
+}
+
+/// Most alternatives a request may ask for per token.
+pub const MAX_LOGPROBS: usize = 20;
+
+impl SamplingParams {
+    pub fn greedy(max_tokens: usize) -> Self {
+        SamplingParams {
+            max_tokens,
+            ..Default::default()
+        }
+    }
+
+    pub fn validate(&self, vocab_size: usize) -> Result<(), SamplingParamError> {
+        let err = |field, reason: String| Err(SamplingParamError { field, reason });
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return err("temperature", format!("{} is not a finite number >= 0", self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return err("top_p", format!("{} is not in (0, 1]", self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return err("min_p", format!("{} is not in [0, 1]", self.min_p));
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+            return err("repetition_penalty", format!("{} is not > 0", self.repetition_penalty));
+        }
+        for (field, v) in [("frequency_penalty", self.frequency_penalty), ("presence_penalty", self.presence_penalty)] {
+            if !(-2.0..=2.0).contains(&v) {
+                return err(field, format!("{v} is not in [-2, 2]"));
+            }
+        }
+        if let Some(n) = self.logprobs {
+            if n > MAX_LOGPROBS {
+                return err("logprobs", format!("{n} is more than {MAX_LOGPROBS}"));
+            }
+        }
+        if self.max_tokens == 0 {
+            return err("max_tokens", "must be at least 1".into());
+        }
+        if let Some(s) = self.stop.iter().find(|s| s.is_empty()) {
+            return err("stop", format!("empty stop string {s:?}"));
+        }
+        if let Some(t) = self.stop_token_ids.iter().find(|&&t| t as usize >= vocab_size) {
+            return err("stop_token_ids", format!("{t} is outside the vocabulary of {vocab_size}"));
+        }
+        Ok(())
+    }
+}

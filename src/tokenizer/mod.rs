@@ -1,0 +1,131 @@
+//! The model's tokenizer, built from the GGUF file it ships in, with its special tokens,
+//! end-of-generation ids and chat template.
+
+mod chat;
+mod gguf_vocab;
+
+use std::path::Path;
+
+pub use chat::{ChatMessage, ChatTemplate};
+
+use crate::runtime::gguf::GgufFile;
+use crate::runtime::RuntimeError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error("{0}")]
+    Model(#[from] RuntimeError),
+    #[error("tokenizer metadata: {0}")]
+    Metadata(String),
+    #[error("unsupported tokenizer: {0}")]
+    Unsupported(String),
+    #[error("chat template: {0}")]
+    ChatTemplate(String),
+    #[error("the model has no chat template")]
+    NoChatTemplate,
+    #[error("tokenization failed: {0}")]
+    Encode(String),
+}
+
+/// Names llama.cpp also treats as ending a generation when they are control tokens.
+const END_OF_GENERATION_NAMES: &[&str] = &["<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>", "</s>"];
+
+pub struct Tokenizer {
+    /// Parses special-token text (`<|im_start|>`) into its id: for templates we render.
+    with_special: tokenizers::Tokenizer,
+    /// Encodes special-token text as plain text: for user content, so a document cannot
+    /// inject a turn boundary.
+    plain: tokenizers::Tokenizer,
+    tokens: Vec<String>,
+    bos_id: Option<u32>,
+    eos_id: Option<u32>,
+    add_bos: bool,
+    end_of_generation: Vec<u32>,
+    special_ids: Vec<u32>,
+    chat_template: Option<ChatTemplate>,
+}
+
+impl Tokenizer {
+    pub fn from_model_file(path: &Path) -> Result<Self, TokenizerError> {
+        Self::from_gguf(&GgufFile::open(path)?)
+    }
+
+    pub fn from_gguf(gguf: &GgufFile) -> Result<Self, TokenizerError> {
+        let vocab = gguf_vocab::build(gguf)?;
+        let id = |key: &str| gguf.usize(key).ok().map(|v| v as u32).filter(|&v| (v as usize) < vocab.tokens.len());
+        let bos_id = id("tokenizer.ggml.bos_token_id");
+        let eos_id = id("tokenizer.ggml.eos_token_id");
+        let add_bos = gguf.value("tokenizer.ggml.add_bos_token").and_then(|v| v.to_bool().ok()).unwrap_or(false);
+        let mut end_of_generation: Vec<u32> = [eos_id, id("tokenizer.ggml.eot_token_id"), id("tokenizer.ggml.eom_token_id")]
+            .into_iter()
+            .flatten()
+            .collect();
+        for &s in &vocab.special_ids {
+            if END_OF_GENERATION_NAMES.contains(&vocab.tokens[s as usize].as_str()) && !end_of_generation.contains(&s) {
+                end_of_generation.push(s);
+            }
+        }
+        let token_text = |id: Option<u32>| id.map(|i| vocab.tokens[i as usize].clone()).unwrap_or_default();
+        let chat_template = match gguf.string("tokenizer.chat_template") {
+            Ok(src) => Some(ChatTemplate::new(&src, &token_text(bos_id), &token_text(eos_id))?),
+            Err(_) => None,
+        };
+        let mut plain = vocab.tokenizer.clone();
+        plain.set_encode_special_tokens(true);
+        Ok(Tokenizer {
+            with_special: vocab.tokenizer,
+            plain,
+            tokens: vocab.tokens,
+            bos_id,
+            eos_id,
+            add_bos,
+            end_of_generation,
+            special_ids: vocab.special_ids,
+            chat_template,
+        })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Token ids of `text`; `parse_special` turns special-token text into the special id.
+    /// Adds BOS when the model asks for it.
+    pub fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>, TokenizerError> {
+        let tok = if parse_special { &self.with_special } else { &self.plain };
+        let enc = tok.encode(text, false).map_err(|e| TokenizerError::Encode(e.to_string()))?;
+        let mut ids = Vec::with_capacity(enc.len() + 1);
+        if self.add_bos {
+            ids.extend(self.bos_id);
+        }
+        ids.extend_from_slice(enc.get_ids());
+        Ok(ids)
+    }
+
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, TokenizerError> {
+        self.with_special.decode(ids, skip_special).map_err(|e| TokenizerError::Encode(e.to_string()))
+    }
+
+    /// The prompt for a conversation, rendered with the model's template and tokenized with
+    /// special tokens parsed.
+    pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<String, TokenizerError> {
+        self.chat_template.as_ref().ok_or(TokenizerError::NoChatTemplate)?.render(messages)
+    }
+
+    pub fn end_of_generation_ids(&self) -> &[u32] {
+        &self.end_of_generation
+    }
+
+    pub fn is_special(&self, id: u32) -> bool {
+        self.special_ids.contains(&id)
+    }
+
+    pub fn eos_id(&self) -> Option<u32> {
+        self.eos_id
+    }
+
+    /// The vocabulary entry of `id` in its byte-level spelling (`Ġ` for a space).
+    pub fn token_text(&self, id: u32) -> Option<&str> {
+        self.tokens.get(id as usize).map(|s| s.as_str())
+    }
+}

@@ -1,0 +1,66 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+use quarry::runtime::cpu::{CpuBackend, CpuOptions};
+use quarry::tokenizer::Tokenizer;
+
+/// The default model, or `None` (with a message) where it was never fetched. In CI the model
+/// is part of the setup, so its absence is a failure there, not a skip.
+pub fn model_path() -> Option<PathBuf> {
+    let path = quarry::model_path::default_model_path();
+    if path.is_file() {
+        return Some(path);
+    }
+    if std::env::var_os("CI").is_some() {
+        panic!("model missing at {} in CI: .ci/run must call scripts/fetch-model", path.display());
+    }
+    eprintln!("skipping: model not found at {} (run scripts/fetch-model)", path.display());
+    None
+}
+
+pub fn load(kv_cache_tokens: usize) -> Option<(CpuBackend, Tokenizer)> {
+    let path = model_path()?;
+    let backend = CpuBackend::load(
+        &path,
+        &CpuOptions {
+            kv_cache_tokens,
+            ..Default::default()
+        },
+    )
+    .expect("load model");
+    let tokenizer = Tokenizer::from_model_file(&path).expect("load tokenizer");
+    Some((backend, tokenizer))
+}
+
+#[derive(serde::Deserialize)]
+pub struct Golden {
+    pub model_sha256: String,
+    pub gen_tokens: usize,
+    pub prompts: Vec<GoldenPrompt>,
+    pub tokenization: Vec<GoldenTokenization>,
+}
+
+#[derive(serde::Deserialize)]
+pub struct GoldenPrompt {
+    pub name: String,
+    pub chat: bool,
+    pub user: Option<String>,
+    pub text: String,
+    pub prompt_tokens: Vec<u32>,
+    pub greedy_tokens: Vec<u32>,
+    /// Per position, `[token, logprob]` pairs, best first.
+    pub top_logprobs: Vec<Vec<(u32, f64)>>,
+}
+
+#[derive(serde::Deserialize)]
+pub struct GoldenTokenization {
+    pub text: String,
+    pub tokens: Vec<u32>,
+}
+
+pub fn golden() -> Golden {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/golden/llamacpp-smollm2.json");
+    serde_json::from_str(&std::fs::read_to_string(path).expect("read golden")).expect("parse golden")
+}
