@@ -13,5 +13,7 @@ pub fn default_model_path() -> PathBuf {
     if local.is_file() {
         return local;
     }
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models").join(DEFAULT_MODEL_FILE)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("models")
+        .join(DEFAULT_MODEL_FILE)
 }

@@ -21,7 +21,10 @@ const PROMPTS: [&str; 8] = [
 
 const GEN: usize = 24;
 
-fn requests(tok: &quarry::tokenizer::Tokenizer, arrival: impl Fn(usize) -> usize) -> Vec<GenerateRequest> {
+fn requests(
+    tok: &quarry::tokenizer::Tokenizer,
+    arrival: impl Fn(usize) -> usize,
+) -> Vec<GenerateRequest> {
     PROMPTS
         .iter()
         .enumerate()
@@ -38,18 +41,27 @@ fn requests(tok: &quarry::tokenizer::Tokenizer, arrival: impl Fn(usize) -> usize
 
 fn run(generator: &mut Generator, reqs: &[GenerateRequest]) -> Vec<Vec<u32>> {
     let out = generator.run(reqs, |_, _, _| {}).unwrap();
-    assert_eq!(generator.pool().num_free(), generator.pool().total(), "blocks leaked");
+    assert_eq!(
+        generator.pool().num_free(),
+        generator.pool().total(),
+        "blocks leaked"
+    );
     out.into_iter().map(|c| c.tokens).collect()
 }
 
 #[test]
 fn batched_mixed_and_scattered_runs_equal_one_at_a_time() {
-    let Some((mut backend, tok)) = common::load(2048) else { return };
+    let Some((mut backend, tok)) = common::load(2048) else {
+        return;
+    };
     let num_blocks = backend.kv_layout().num_blocks;
     let reqs = requests(&tok, |_| 0);
 
     let mut generator = Generator::new(&mut backend, &tok);
-    let alone: Vec<Vec<u32>> = reqs.iter().map(|r| run(&mut generator, std::slice::from_ref(r)).remove(0)).collect();
+    let alone: Vec<Vec<u32>> = reqs
+        .iter()
+        .map(|r| run(&mut generator, std::slice::from_ref(r)).remove(0))
+        .collect();
     for (i, a) in alone.iter().enumerate() {
         assert_eq!(a.len(), GEN + i);
     }
@@ -61,18 +73,35 @@ fn batched_mixed_and_scattered_runs_equal_one_at_a_time() {
     let staggered = run(&mut generator, &requests(&tok, |i| 3 * i));
     assert_eq!(staggered, alone, "prefill mixed with decode");
 
-    let mut scattered = Generator::with_pool(&mut backend, &tok, BlockPool::scattered(num_blocks, 17));
-    assert_eq!(run(&mut scattered, &reqs), alone, "blocks scattered over the pool");
-    let mut scattered = Generator::with_pool(&mut backend, &tok, BlockPool::scattered(num_blocks, 18));
-    assert_eq!(run(&mut scattered, &requests(&tok, |i| 2 * (7 - i))), alone, "scattered and staggered");
+    let mut scattered =
+        Generator::with_pool(&mut backend, &tok, BlockPool::scattered(num_blocks, 17));
+    assert_eq!(
+        run(&mut scattered, &reqs),
+        alone,
+        "blocks scattered over the pool"
+    );
+    let mut scattered =
+        Generator::with_pool(&mut backend, &tok, BlockPool::scattered(num_blocks, 18));
+    assert_eq!(
+        run(&mut scattered, &requests(&tok, |i| 2 * (7 - i))),
+        alone,
+        "scattered and staggered"
+    );
 }
 
 #[test]
 fn a_full_cache_is_an_error_and_leaks_nothing() {
     // 8 blocks of 16 tokens cannot hold eight prompts and their continuations at once.
-    let Some((mut backend, tok)) = common::load(8 * 16) else { return };
+    let Some((mut backend, tok)) = common::load(8 * 16) else {
+        return;
+    };
     let mut generator = Generator::new(&mut backend, &tok);
-    let err = generator.run(&requests(&tok, |_| 0), |_, _, _| {}).unwrap_err();
-    assert!(matches!(err, quarry::engine::GenerateError::OutOfKvBlocks { .. }), "{err}");
+    let err = generator
+        .run(&requests(&tok, |_| 0), |_, _, _| {})
+        .unwrap_err();
+    assert!(
+        matches!(err, quarry::engine::GenerateError::OutOfKvBlocks { .. }),
+        "{err}"
+    );
     assert_eq!(generator.pool().num_free(), generator.pool().total());
 }

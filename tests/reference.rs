@@ -7,24 +7,48 @@ use quarry::engine::{GenerateRequest, Generator};
 use quarry::sampling::SamplingParams;
 use quarry::tokenizer::ChatMessage;
 
-/// Log-probabilities may differ by this much: llama.cpp keeps K and V in f16 and we keep them
-/// in f32; both quantize activations to Q8_1 the same way, so the rest agrees closely.
-const LOGPROB_TOLERANCE: f64 = 0.05;
+/// How far two correct implementations of this model drift apart, measured (see the commit
+/// and issue notes): the model's residual stream reaches magnitudes of ~2,500 and every matmul
+/// quantizes its input to 8 bits, so an ulp of difference anywhere (an `exp`, a summation
+/// order) flips some roundings. llama.cpp disagrees with itself by up to 0.55 between its
+/// batched and token-by-token paths (`self_spread` in the golden file); computing our SiLU in
+/// f64 instead of f32 moves our own log-probabilities by up to 0.26. Against llama.cpp we see a
+/// mean deviation of 0.07-0.11 and a maximum of 0.94 over 17 prompts x 64 positions; a real
+/// bug (the wrong rope pairing) gives a mean of 2.1-3.4 and a maximum of 8-10.
+const MEAN_LOGPROB_TOLERANCE: f64 = 0.15;
+const MAX_LOGPROB_TOLERANCE: f64 = 1.0;
+/// Where llama.cpp's best token leads its second by at least this, our choice must be the same.
+/// Below it the two are a near-tie that the noise above can legitimately flip (observed flips
+/// happened at margins up to 0.27).
+const DECISIVE_MARGIN: f64 = 0.3;
+
+fn margin(top: &[(u32, f64)]) -> f64 {
+    top[0].1 - top[1].1
+}
 
 #[test]
 fn tokenization_matches_llama_cpp_and_round_trips() {
-    let Some(path) = common::model_path() else { return };
+    let Some(path) = common::model_path() else {
+        return;
+    };
     let tok = quarry::tokenizer::Tokenizer::from_model_file(&path).unwrap();
     for case in common::golden().tokenization {
         let ids = tok.encode(&case.text, false).unwrap();
         assert_eq!(ids, case.tokens, "tokens of {:?}", case.text);
-        assert_eq!(tok.decode(&ids, false).unwrap(), case.text, "round trip of {:?}", case.text);
+        assert_eq!(
+            tok.decode(&ids, false).unwrap(),
+            case.text,
+            "round trip of {:?}",
+            case.text
+        );
     }
 }
 
 #[test]
 fn chat_template_and_prompt_tokens_match_the_reference() {
-    let Some(path) = common::model_path() else { return };
+    let Some(path) = common::model_path() else {
+        return;
+    };
     let tok = quarry::tokenizer::Tokenizer::from_model_file(&path).unwrap();
     for p in common::golden().prompts {
         let text = match &p.user {
@@ -32,49 +56,131 @@ fn chat_template_and_prompt_tokens_match_the_reference() {
             None => p.text.clone(),
         };
         assert_eq!(text, p.text, "rendered prompt of {}", p.name);
-        assert_eq!(tok.encode(&text, p.chat).unwrap(), p.prompt_tokens, "prompt tokens of {}", p.name);
+        assert_eq!(
+            tok.encode(&text, p.chat).unwrap(),
+            p.prompt_tokens,
+            "prompt tokens of {}",
+            p.name
+        );
     }
 }
 
 #[test]
-fn greedy_continuations_and_logprobs_match_llama_cpp() {
+fn teacher_forced_logprobs_and_decisive_choices_match_llama_cpp() {
     let golden = common::golden();
-    let Some(path) = common::model_path() else { return };
-    assert_eq!(sha256(&path), golden.model_sha256, "goldens were made with another model file");
-    let (mut backend, tok) = common::load(4096).unwrap();
+    let Some(path) = common::model_path() else {
+        return;
+    };
+    assert_eq!(
+        sha256(&path),
+        golden.model_sha256,
+        "goldens were made with another model file"
+    );
+    let (mut backend, _) = common::load(4096).unwrap();
+    for p in &golden.prompts {
+        // The reference's own continuation, fed back in: every position is compared, even past
+        // a near-tie where free-running outputs would part ways.
+        let mut seq = p.prompt_tokens.clone();
+        seq.extend_from_slice(&p.greedy_tokens[..p.greedy_tokens.len() - 1]);
+        let ours = common::score(&mut backend, &seq, p.prompt_tokens.len() - 1);
+        let (mut sum, mut n) = (0.0, 0.0);
+        for (pos, reference) in p.top_logprobs.iter().enumerate() {
+            for &(token, want) in reference {
+                let diff = (ours[pos][token as usize] - want).abs();
+                assert!(
+                    diff <= MAX_LOGPROB_TOLERANCE,
+                    "{} pos {pos} token {token}: {diff:.3} from llama.cpp",
+                    p.name
+                );
+                sum += diff;
+                n += 1.0;
+            }
+            let best = (0..ours[pos].len())
+                .max_by(|&a, &b| ours[pos][a].total_cmp(&ours[pos][b]))
+                .unwrap();
+            if margin(reference) >= DECISIVE_MARGIN {
+                assert_eq!(
+                    best as u32, reference[0].0,
+                    "{} pos {pos}: decisive choice differs",
+                    p.name
+                );
+            }
+        }
+        assert!(
+            sum / n <= MEAN_LOGPROB_TOLERANCE,
+            "{}: mean deviation {:.3}",
+            p.name,
+            sum / n
+        );
+    }
+}
+
+#[test]
+fn greedy_continuations_match_llama_cpp_token_for_token() {
+    let golden = common::golden();
+    let Some((mut backend, tok)) = common::load(4096) else {
+        return;
+    };
     let mut generator = Generator::new(&mut backend, &tok);
+    let mut full_matches = Vec::new();
     for p in &golden.prompts {
         let request = GenerateRequest {
             prompt: p.prompt_tokens.clone(),
             params: SamplingParams {
-                logprobs: Some(20),
+                logprobs: Some(5),
                 ignore_eos: true,
                 ..SamplingParams::greedy(golden.gen_tokens)
             },
             arrival_step: 0,
         };
-        let c = generator.run(std::slice::from_ref(&request), |_, _, _| {}).unwrap().remove(0);
-        assert_eq!(c.tokens, p.greedy_tokens, "greedy continuation of {}", p.name);
-        for (pos, reference) in p.top_logprobs.iter().enumerate() {
-            let ours = &c.sampled[pos].top;
-            for &(token, want) in reference {
-                let got = ours
-                    .iter()
-                    .find(|t| t.token == token)
-                    .unwrap_or_else(|| panic!("{} pos {pos}: token {token} not in our top 20", p.name));
-                assert!(
-                    (got.logprob as f64 - want).abs() <= LOGPROB_TOLERANCE,
-                    "{} pos {pos} token {token}: {} vs llama.cpp {want}",
-                    p.name,
-                    got.logprob
-                );
-            }
+        let c = generator
+            .run(std::slice::from_ref(&request), |_, _, _| {})
+            .unwrap()
+            .remove(0);
+        // Up to the reference's first near-tie, the continuations must be identical.
+        let decisive = p
+            .top_logprobs
+            .iter()
+            .take_while(|t| margin(t) >= DECISIVE_MARGIN)
+            .count();
+        assert_eq!(
+            c.tokens[..decisive],
+            p.greedy_tokens[..decisive],
+            "{}: continuation before its first near-tie",
+            p.name
+        );
+        if c.tokens == p.greedy_tokens {
+            full_matches.push(p.name.as_str());
+        } else {
+            assert!(
+                decisive < p.greedy_tokens.len(),
+                "{}: no near-tie, yet the continuation differs",
+                p.name
+            );
         }
+        // The reported log-probabilities are the raw model's, as in the reference.
+        let first = &c.sampled[0];
+        assert_eq!(first.top[0].token, c.tokens[0]);
+        assert!(
+            (first.top[0].logprob as f64 - p.top_logprobs[0][0].1).abs() <= MAX_LOGPROB_TOLERANCE
+        );
     }
+    assert!(
+        full_matches.len() >= 5,
+        "only {full_matches:?} match all {} tokens",
+        golden.gen_tokens
+    );
     assert_eq!(generator.pool().num_free(), generator.pool().total());
 }
 
 fn sha256(path: &std::path::Path) -> String {
-    let out = std::process::Command::new("sha256sum").arg(path).output().expect("sha256sum");
-    String::from_utf8_lossy(&out.stdout).split_whitespace().next().unwrap_or_default().to_string()
+    let out = std::process::Command::new("sha256sum")
+        .arg(path)
+        .output()
+        .expect("sha256sum");
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap_or_default()
+        .to_string()
 }

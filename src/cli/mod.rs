@@ -11,7 +11,11 @@ use crate::runtime::cpu::{CpuBackend, CpuOptions};
 use crate::tokenizer::Tokenizer;
 
 #[derive(Parser)]
-#[command(name = "quarry", version, about = "Schema-first structured extraction with a constrained LLM")]
+#[command(
+    name = "quarry",
+    version,
+    about = "Schema-first structured extraction with a constrained LLM"
+)]
 pub struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -48,7 +52,10 @@ impl ModelArgs {
             std::env::set_var("CANDLE_NUM_THREADS", n.to_string());
             std::env::set_var("RAYON_NUM_THREADS", n.to_string());
         }
-        let path = self.model.clone().unwrap_or_else(crate::model_path::default_model_path);
+        let path = self
+            .model
+            .clone()
+            .unwrap_or_else(crate::model_path::default_model_path);
         let tokenizer = Tokenizer::from_model_file(&path)?;
         let options = CpuOptions {
             kv_cache_tokens: self.kv_cache_tokens,

@@ -47,7 +47,8 @@ impl ModelConfig {
         let hidden_size = gguf.usize(&key("embedding_length"))?;
         let num_heads = gguf.usize(&key("attention.head_count"))?;
         let num_kv_heads = gguf.usize_or(&key("attention.head_count_kv"), num_heads)?;
-        let head_dim = gguf.usize_or(&key("rope.dimension_count"), hidden_size / num_heads.max(1))?;
+        let head_dim =
+            gguf.usize_or(&key("rope.dimension_count"), hidden_size / num_heads.max(1))?;
         let vocab_size = match gguf.usize(&key("vocab_size")) {
             Ok(v) => v,
             Err(_) => gguf.array_len("tokenizer.ggml.tokens")?,

@@ -70,7 +70,10 @@ impl SamplingParams {
     pub fn validate(&self, vocab_size: usize) -> Result<(), SamplingParamError> {
         let err = |field, reason: String| Err(SamplingParamError { field, reason });
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return err("temperature", format!("{} is not a finite number >= 0", self.temperature));
+            return err(
+                "temperature",
+                format!("{} is not a finite number >= 0", self.temperature),
+            );
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return err("top_p", format!("{} is not in (0, 1]", self.top_p));
@@ -79,9 +82,15 @@ impl SamplingParams {
             return err("min_p", format!("{} is not in [0, 1]", self.min_p));
         }
         if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
-            return err("repetition_penalty", format!("{} is not > 0", self.repetition_penalty));
+            return err(
+                "repetition_penalty",
+                format!("{} is not > 0", self.repetition_penalty),
+            );
         }
-        for (field, v) in [("frequency_penalty", self.frequency_penalty), ("presence_penalty", self.presence_penalty)] {
+        for (field, v) in [
+            ("frequency_penalty", self.frequency_penalty),
+            ("presence_penalty", self.presence_penalty),
+        ] {
             if !(-2.0..=2.0).contains(&v) {
                 return err(field, format!("{v} is not in [-2, 2]"));
             }
@@ -97,8 +106,15 @@ impl SamplingParams {
         if let Some(s) = self.stop.iter().find(|s| s.is_empty()) {
             return err("stop", format!("empty stop string {s:?}"));
         }
-        if let Some(t) = self.stop_token_ids.iter().find(|&&t| t as usize >= vocab_size) {
-            return err("stop_token_ids", format!("{t} is outside the vocabulary of {vocab_size}"));
+        if let Some(t) = self
+            .stop_token_ids
+            .iter()
+            .find(|&&t| t as usize >= vocab_size)
+        {
+            return err(
+                "stop_token_ids",
+                format!("{t} is outside the vocabulary of {vocab_size}"),
+            );
         }
         Ok(())
     }

@@ -60,7 +60,11 @@ impl Sampler {
         };
         self.record(token);
         let (logprob, top) = logprobs(logits, token, self.params.logprobs.unwrap_or(0));
-        SampledToken { token, logprob, top }
+        SampledToken {
+            token,
+            logprob,
+            top,
+        }
     }
 
     fn record(&mut self, token: u32) {
@@ -75,7 +79,11 @@ impl Sampler {
         if p.repetition_penalty != 1.0 {
             for &t in self.seen.keys() {
                 let s = &mut scores[t as usize];
-                *s = if *s > 0.0 { *s / p.repetition_penalty } else { *s * p.repetition_penalty };
+                *s = if *s > 0.0 {
+                    *s / p.repetition_penalty
+                } else {
+                    *s * p.repetition_penalty
+                };
             }
         }
         if p.frequency_penalty != 0.0 || p.presence_penalty != 0.0 {
@@ -98,7 +106,9 @@ impl Sampler {
             .filter(|&(_, w)| w > 0.0 && w >= p.min_p)
             .collect();
         if p.top_k > 0 && p.top_k < cands.len() {
-            cands.select_nth_unstable_by(p.top_k - 1, |a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            cands.select_nth_unstable_by(p.top_k - 1, |a, b| {
+                b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+            });
             cands.truncate(p.top_k);
         }
         if p.top_p < 1.0 {
@@ -145,7 +155,11 @@ fn logprobs(logits: &[f32], token: u32, n: usize) -> (f32, Vec<TopLogprob>) {
     if n > 0 {
         let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
         let n = n.min(idx.len());
-        let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
+        let by_logit = |a: &u32, b: &u32| {
+            logits[*b as usize]
+                .total_cmp(&logits[*a as usize])
+                .then(a.cmp(b))
+        };
         idx.select_nth_unstable_by(n - 1, by_logit);
         idx.truncate(n);
         idx.sort_unstable_by(by_logit);
@@ -177,17 +191,23 @@ mod tests {
         assert_eq!(out.token, 1, "ties go to the lowest id");
         let z = (1.0f32 + 2.0 * 2f32.exp() + 1f32.exp()).ln();
         assert!((out.logprob - (2.0 - z)).abs() < 1e-5);
-        assert_eq!(out.top.iter().map(|t| t.token).collect::<Vec<_>>(), vec![1, 3]);
+        assert_eq!(
+            out.top.iter().map(|t| t.token).collect::<Vec<_>>(),
+            vec![1, 3]
+        );
     }
 
     #[test]
     fn same_seed_same_stream_different_seed_differs() {
         let logits: Vec<f32> = (0..100).map(|i| ((i * 37) % 11) as f32 * 0.3).collect();
         let run = |seed| {
-            let mut s = Sampler::new(params(|p| {
-                p.temperature = 1.0;
-                p.seed = Some(seed);
-            }), &[]);
+            let mut s = Sampler::new(
+                params(|p| {
+                    p.temperature = 1.0;
+                    p.seed = Some(seed);
+                }),
+                &[],
+            );
             (0..50).map(|_| s.sample(&logits).token).collect::<Vec<_>>()
         };
         assert_eq!(run(1), run(1));
@@ -198,11 +218,14 @@ mod tests {
     fn top_k_and_top_p_and_min_p_restrict_the_support() {
         let logits = [5.0, 4.0, 3.0, 0.0, -1.0];
         let draws = |f: fn(&mut SamplingParams)| {
-            let mut s = Sampler::new(params(|p| {
-                p.temperature = 1.0;
-                p.seed = Some(3);
-                f(p)
-            }), &[]);
+            let mut s = Sampler::new(
+                params(|p| {
+                    p.temperature = 1.0;
+                    p.seed = Some(3);
+                    f(p)
+                }),
+                &[],
+            );
             let mut seen: Vec<u32> = (0..400).map(|_| s.sample(&logits).token).collect();
             seen.sort();
             seen.dedup();
@@ -221,9 +244,17 @@ mod tests {
         let logits = [1.0, 0.9, -1.0];
         let mut s = Sampler::new(params(|p| p.presence_penalty = 0.5), &[]);
         assert_eq!(s.sample(&logits).token, 0);
-        assert_eq!(s.sample(&logits).token, 1, "presence penalty moves off token 0");
+        assert_eq!(
+            s.sample(&logits).token,
+            1,
+            "presence penalty moves off token 0"
+        );
         let mut s = Sampler::new(params(|p| p.repetition_penalty = 1.5), &[0]);
-        assert_eq!(s.sample(&logits).token, 1, "prompt token 0 is penalised: 1.0 / 1.5 < 0.9");
+        assert_eq!(
+            s.sample(&logits).token,
+            1,
+            "prompt token 0 is penalised: 1.0 / 1.5 < 0.9"
+        );
         let mut s = Sampler::new(params(|p| p.frequency_penalty = 0.06), &[]);
         assert_eq!(s.sample(&logits).token, 0);
         assert_eq!(s.sample(&logits).token, 0, "0.94 still beats 0.9");

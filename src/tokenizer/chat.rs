@@ -32,9 +32,12 @@ impl ChatTemplate {
         let mut env = Environment::new();
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |msg: String| -> Result<String, JinjaError> {
-            Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
-        });
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> Result<String, JinjaError> {
+                Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
+            },
+        );
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| TokenizerError::ChatTemplate(e.to_string()))?;
         Ok(ChatTemplate {
@@ -46,7 +49,10 @@ impl ChatTemplate {
 
     /// The prompt text for `messages`, ending with the assistant's turn opened.
     pub fn render(&self, messages: &[ChatMessage]) -> Result<String, TokenizerError> {
-        let tmpl = self.env.get_template("chat").map_err(|e| TokenizerError::ChatTemplate(e.to_string()))?;
+        let tmpl = self
+            .env
+            .get_template("chat")
+            .map_err(|e| TokenizerError::ChatTemplate(e.to_string()))?;
         tmpl.render(context! {
             messages => messages,
             add_generation_prompt => true,

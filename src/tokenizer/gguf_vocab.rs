@@ -31,7 +31,9 @@ pub struct GgufVocab {
 pub fn build(gguf: &GgufFile) -> Result<GgufVocab, TokenizerError> {
     let model = gguf.string("tokenizer.ggml.model")?;
     if model != "gpt2" {
-        return Err(TokenizerError::Unsupported(format!("tokenizer model `{model}` (only byte-level BPE, `gpt2`)")));
+        return Err(TokenizerError::Unsupported(format!(
+            "tokenizer model `{model}` (only byte-level BPE, `gpt2`)"
+        )));
     }
     let tokens: Vec<String> = gguf
         .array("tokenizer.ggml.tokens")?
@@ -43,7 +45,9 @@ pub fn build(gguf: &GgufFile) -> Result<GgufVocab, TokenizerError> {
         .array("tokenizer.ggml.merges")?
         .iter()
         .map(|v| {
-            let s = v.to_string().map_err(|e| TokenizerError::Metadata(e.to_string()))?;
+            let s = v
+                .to_string()
+                .map_err(|e| TokenizerError::Metadata(e.to_string()))?;
             s.split_once(' ')
                 .map(|(a, b)| (a.to_string(), b.to_string()))
                 .ok_or_else(|| TokenizerError::Metadata(format!("merge `{s}` has no space")))
@@ -59,14 +63,19 @@ pub fn build(gguf: &GgufFile) -> Result<GgufVocab, TokenizerError> {
         None => vec![1; tokens.len()],
     };
 
-    let vocab: std::collections::HashMap<String, u32> =
-        tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
     let bpe = BPE::builder()
         .vocab_and_merges(vocab, merges)
         .build()
         .map_err(|e| TokenizerError::Metadata(format!("BPE: {e}")))?;
     let mut tokenizer = Tokenizer::new(bpe);
-    let pre = gguf.string("tokenizer.ggml.pre").unwrap_or_else(|_| "default".into());
+    let pre = gguf
+        .string("tokenizer.ggml.pre")
+        .unwrap_or_else(|_| "default".into());
     tokenizer.with_pre_tokenizer(Some(pre_tokenizer(&pre)?));
     tokenizer.with_decoder(Some(ByteLevelDecoder::default()));
     if pre == "qwen2" {
@@ -95,11 +104,16 @@ pub fn build(gguf: &GgufFile) -> Result<GgufVocab, TokenizerError> {
 
 /// llama.cpp names each vocabulary's pre-tokenizer; these are the Hugging Face equivalents.
 fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper, TokenizerError> {
-    let byte_level = |use_regex| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, use_regex));
+    let byte_level =
+        |use_regex| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, use_regex));
     let split = |pattern: &str| -> Result<PreTokenizerWrapper, TokenizerError> {
-        Split::new(SplitPattern::Regex(pattern.into()), SplitDelimiterBehavior::Isolated, false)
-            .map(PreTokenizerWrapper::Split)
-            .map_err(|e| TokenizerError::Metadata(format!("pre-tokenizer regex: {e}")))
+        Split::new(
+            SplitPattern::Regex(pattern.into()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map(PreTokenizerWrapper::Split)
+        .map_err(|e| TokenizerError::Metadata(format!("pre-tokenizer regex: {e}")))
     };
     Ok(match pre {
         "gpt2" | "default" | "gpt-2" => byte_level(true),
@@ -108,11 +122,18 @@ fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper, TokenizerError> {
             PreTokenizerWrapper::Digits(Digits::new(true)),
             byte_level(true),
         ])),
-        "qwen2" => PreTokenizerWrapper::Sequence(Sequence::new(vec![split(QWEN2_LLAMA3_SPLIT)?, byte_level(false)])),
+        "qwen2" => PreTokenizerWrapper::Sequence(Sequence::new(vec![
+            split(QWEN2_LLAMA3_SPLIT)?,
+            byte_level(false),
+        ])),
         "llama-bpe" | "llama3" => PreTokenizerWrapper::Sequence(Sequence::new(vec![
             split(&QWEN2_LLAMA3_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|"))?,
             byte_level(false),
         ])),
-        other => return Err(TokenizerError::Unsupported(format!("pre-tokenizer `{other}`"))),
+        other => {
+            return Err(TokenizerError::Unsupported(format!(
+                "pre-tokenizer `{other}`"
+            )))
+        }
     })
 }

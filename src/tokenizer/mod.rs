@@ -28,7 +28,15 @@ pub enum TokenizerError {
 }
 
 /// Names llama.cpp also treats as ending a generation when they are control tokens.
-const END_OF_GENERATION_NAMES: &[&str] = &["<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>", "</s>"];
+const END_OF_GENERATION_NAMES: &[&str] = &[
+    "<|endoftext|>",
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<end_of_turn>",
+    "<|end|>",
+    "</s>",
+];
 
 pub struct Tokenizer {
     /// Parses special-token text (`<|im_start|>`) into its id: for templates we render.
@@ -52,22 +60,43 @@ impl Tokenizer {
 
     pub fn from_gguf(gguf: &GgufFile) -> Result<Self, TokenizerError> {
         let vocab = gguf_vocab::build(gguf)?;
-        let id = |key: &str| gguf.usize(key).ok().map(|v| v as u32).filter(|&v| (v as usize) < vocab.tokens.len());
+        let id = |key: &str| {
+            gguf.usize(key)
+                .ok()
+                .map(|v| v as u32)
+                .filter(|&v| (v as usize) < vocab.tokens.len())
+        };
         let bos_id = id("tokenizer.ggml.bos_token_id");
         let eos_id = id("tokenizer.ggml.eos_token_id");
-        let add_bos = gguf.value("tokenizer.ggml.add_bos_token").and_then(|v| v.to_bool().ok()).unwrap_or(false);
-        let mut end_of_generation: Vec<u32> = [eos_id, id("tokenizer.ggml.eot_token_id"), id("tokenizer.ggml.eom_token_id")]
-            .into_iter()
-            .flatten()
-            .collect();
+        let add_bos = gguf
+            .value("tokenizer.ggml.add_bos_token")
+            .and_then(|v| v.to_bool().ok())
+            .unwrap_or(false);
+        let mut end_of_generation: Vec<u32> = [
+            eos_id,
+            id("tokenizer.ggml.eot_token_id"),
+            id("tokenizer.ggml.eom_token_id"),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
         for &s in &vocab.special_ids {
-            if END_OF_GENERATION_NAMES.contains(&vocab.tokens[s as usize].as_str()) && !end_of_generation.contains(&s) {
+            if END_OF_GENERATION_NAMES.contains(&vocab.tokens[s as usize].as_str())
+                && !end_of_generation.contains(&s)
+            {
                 end_of_generation.push(s);
             }
         }
-        let token_text = |id: Option<u32>| id.map(|i| vocab.tokens[i as usize].clone()).unwrap_or_default();
+        let token_text = |id: Option<u32>| {
+            id.map(|i| vocab.tokens[i as usize].clone())
+                .unwrap_or_default()
+        };
         let chat_template = match gguf.string("tokenizer.chat_template") {
-            Ok(src) => Some(ChatTemplate::new(&src, &token_text(bos_id), &token_text(eos_id))?),
+            Ok(src) => Some(ChatTemplate::new(
+                &src,
+                &token_text(bos_id),
+                &token_text(eos_id),
+            )?),
             Err(_) => None,
         };
         let mut plain = vocab.tokenizer.clone();
@@ -92,8 +121,14 @@ impl Tokenizer {
     /// Token ids of `text`; `parse_special` turns special-token text into the special id.
     /// Adds BOS when the model asks for it.
     pub fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>, TokenizerError> {
-        let tok = if parse_special { &self.with_special } else { &self.plain };
-        let enc = tok.encode(text, false).map_err(|e| TokenizerError::Encode(e.to_string()))?;
+        let tok = if parse_special {
+            &self.with_special
+        } else {
+            &self.plain
+        };
+        let enc = tok
+            .encode(text, false)
+            .map_err(|e| TokenizerError::Encode(e.to_string()))?;
         let mut ids = Vec::with_capacity(enc.len() + 1);
         if self.add_bos {
             ids.extend(self.bos_id);
@@ -103,13 +138,18 @@ impl Tokenizer {
     }
 
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, TokenizerError> {
-        self.with_special.decode(ids, skip_special).map_err(|e| TokenizerError::Encode(e.to_string()))
+        self.with_special
+            .decode(ids, skip_special)
+            .map_err(|e| TokenizerError::Encode(e.to_string()))
     }
 
     /// The prompt for a conversation, rendered with the model's template and tokenized with
     /// special tokens parsed.
     pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<String, TokenizerError> {
-        self.chat_template.as_ref().ok_or(TokenizerError::NoChatTemplate)?.render(messages)
+        self.chat_template
+            .as_ref()
+            .ok_or(TokenizerError::NoChatTemplate)?
+            .render(messages)
     }
 
     pub fn end_of_generation_ids(&self) -> &[u32] {

@@ -14,9 +14,15 @@ pub fn model_path() -> Option<PathBuf> {
         return Some(path);
     }
     if std::env::var_os("CI").is_some() {
-        panic!("model missing at {} in CI: .ci/run must call scripts/fetch-model", path.display());
+        panic!(
+            "model missing at {} in CI: .ci/run must call scripts/fetch-model",
+            path.display()
+        );
     }
-    eprintln!("skipping: model not found at {} (run scripts/fetch-model)", path.display());
+    eprintln!(
+        "skipping: model not found at {} (run scripts/fetch-model)",
+        path.display()
+    );
     None
 }
 
@@ -52,6 +58,7 @@ pub struct GoldenPrompt {
     pub greedy_tokens: Vec<u32>,
     /// Per position, `[token, logprob]` pairs, best first.
     pub top_logprobs: Vec<Vec<(u32, f64)>>,
+    pub self_spread: f64,
 }
 
 #[derive(serde::Deserialize)]
@@ -61,6 +68,33 @@ pub struct GoldenTokenization {
 }
 
 pub fn golden() -> Golden {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/golden/llamacpp-smollm2.json");
-    serde_json::from_str(&std::fs::read_to_string(path).expect("read golden")).expect("parse golden")
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/golden/llamacpp-smollm2.json"
+    );
+    serde_json::from_str(&std::fs::read_to_string(path).expect("read golden"))
+        .expect("parse golden")
+}
+
+/// Log-probabilities our backend gives at each position of `tokens` from `first_row` on, in
+/// one forward pass (teacher forcing: the model sees the reference's tokens, not its own).
+pub fn score(
+    backend: &mut dyn quarry::runtime::Backend,
+    tokens: &[u32],
+    first_row: usize,
+) -> Vec<Vec<f64>> {
+    let layout = backend.kv_layout();
+    let blocks: Vec<u32> = (0..tokens.len().div_ceil(layout.block_size) as u32).collect();
+    let mut batch = quarry::runtime::ForwardBatch::default();
+    batch.push_sequence(tokens, 0, &blocks, layout.block_size);
+    batch.logits_rows = (first_row as u32..tokens.len() as u32).collect();
+    let logits = backend.forward(&batch).expect("forward");
+    (0..logits.rows())
+        .map(|r| {
+            let row: Vec<f64> = logits.row(r).iter().map(|&v| v as f64).collect();
+            let max = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let log_z = max + row.iter().map(|v| (v - max).exp()).sum::<f64>().ln();
+            row.iter().map(|v| v - log_z).collect()
+        })
+        .collect()
 }

@@ -14,7 +14,11 @@ pub struct KvCache {
 
 impl KvCache {
     pub fn new(layout: KvLayout, num_layers: usize, slot_width: usize) -> Self {
-        let alloc = || (0..num_layers).map(|_| vec![0f32; layout.num_slots() * slot_width]).collect();
+        let alloc = || {
+            (0..num_layers)
+                .map(|_| vec![0f32; layout.num_slots() * slot_width])
+                .collect()
+        };
         KvCache {
             layout,
             slot_width,
@@ -40,9 +44,5 @@ impl KvCache {
 
     pub fn layer(&self, layer: usize) -> (&[f32], &[f32]) {
         (&self.k[layer], &self.v[layer])
-    }
-
-    pub fn slot_width(&self) -> usize {
-        self.slot_width
     }
 }

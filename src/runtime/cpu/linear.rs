@@ -36,12 +36,17 @@ impl Linear {
         let (out_features, in_features) = t.shape().dims2().map_err(|e| bad(e.to_string()))?;
         if let Some(b) = &bias {
             if b.len() != out_features {
-                return Err(bad(format!("bias has {} entries for {out_features} outputs", b.len())));
+                return Err(bad(format!(
+                    "bias has {} entries for {out_features} outputs",
+                    b.len()
+                )));
             }
         }
         let weight = if t.dtype() == GgmlDType::Q4_1 && in_features % QK == 0 {
             let bytes = t.data().map_err(|e| bad(e.to_string()))?;
-            Weight::Q4_1(q4_1::blocks_from_bytes(&bytes).ok_or_else(|| bad("ragged Q4_1 data".into()))?)
+            Weight::Q4_1(
+                q4_1::blocks_from_bytes(&bytes).ok_or_else(|| bad("ragged Q4_1 data".into()))?,
+            )
         } else {
             Weight::Candle(QMatMul::from_qtensor(t).map_err(|e| bad(e.to_string()))?)
         };
@@ -64,7 +69,12 @@ impl Linear {
         }
         let out_features = parts.iter().map(|p| p.out_features).sum();
         let bias = if parts.iter().any(|p| p.bias.is_some()) {
-            Some(parts.iter().flat_map(|p| p.bias.clone().unwrap_or_else(|| vec![0.0; p.out_features])).collect())
+            Some(
+                parts
+                    .iter()
+                    .flat_map(|p| p.bias.clone().unwrap_or_else(|| vec![0.0; p.out_features]))
+                    .collect(),
+            )
         } else {
             None
         };
@@ -77,7 +87,12 @@ impl Linear {
             }
             Weight::Q4_1(blocks)
         } else {
-            Weight::Stacked(parts.into_iter().map(|p| Linear { bias: None, ..p }).collect())
+            Weight::Stacked(
+                parts
+                    .into_iter()
+                    .map(|p| Linear { bias: None, ..p })
+                    .collect(),
+            )
         };
         Ok(Linear {
             out_features,
@@ -85,14 +100,6 @@ impl Linear {
             weight,
             bias,
         })
-    }
-
-    pub fn out_features(&self) -> usize {
-        self.out_features
-    }
-
-    pub fn in_features(&self) -> usize {
-        self.in_features
     }
 
     /// `x` is `[m, in]`, `out` is `[m, out]`, both row-major.
@@ -130,7 +137,10 @@ impl Linear {
     fn forward_q4_1(&self, w: &[BlockQ4_1], x: &[f32], m: usize, out: &mut [f32]) {
         let (n, kb) = (self.out_features, self.in_features / QK);
         let mut xq = vec![BlockQ8_1::ZERO; m * kb];
-        for (xr, qr) in x.chunks_exact(self.in_features).zip(xq.chunks_exact_mut(kb)) {
+        for (xr, qr) in x
+            .chunks_exact(self.in_features)
+            .zip(xq.chunks_exact_mut(kb))
+        {
             q4_1::quantize_row_q8_1(xr, qr);
         }
         let dot4 = q4_1::dot4();
@@ -142,7 +152,10 @@ impl Linear {
             for item in items {
                 let (tile, c) = (item / quads, (item % quads) * 4);
                 for r in tile * ROW_TILE..m.min((tile + 1) * ROW_TILE) {
-                    let y = dot4([row(c), row(c + 1), row(c + 2), row(c + 3)], &xq[r * kb..(r + 1) * kb]);
+                    let y = dot4(
+                        [row(c), row(c + 1), row(c + 2), row(c + 3)],
+                        &xq[r * kb..(r + 1) * kb],
+                    );
                     // SAFETY: each (row, column quad) is written by exactly one work item.
                     unsafe { std::ptr::copy_nonoverlapping(y.as_ptr(), dst.at(r * n + c), 4) };
                 }

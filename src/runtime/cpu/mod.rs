@@ -49,7 +49,12 @@ impl CpuBackend {
         let mut gguf = GgufFile::open(path)?;
         let config = ModelConfig::from_gguf(&gguf)?;
         let weights = ModelWeights::load(&mut gguf, &config)?;
-        let rope = Rope::new(config.head_dim, config.rope_theta, config.context_length, config.rope_style);
+        let rope = Rope::new(
+            config.head_dim,
+            config.rope_theta,
+            config.context_length,
+            config.rope_style,
+        );
         let block_size = options.block_size.max(1);
         let layout = KvLayout {
             num_blocks: options.kv_cache_tokens.div_ceil(block_size).max(1),
@@ -99,7 +104,10 @@ impl Backend for CpuBackend {
         let seq_slots: Vec<Vec<u32>> = (0..batch.num_seqs())
             .map(|s| {
                 (0..batch.context_lens[s] as usize)
-                    .map(|p| batch.block_tables[s][p / block_size] * block_size as u32 + (p % block_size) as u32)
+                    .map(|p| {
+                        batch.block_tables[s][p / block_size] * block_size as u32
+                            + (p % block_size) as u32
+                    })
                     .collect()
             })
             .collect();
@@ -162,7 +170,12 @@ impl Backend for CpuBackend {
             picked.extend_from_slice(&x[r as usize * d..(r as usize + 1) * d]);
         }
         let mut normed = vec![0f32; rows * d];
-        ops::rms_norm(&picked, &self.weights.output_norm, cfg.rms_norm_eps, &mut normed);
+        ops::rms_norm(
+            &picked,
+            &self.weights.output_norm,
+            cfg.rms_norm_eps,
+            &mut normed,
+        );
         let mut data = vec![0f32; rows * cfg.vocab_size];
         if rows > 0 {
             self.weights.lm_head.forward(&normed, rows, &mut data)?;

@@ -6,7 +6,8 @@ use crate::runtime::config::RopeStyle;
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let d = weight.len();
     for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-        let ss: f64 = xr.iter().map(|&v| (v as f64) * (v as f64)).sum();
+        // Squares in f32, summed in f64, as ggml does.
+        let ss: f64 = xr.iter().map(|&v| (v * v) as f64).sum();
         let scale = 1.0 / ((ss / d as f64) as f32 + eps).sqrt();
         for ((o, &v), &w) in or.iter_mut().zip(xr).zip(weight) {
             *o = v * scale * w;
@@ -20,7 +21,10 @@ pub fn add_in_place(x: &mut [f32], y: &[f32]) {
 
 /// `gate_up` rows hold `[gate | up]`; writes `silu(gate) * up`.
 pub fn silu_mul(gate_up: &[f32], width: usize, out: &mut [f32]) {
-    for (gu, o) in gate_up.chunks_exact(2 * width).zip(out.chunks_exact_mut(width)) {
+    for (gu, o) in gate_up
+        .chunks_exact(2 * width)
+        .zip(out.chunks_exact_mut(width))
+    {
         let (g, u) = gu.split_at(width);
         for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
             *o = g / (1.0 + (-g).exp()) * u;
@@ -41,20 +45,31 @@ impl Rope {
         let half = head_dim / 2;
         let mut cos = Vec::with_capacity(max_positions * half);
         let mut sin = Vec::with_capacity(max_positions * half);
+        // Angles built as ggml builds them (an f32 running product of the per-pair ratio), so
+        // positions rotate exactly as in the reference implementation.
+        let ratio = theta.powf(-2.0 / head_dim as f32);
         for p in 0..max_positions {
-            for i in 0..half {
-                let freq = (theta as f64).powf(-2.0 * i as f64 / head_dim as f64);
-                let angle = p as f64 * freq;
-                cos.push(angle.cos() as f32);
-                sin.push(angle.sin() as f32);
+            let mut angle = p as f32;
+            for _ in 0..half {
+                cos.push(angle.cos());
+                sin.push(angle.sin());
+                angle *= ratio;
             }
         }
-        Rope { half, style, cos, sin }
+        Rope {
+            half,
+            style,
+            cos,
+            sin,
+        }
     }
 
     /// Rotates every head of one token's row in place.
     pub fn apply(&self, row: &mut [f32], pos: usize) {
-        let (c, s) = (&self.cos[pos * self.half..][..self.half], &self.sin[pos * self.half..][..self.half]);
+        let (c, s) = (
+            &self.cos[pos * self.half..][..self.half],
+            &self.sin[pos * self.half..][..self.half],
+        );
         for head in row.chunks_exact_mut(2 * self.half) {
             for i in 0..self.half {
                 let (a, b) = match self.style {

@@ -56,21 +56,23 @@ pub fn blocks_from_bytes(bytes: &[u8]) -> Option<Vec<BlockQ4_1>> {
     )
 }
 
-/// ggml's `quantize_row_q8_1`: symmetric 8-bit per block of 32.
+/// ggml's `quantize_row_q8_1` as its x86 build computes it (scale `127 / amax`, ties to even):
+/// this model's activations are large enough that a different rounding of a few values moves
+/// its log-probabilities visibly, so we round exactly as the reference does.
 pub fn quantize_row_q8_1(x: &[f32], out: &mut [BlockQ8_1]) {
     debug_assert_eq!(x.len(), out.len() * QK);
     for (xb, yb) in x.chunks_exact(QK).zip(out.iter_mut()) {
         let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
         let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
         let mut sum = 0i32;
         for (q, &v) in yb.qs.iter_mut().zip(xb) {
-            let r = (v * id).round() as i32;
+            let r = (v * id).round_ties_even() as i32;
             *q = r as i8;
             sum += r;
         }
         yb.d = f16::from_f32(d);
-        yb.s = f16::from_f32(sum as f32 * d);
+        yb.s = f16::from_f32(d * sum as f32);
     }
 }
 
@@ -102,7 +104,10 @@ pub fn dot4() -> Dot4 {
     *PICK.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
+            if is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+            {
                 return x86::dot4_avx2_safe;
             }
         }
@@ -178,7 +183,9 @@ mod tests {
     use super::*;
 
     fn lcg(seed: &mut u64) -> f32 {
-        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         ((*seed >> 33) as f32 / (1u64 << 31) as f32) - 0.5
     }
 
@@ -209,17 +216,31 @@ mod tests {
         let got = dot4()([&rows[0], &rows[1], &rows[2], &rows[3]], &xq);
         for r in 0..4 {
             let scalar = vec_dot_scalar(&rows[r], &xq);
-            assert!((got[r] - scalar).abs() <= 1e-3 * scalar.abs().max(1.0), "{} vs {}", got[r], scalar);
-            // Against the dequantized weights in f32: only activation quantization error remains.
-            let mut exact = 0f32;
+            assert!(
+                (got[r] - scalar).abs() <= 1e-3 * scalar.abs().max(1.0),
+                "{} vs {}",
+                got[r],
+                scalar
+            );
+            // Against the dequantized weights in f32: only the activations' rounding remains,
+            // at most half a quantization step (amax / 127 per block, f16 scale aside) each.
+            let (mut exact, mut bound) = (0f32, 0f32);
             for (b, wb) in rows[r].iter().enumerate() {
+                let xs = &xf[b * QK..(b + 1) * QK];
+                let step = xs.iter().fold(0f32, |a, v| a.max(v.abs())) / 127.0;
                 for j in 0..16 {
                     let lo = (wb.qs[j] & 15) as f32 * wb.d.to_f32() + wb.m.to_f32();
                     let hi = (wb.qs[j] >> 4) as f32 * wb.d.to_f32() + wb.m.to_f32();
-                    exact += lo * xf[b * QK + j] + hi * xf[b * QK + j + 16];
+                    exact += lo * xs[j] + hi * xs[j + 16];
+                    bound += (lo.abs() + hi.abs()) * step * 0.51;
                 }
             }
-            assert!((got[r] - exact).abs() < 0.02 * exact.abs().max(1.0), "{} vs {}", got[r], exact);
+            assert!(
+                (got[r] - exact).abs() <= bound,
+                "{} vs {} (bound {bound})",
+                got[r],
+                exact
+            );
         }
     }
 }

@@ -30,14 +30,22 @@ pub struct ModelWeights {
 impl ModelWeights {
     pub fn load(gguf: &mut GgufFile, cfg: &ModelConfig) -> Result<Self> {
         let embedding = gguf.tensor("token_embd.weight")?;
-        expect_shape("token_embd.weight", &embedding, &[cfg.vocab_size, cfg.hidden_size])?;
+        expect_shape(
+            "token_embd.weight",
+            &embedding,
+            &[cfg.vocab_size, cfg.hidden_size],
+        )?;
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for i in 0..cfg.num_layers {
             layers.push(load_layer(gguf, cfg, i)?);
         }
         let output_norm = vector(gguf, "output_norm.weight", cfg.hidden_size)?;
         // Small models tie the output head to the embedding matrix.
-        let head_name = if gguf.has_tensor("output.weight") { "output.weight" } else { "token_embd.weight" };
+        let head_name = if gguf.has_tensor("output.weight") {
+            "output.weight"
+        } else {
+            "token_embd.weight"
+        };
         let head = gguf.tensor(head_name)?;
         expect_shape(head_name, &head, &[cfg.vocab_size, cfg.hidden_size])?;
         Ok(ModelWeights {
@@ -51,7 +59,11 @@ impl ModelWeights {
     /// Dequantized embedding rows of `ids`, `[ids, hidden]`.
     pub fn embed(&self, ids: &[u32]) -> Result<Vec<f32>> {
         let ids = Tensor::from_slice(ids, ids.len(), &Device::Cpu)?;
-        Ok(self.embedding.embedding(&ids)?.flatten_all()?.to_vec1::<f32>()?)
+        Ok(self
+            .embedding
+            .embedding(&ids)?
+            .flatten_all()?
+            .to_vec1::<f32>()?)
     }
 }
 
@@ -62,7 +74,11 @@ fn load_layer(gguf: &mut GgufFile, cfg: &ModelConfig, i: usize) -> Result<LayerW
         let n = name(&format!("{t}.weight"));
         let w = gguf.tensor(&n)?;
         expect_shape(&n, &w, &[rows, cols])?;
-        let b = if bias { Some(vector(gguf, &name(&format!("{t}.bias")), rows)?) } else { None };
+        let b = if bias {
+            Some(vector(gguf, &name(&format!("{t}.bias")), rows)?)
+        } else {
+            None
+        };
         Linear::from_qtensor(&n, w, b)
     };
     let q = proj("attn_q", cfg.q_size(), d, cfg.qkv_bias)?;
@@ -85,7 +101,9 @@ fn load_layer(gguf: &mut GgufFile, cfg: &ModelConfig, i: usize) -> Result<LayerW
 fn vector(gguf: &mut GgufFile, name: &str, len: usize) -> Result<Vec<f32>> {
     let t = gguf.tensor(name)?;
     expect_shape(name, &t, &[len])?;
-    Ok(t.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?)
+    Ok(t.dequantize(&Device::Cpu)?
+        .flatten_all()?
+        .to_vec1::<f32>()?)
 }
 
 fn expect_shape(name: &str, t: &QTensor, want: &[usize]) -> Result<()> {
