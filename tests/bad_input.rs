@@ -19,10 +19,7 @@ fn load_err(path: &std::path::Path) -> RuntimeError {
 
 fn temp_file(name: &str, bytes: &[u8]) -> std::path::PathBuf {
     let path = std::env::temp_dir().join(format!("quarry-test-{}-{name}", std::process::id()));
-    std::fs::File::create(&path)
-        .unwrap()
-        .write_all(bytes)
-        .unwrap();
+    std::fs::File::create(&path).unwrap().write_all(bytes).unwrap();
     path
 }
 
@@ -48,28 +45,16 @@ fn missing_corrupt_truncated_and_foreign_models_are_typed_errors() {
     assert!(matches!(load_err(missing), RuntimeError::ModelNotFound(_)));
 
     let garbage = temp_file("garbage.gguf", b"this is not a gguf file at all");
-    assert!(matches!(
-        load_err(&garbage),
-        RuntimeError::CorruptModel { .. }
-    ));
+    assert!(matches!(load_err(&garbage), RuntimeError::CorruptModel { .. }));
 
-    let mamba = temp_file(
-        "mamba.gguf",
-        &gguf_with(&[("general.architecture", "mamba")]),
-    );
+    let mamba = temp_file("mamba.gguf", &gguf_with(&[("general.architecture", "mamba")]));
     match load_err(&mamba) {
         RuntimeError::UnsupportedArchitecture(a) => assert_eq!(a, "mamba"),
         e => panic!("{e}"),
     }
 
-    let no_shape = temp_file(
-        "llama.gguf",
-        &gguf_with(&[("general.architecture", "llama")]),
-    );
-    assert!(matches!(
-        load_err(&no_shape),
-        RuntimeError::BadMetadata { .. }
-    ));
+    let no_shape = temp_file("llama.gguf", &gguf_with(&[("general.architecture", "llama")]));
+    assert!(matches!(load_err(&no_shape), RuntimeError::BadMetadata { .. }));
 
     if let Some(real) = common::model_path() {
         let bytes = std::fs::read(&real).unwrap();
@@ -122,10 +107,7 @@ fn prompt_longer_than_the_context_is_rejected_up_front() {
 }
 
 fn quarry(args: &[&str]) -> (bool, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_quarry"))
-        .args(args)
-        .output()
-        .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_quarry")).args(args).output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr).to_string();
     assert!(!stderr.contains("panicked"), "panic: {stderr}");
     (out.status.success(), stderr)
@@ -133,23 +115,11 @@ fn quarry(args: &[&str]) -> (bool, String) {
 
 #[test]
 fn cli_reports_bad_models_and_long_prompts_without_panicking() {
-    let (ok, err) = quarry(&[
-        "generate",
-        "--model",
-        "/nonexistent/x.gguf",
-        "--prompt",
-        "hi",
-    ]);
+    let (ok, err) = quarry(&["generate", "--model", "/nonexistent/x.gguf", "--prompt", "hi"]);
     assert!(!ok && err.contains("model file not found"), "{err}");
 
     let garbage = temp_file("cli-garbage.gguf", b"GGUF\x03\x00\x00\x00garbage");
-    let (ok, err) = quarry(&[
-        "generate",
-        "--model",
-        garbage.to_str().unwrap(),
-        "--prompt",
-        "hi",
-    ]);
+    let (ok, err) = quarry(&["generate", "--model", garbage.to_str().unwrap(), "--prompt", "hi"]);
     assert!(!ok && err.contains("cannot read model file"), "{err}");
     std::fs::remove_file(garbage).ok();
 

@@ -21,10 +21,7 @@ const PROMPTS: [&str; 8] = [
 
 const GEN: usize = 24;
 
-fn requests(
-    tok: &quarry::tokenizer::Tokenizer,
-    arrival: impl Fn(usize) -> usize,
-) -> Vec<GenerateRequest> {
+fn requests(tok: &quarry::tokenizer::Tokenizer, arrival: impl Fn(usize) -> usize) -> Vec<GenerateRequest> {
     PROMPTS
         .iter()
         .enumerate()
@@ -41,11 +38,7 @@ fn requests(
 
 fn run(generator: &mut Generator, reqs: &[GenerateRequest]) -> Vec<Vec<u32>> {
     let out = generator.run(reqs, |_, _, _| {}).unwrap();
-    assert_eq!(
-        generator.pool().num_free(),
-        generator.pool().total(),
-        "blocks leaked"
-    );
+    assert_eq!(generator.pool().num_free(), generator.pool().total(), "blocks leaked");
     out.into_iter().map(|c| c.tokens).collect()
 }
 
@@ -73,15 +66,9 @@ fn batched_mixed_and_scattered_runs_equal_one_at_a_time() {
     let staggered = run(&mut generator, &requests(&tok, |i| 3 * i));
     assert_eq!(staggered, alone, "prefill mixed with decode");
 
-    let mut scattered =
-        Generator::with_pool(&mut backend, &tok, BlockPool::scattered(num_blocks, 17));
-    assert_eq!(
-        run(&mut scattered, &reqs),
-        alone,
-        "blocks scattered over the pool"
-    );
-    let mut scattered =
-        Generator::with_pool(&mut backend, &tok, BlockPool::scattered(num_blocks, 18));
+    let mut scattered = Generator::with_pool(&mut backend, &tok, BlockPool::scattered(num_blocks, 17));
+    assert_eq!(run(&mut scattered, &reqs), alone, "blocks scattered over the pool");
+    let mut scattered = Generator::with_pool(&mut backend, &tok, BlockPool::scattered(num_blocks, 18));
     assert_eq!(
         run(&mut scattered, &requests(&tok, |i| 2 * (7 - i))),
         alone,
@@ -96,9 +83,7 @@ fn a_full_cache_is_an_error_and_leaks_nothing() {
         return;
     };
     let mut generator = Generator::new(&mut backend, &tok);
-    let err = generator
-        .run(&requests(&tok, |_| 0), |_, _, _| {})
-        .unwrap_err();
+    let err = generator.run(&requests(&tok, |_| 0), |_, _, _| {}).unwrap_err();
     assert!(
         matches!(err, quarry::engine::GenerateError::OutOfKvBlocks { .. }),
         "{err}"

@@ -161,9 +161,7 @@ fn greedy_continuations_match_llama_cpp_token_for_token() {
         // The reported log-probabilities are the raw model's, as in the reference.
         let first = &c.sampled[0];
         assert_eq!(first.top[0].token, c.tokens[0]);
-        assert!(
-            (first.top[0].logprob as f64 - p.top_logprobs[0][0].1).abs() <= MAX_LOGPROB_TOLERANCE
-        );
+        assert!((first.top[0].logprob as f64 - p.top_logprobs[0][0].1).abs() <= MAX_LOGPROB_TOLERANCE);
     }
     assert!(
         full_matches.len() >= 5,

@@ -32,9 +32,7 @@ pub struct SingleArgs {
 /// The benchmark prompt: ordinary (non-special) token ids from a fixed formula, so any engine
 /// can be fed exactly the same sequence.
 pub fn bench_prompt(len: usize, vocab: usize) -> Vec<u32> {
-    (0..len)
-        .map(|i| (100 + (i * 7919) % (vocab - 200)) as u32)
-        .collect()
+    (0..len).map(|i| (100 + (i * 7919) % (vocab - 200)) as u32).collect()
 }
 
 pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
@@ -61,9 +59,7 @@ fn single(args: SingleArgs) -> anyhow::Result<()> {
     let mut decode = Vec::new();
     let mut generator = Generator::new(&mut backend, &tokenizer);
     for rep in 0..=args.repeats {
-        let c = generator
-            .run(std::slice::from_ref(&request), |_, _, _| {})?
-            .remove(0);
+        let c = generator.run(std::slice::from_ref(&request), |_, _, _| {})?.remove(0);
         if rep > 0 {
             prefill.push(args.input_len as f64 / c.timings.prefill.as_secs_f64());
             decode.push((c.tokens.len() - 1) as f64 / c.timings.decode.as_secs_f64());

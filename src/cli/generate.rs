@@ -93,20 +93,9 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             let alts: Vec<String> = sampled
                 .top
                 .iter()
-                .map(|t| {
-                    format!(
-                        "{:?} {:.3}",
-                        tokenizer.token_text(t.token).unwrap_or("?"),
-                        t.logprob
-                    )
-                })
+                .map(|t| format!("{:?} {:.3}", tokenizer.token_text(t.token).unwrap_or("?"), t.logprob))
                 .collect();
-            eprintln!(
-                "[{} {:.3}] {}",
-                sampled.token,
-                sampled.logprob,
-                alts.join(", ")
-            );
+            eprintln!("[{} {:.3}] {}", sampled.token, sampled.logprob, alts.join(", "));
         }
     })?;
     let _ = writeln!(stdout);

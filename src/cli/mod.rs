@@ -52,10 +52,7 @@ impl ModelArgs {
             std::env::set_var("CANDLE_NUM_THREADS", n.to_string());
             std::env::set_var("RAYON_NUM_THREADS", n.to_string());
         }
-        let path = self
-            .model
-            .clone()
-            .unwrap_or_else(crate::model_path::default_model_path);
+        let path = self.model.clone().unwrap_or_else(crate::model_path::default_model_path);
         let tokenizer = Tokenizer::from_model_file(&path)?;
         let options = CpuOptions {
             kv_cache_tokens: self.kv_cache_tokens,

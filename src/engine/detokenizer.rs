@@ -18,10 +18,7 @@ impl Detokenizer {
         self.ids.push(token);
         let prefix = tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset], true)?;
         let full = tokenizer.decode(&self.ids[self.prefix_offset..], true)?;
-        if full.len() > prefix.len()
-            && !full.ends_with('\u{FFFD}')
-            && full.is_char_boundary(prefix.len())
-        {
+        if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') && full.is_char_boundary(prefix.len()) {
             self.prefix_offset = self.read_offset;
             self.read_offset = self.ids.len();
             return Ok(full[prefix.len()..].to_string());

@@ -60,11 +60,10 @@ pub enum GenerateError {
         limit: usize,
     },
     #[error("request {request}: {source}")]
-    BadParams {
-        request: usize,
-        source: SamplingParamError,
-    },
-    #[error("the KV cache is full ({free} blocks free, {needed} needed); lower the concurrency or raise the cache size")]
+    BadParams { request: usize, source: SamplingParamError },
+    #[error(
+        "the KV cache is full ({free} blocks free, {needed} needed); lower the concurrency or raise the cache size"
+    )]
     OutOfKvBlocks { needed: usize, free: usize },
     #[error(transparent)]
     Runtime(#[from] RuntimeError),
@@ -96,11 +95,7 @@ impl<'a> Generator<'a> {
         Self::with_pool(backend, tokenizer, pool)
     }
 
-    pub fn with_pool(
-        backend: &'a mut dyn Backend,
-        tokenizer: &'a Tokenizer,
-        pool: BlockPool,
-    ) -> Self {
+    pub fn with_pool(backend: &'a mut dyn Backend, tokenizer: &'a Tokenizer, pool: BlockPool) -> Self {
         Generator {
             backend,
             tokenizer,
@@ -145,11 +140,7 @@ impl<'a> Generator<'a> {
         for a in active.drain(..) {
             self.pool.release(a.blocks);
         }
-        result.map(|()| {
-            done.into_iter()
-                .map(|c| c.expect("every request finished"))
-                .collect()
-        })
+        result.map(|()| done.into_iter().map(|c| c.expect("every request finished")).collect())
     }
 
     fn check(&self, requests: &[GenerateRequest]) -> Result<(), GenerateError> {
@@ -203,18 +194,11 @@ impl<'a> Generator<'a> {
         let block_size = self.backend.kv_layout().block_size;
         let mut batch = ForwardBatch::default();
         for a in active.iter_mut() {
-            let needed = a
-                .tokens
-                .len()
-                .div_ceil(block_size)
-                .saturating_sub(a.blocks.len());
-            let blocks = self
-                .pool
-                .allocate(needed)
-                .ok_or(GenerateError::OutOfKvBlocks {
-                    needed,
-                    free: self.pool.num_free(),
-                })?;
+            let needed = a.tokens.len().div_ceil(block_size).saturating_sub(a.blocks.len());
+            let blocks = self.pool.allocate(needed).ok_or(GenerateError::OutOfKvBlocks {
+                needed,
+                free: self.pool.num_free(),
+            })?;
             a.blocks.extend(blocks);
             batch.push_sequence(&a.tokens[a.computed..], a.computed, &a.blocks, block_size);
             batch
@@ -263,8 +247,7 @@ impl<'a> Generator<'a> {
         a.tokens.push(token);
         a.completion.tokens.push(token);
         a.completion.sampled.push(sampled.clone());
-        let end_of_generation =
-            !params.ignore_eos && self.tokenizer.end_of_generation_ids().contains(&token);
+        let end_of_generation = !params.ignore_eos && self.tokenizer.end_of_generation_ids().contains(&token);
         let mut finish = if end_of_generation || params.stop_token_ids.contains(&token) {
             Some(FinishReason::Stop)
         } else {
@@ -279,9 +262,7 @@ impl<'a> Generator<'a> {
                 t
             }
         };
-        if finish.is_none()
-            && (a.completion.tokens.len() >= params.max_tokens || a.tokens.len() >= context_length)
-        {
+        if finish.is_none() && (a.completion.tokens.len() >= params.max_tokens || a.tokens.len() >= context_length) {
             finish = Some(FinishReason::Length);
         }
         if finish.is_some() && a.completion.stop_string.is_none() {

@@ -24,17 +24,12 @@ impl StopStrings {
     }
 
     pub fn push(&mut self, delta: &str) -> StopScan {
-        let search_from =
-            floor_char_boundary(&self.text, self.emitted.saturating_sub(self.longest()));
+        let search_from = floor_char_boundary(&self.text, self.emitted.saturating_sub(self.longest()));
         self.text.push_str(delta);
         let found = self
             .stops
             .iter()
-            .filter_map(|s| {
-                self.text[search_from..]
-                    .find(s.as_str())
-                    .map(|i| (search_from + i, s))
-            })
+            .filter_map(|s| self.text[search_from..].find(s.as_str()).map(|i| (search_from + i, s)))
             .min_by_key(|(i, _)| *i);
         if let Some((at, stop)) = found {
             let out = self.text[self.emitted..at].to_string();
@@ -109,10 +104,7 @@ mod tests {
             run(&["END"], &["abc E", "N", "D tail"]),
             ("abc ".into(), Some("END".into()))
         );
-        assert_eq!(
-            run(&["\n\n"], &["a\n", "\nb"]),
-            ("a".into(), Some("\n\n".into()))
-        );
+        assert_eq!(run(&["\n\n"], &["a\n", "\nb"]), ("a".into(), Some("\n\n".into())));
     }
 
     #[test]
@@ -128,9 +120,6 @@ mod tests {
     #[test]
     fn earliest_stop_wins_and_unicode_is_safe() {
         assert_eq!(run(&["b", "a"], &["xyab"]), ("xy".into(), Some("a".into())));
-        assert_eq!(
-            run(&["é!"], &["café", "!x"]),
-            ("caf".into(), Some("é!".into()))
-        );
+        assert_eq!(run(&["é!"], &["café", "!x"]), ("caf".into(), Some("é!".into())));
     }
 }

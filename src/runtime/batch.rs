@@ -47,13 +47,7 @@ impl ForwardBatch {
 
     /// Appends one sequence's query span. Slots are derived from the block table, so callers
     /// cannot get the two out of step.
-    pub fn push_sequence(
-        &mut self,
-        tokens: &[u32],
-        start_pos: usize,
-        block_table: &[u32],
-        block_size: usize,
-    ) {
+    pub fn push_sequence(&mut self, tokens: &[u32], start_pos: usize, block_table: &[u32], block_size: usize) {
         if self.query_start.is_empty() {
             self.query_start.push(0);
         }
@@ -61,16 +55,12 @@ impl ForwardBatch {
             let pos = start_pos + i;
             self.token_ids.push(t);
             self.positions.push(pos as u32);
-            let block = block_table
-                .get(pos / block_size)
-                .copied()
-                .unwrap_or(u32::MAX);
+            let block = block_table.get(pos / block_size).copied().unwrap_or(u32::MAX);
             let slot = (block as usize)
                 .checked_mul(block_size)
                 .map(|s| s + pos % block_size)
                 .unwrap_or(usize::MAX);
-            self.slot_mapping
-                .push(u32::try_from(slot).unwrap_or(u32::MAX));
+            self.slot_mapping.push(u32::try_from(slot).unwrap_or(u32::MAX));
         }
         self.query_start.push(self.token_ids.len() as u32);
         self.context_lens.push((start_pos + tokens.len()) as u32);
@@ -79,12 +69,7 @@ impl ForwardBatch {
 
     /// Checks every index a backend will follow, so a bad batch is an error, never an
     /// out-of-bounds access on the device or in the pool.
-    pub fn validate(
-        &self,
-        layout: KvLayout,
-        vocab_size: usize,
-        max_positions: usize,
-    ) -> Result<()> {
+    pub fn validate(&self, layout: KvLayout, vocab_size: usize, max_positions: usize) -> Result<()> {
         let bad = |m: String| Err(RuntimeError::InvalidBatch(m));
         let n = self.num_tokens();
         if n == 0 {
@@ -101,25 +86,13 @@ impl ForwardBatch {
             return bad("context_lens and block_tables need one entry per sequence".into());
         }
         if let Some(&t) = self.token_ids.iter().find(|&&t| t as usize >= vocab_size) {
-            return bad(format!(
-                "token id {t} outside the vocabulary of {vocab_size}"
-            ));
+            return bad(format!("token id {t} outside the vocabulary of {vocab_size}"));
         }
-        if let Some(&s) = self
-            .slot_mapping
-            .iter()
-            .find(|&&s| s as usize >= layout.num_slots())
-        {
-            return bad(format!(
-                "slot {s} outside the KV pool of {} slots",
-                layout.num_slots()
-            ));
+        if let Some(&s) = self.slot_mapping.iter().find(|&&s| s as usize >= layout.num_slots()) {
+            return bad(format!("slot {s} outside the KV pool of {} slots", layout.num_slots()));
         }
         for s in 0..seqs {
-            let (lo, hi) = (
-                self.query_start[s] as usize,
-                self.query_start[s + 1] as usize,
-            );
+            let (lo, hi) = (self.query_start[s] as usize, self.query_start[s + 1] as usize);
             if lo >= hi {
                 return bad(format!("sequence {s} has no query tokens"));
             }
@@ -130,25 +103,17 @@ impl ForwardBatch {
                 ));
             }
             if self.block_tables[s].len() * layout.block_size < ctx {
-                return bad(format!(
-                    "sequence {s}: block table too short for {ctx} tokens"
-                ));
+                return bad(format!("sequence {s}: block table too short for {ctx} tokens"));
             }
-            if let Some(&b) = self.block_tables[s]
-                .iter()
-                .find(|&&b| b as usize >= layout.num_blocks)
-            {
+            if let Some(&b) = self.block_tables[s].iter().find(|&&b| b as usize >= layout.num_blocks) {
                 return bad(format!("sequence {s}: block {b} outside the pool"));
             }
             for row in lo..hi {
                 let pos = self.positions[row] as usize;
                 if pos >= ctx {
-                    return bad(format!(
-                        "row {row}: position {pos} beyond context length {ctx}"
-                    ));
+                    return bad(format!("row {row}: position {pos} beyond context length {ctx}"));
                 }
-                let want = self.block_tables[s][pos / layout.block_size] as usize
-                    * layout.block_size
+                let want = self.block_tables[s][pos / layout.block_size] as usize * layout.block_size
                     + pos % layout.block_size;
                 if self.slot_mapping[row] as usize != want {
                     return bad(format!("row {row}: slot does not match the block table"));

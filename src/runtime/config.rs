@@ -47,8 +47,7 @@ impl ModelConfig {
         let hidden_size = gguf.usize(&key("embedding_length"))?;
         let num_heads = gguf.usize(&key("attention.head_count"))?;
         let num_kv_heads = gguf.usize_or(&key("attention.head_count_kv"), num_heads)?;
-        let head_dim =
-            gguf.usize_or(&key("rope.dimension_count"), hidden_size / num_heads.max(1))?;
+        let head_dim = gguf.usize_or(&key("rope.dimension_count"), hidden_size / num_heads.max(1))?;
         let vocab_size = match gguf.usize(&key("vocab_size")) {
             Ok(v) => v,
             Err(_) => gguf.array_len("tokenizer.ggml.tokens")?,
@@ -82,13 +81,13 @@ impl ModelConfig {
         if self.num_heads == 0 || self.num_kv_heads == 0 || self.head_dim == 0 {
             return bad("zero heads or head dimension".into());
         }
-        if self.num_heads % self.num_kv_heads != 0 {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return bad(format!(
                 "{} query heads are not a multiple of {} kv heads",
                 self.num_heads, self.num_kv_heads
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return bad(format!("odd head dimension {}", self.head_dim));
         }
         Ok(())

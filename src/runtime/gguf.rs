@@ -29,12 +29,10 @@ impl GgufFile {
         let file = File::open(path).map_err(|e| corrupt(e.to_string()))?;
         let file_len = file.metadata().map_err(|e| corrupt(e.to_string()))?.len();
         let mut reader = BufReader::new(file);
-        let content = Content::read(&mut reader)
-            .map_err(|e| corrupt(format!("not a valid GGUF file ({e})")))?;
+        let content = Content::read(&mut reader).map_err(|e| corrupt(format!("not a valid GGUF file ({e})")))?;
         // A truncated download parses fine up to the tensor data; catch it before loading.
         for (name, info) in &content.tensor_infos {
-            let bytes = info.shape.elem_count() / info.ggml_dtype.block_size()
-                * info.ggml_dtype.type_size();
+            let bytes = info.shape.elem_count() / info.ggml_dtype.block_size() * info.ggml_dtype.type_size();
             let end = content.tensor_data_offset + info.offset + bytes as u64;
             if end > file_len {
                 return Err(corrupt(format!(
@@ -51,6 +49,10 @@ impl GgufFile {
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    pub fn content(&self) -> &Content {
+        &self.content
     }
 
     pub fn value(&self, key: &str) -> Option<&Value> {

@@ -82,10 +82,7 @@ impl SamplingParams {
             return err("min_p", format!("{} is not in [0, 1]", self.min_p));
         }
         if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
-            return err(
-                "repetition_penalty",
-                format!("{} is not > 0", self.repetition_penalty),
-            );
+            return err("repetition_penalty", format!("{} is not > 0", self.repetition_penalty));
         }
         for (field, v) in [
             ("frequency_penalty", self.frequency_penalty),
@@ -106,11 +103,7 @@ impl SamplingParams {
         if let Some(s) = self.stop.iter().find(|s| s.is_empty()) {
             return err("stop", format!("empty stop string {s:?}"));
         }
-        if let Some(t) = self
-            .stop_token_ids
-            .iter()
-            .find(|&&t| t as usize >= vocab_size)
-        {
+        if let Some(t) = self.stop_token_ids.iter().find(|&&t| t as usize >= vocab_size) {
             return err(
                 "stop_token_ids",
                 format!("{t} is outside the vocabulary of {vocab_size}"),

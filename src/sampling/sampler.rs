@@ -60,11 +60,7 @@ impl Sampler {
         };
         self.record(token);
         let (logprob, top) = logprobs(logits, token, self.params.logprobs.unwrap_or(0));
-        SampledToken {
-            token,
-            logprob,
-            top,
-        }
+        SampledToken { token, logprob, top }
     }
 
     fn record(&mut self, token: u32) {
@@ -106,9 +102,7 @@ impl Sampler {
             .filter(|&(_, w)| w > 0.0 && w >= p.min_p)
             .collect();
         if p.top_k > 0 && p.top_k < cands.len() {
-            cands.select_nth_unstable_by(p.top_k - 1, |a, b| {
-                b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
-            });
+            cands.select_nth_unstable_by(p.top_k - 1, |a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
             cands.truncate(p.top_k);
         }
         if p.top_p < 1.0 {
@@ -155,11 +149,7 @@ fn logprobs(logits: &[f32], token: u32, n: usize) -> (f32, Vec<TopLogprob>) {
     if n > 0 {
         let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
         let n = n.min(idx.len());
-        let by_logit = |a: &u32, b: &u32| {
-            logits[*b as usize]
-                .total_cmp(&logits[*a as usize])
-                .then(a.cmp(b))
-        };
+        let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
         idx.select_nth_unstable_by(n - 1, by_logit);
         idx.truncate(n);
         idx.sort_unstable_by(by_logit);
@@ -191,10 +181,7 @@ mod tests {
         assert_eq!(out.token, 1, "ties go to the lowest id");
         let z = (1.0f32 + 2.0 * 2f32.exp() + 1f32.exp()).ln();
         assert!((out.logprob - (2.0 - z)).abs() < 1e-5);
-        assert_eq!(
-            out.top.iter().map(|t| t.token).collect::<Vec<_>>(),
-            vec![1, 3]
-        );
+        assert_eq!(out.top.iter().map(|t| t.token).collect::<Vec<_>>(), vec![1, 3]);
     }
 
     #[test]
@@ -244,11 +231,7 @@ mod tests {
         let logits = [1.0, 0.9, -1.0];
         let mut s = Sampler::new(params(|p| p.presence_penalty = 0.5), &[]);
         assert_eq!(s.sample(&logits).token, 0);
-        assert_eq!(
-            s.sample(&logits).token,
-            1,
-            "presence penalty moves off token 0"
-        );
+        assert_eq!(s.sample(&logits).token, 1, "presence penalty moves off token 0");
         let mut s = Sampler::new(params(|p| p.repetition_penalty = 1.5), &[0]);
         assert_eq!(
             s.sample(&logits).token,

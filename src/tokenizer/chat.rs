@@ -32,12 +32,9 @@ impl ChatTemplate {
         let mut env = Environment::new();
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function(
-            "raise_exception",
-            |msg: String| -> Result<String, JinjaError> {
-                Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
-            },
-        );
+        env.add_function("raise_exception", |msg: String| -> Result<String, JinjaError> {
+            Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
+        });
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| TokenizerError::ChatTemplate(e.to_string()))?;
         Ok(ChatTemplate {

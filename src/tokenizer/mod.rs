@@ -80,23 +80,14 @@ impl Tokenizer {
         .into_iter()
         .flatten()
         .collect();
-        for &s in &vocab.special_ids {
-            if END_OF_GENERATION_NAMES.contains(&vocab.tokens[s as usize].as_str())
-                && !end_of_generation.contains(&s)
-            {
+        for &s in &vocab.control_ids {
+            if END_OF_GENERATION_NAMES.contains(&vocab.tokens[s as usize].as_str()) && !end_of_generation.contains(&s) {
                 end_of_generation.push(s);
             }
         }
-        let token_text = |id: Option<u32>| {
-            id.map(|i| vocab.tokens[i as usize].clone())
-                .unwrap_or_default()
-        };
+        let token_text = |id: Option<u32>| id.map(|i| vocab.tokens[i as usize].clone()).unwrap_or_default();
         let chat_template = match gguf.string("tokenizer.chat_template") {
-            Ok(src) => Some(ChatTemplate::new(
-                &src,
-                &token_text(bos_id),
-                &token_text(eos_id),
-            )?),
+            Ok(src) => Some(ChatTemplate::new(&src, &token_text(bos_id), &token_text(eos_id))?),
             Err(_) => None,
         };
         let mut plain = vocab.tokenizer.clone();
@@ -109,7 +100,7 @@ impl Tokenizer {
             eos_id,
             add_bos,
             end_of_generation,
-            special_ids: vocab.special_ids,
+            special_ids: vocab.control_ids,
             chat_template,
         })
     }
@@ -121,11 +112,7 @@ impl Tokenizer {
     /// Token ids of `text`; `parse_special` turns special-token text into the special id.
     /// Adds BOS when the model asks for it.
     pub fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>, TokenizerError> {
-        let tok = if parse_special {
-            &self.with_special
-        } else {
-            &self.plain
-        };
+        let tok = if parse_special { &self.with_special } else { &self.plain };
         let enc = tok
             .encode(text, false)
             .map_err(|e| TokenizerError::Encode(e.to_string()))?;

@@ -68,21 +68,13 @@ pub struct GoldenTokenization {
 }
 
 pub fn golden() -> Golden {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/golden/llamacpp-smollm2.json"
-    );
-    serde_json::from_str(&std::fs::read_to_string(path).expect("read golden"))
-        .expect("parse golden")
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/golden/llamacpp-smollm2.json");
+    serde_json::from_str(&std::fs::read_to_string(path).expect("read golden")).expect("parse golden")
 }
 
 /// Log-probabilities our backend gives at each position of `tokens` from `first_row` on, in
 /// one forward pass (teacher forcing: the model sees the reference's tokens, not its own).
-pub fn score(
-    backend: &mut dyn quarry::runtime::Backend,
-    tokens: &[u32],
-    first_row: usize,
-) -> Vec<Vec<f64>> {
+pub fn score(backend: &mut dyn quarry::runtime::Backend, tokens: &[u32], first_row: usize) -> Vec<Vec<f64>> {
     let layout = backend.kv_layout();
     let blocks: Vec<u32> = (0..tokens.len().div_ceil(layout.block_size) as u32).collect();
     let mut batch = quarry::runtime::ForwardBatch::default();

@@ -60,12 +60,7 @@ pub fn paged_attention(shape: &AttentionShape, input: &AttentionInput, out: &mut
                 }
                 for h in 0..group {
                     // SAFETY: (token, head) output rows are disjoint across work items.
-                    let o = unsafe {
-                        std::slice::from_raw_parts_mut(
-                            dst.at(t * out_width + (g * group + h) * hd),
-                            hd,
-                        )
-                    };
+                    let o = unsafe { std::slice::from_raw_parts_mut(dst.at(t * out_width + (g * group + h) * hd), hd) };
                     o.fill(0.0);
                     for (j, &slot) in slots.iter().enumerate() {
                         let v = &input.v_pool[slot as usize * slot_width + g * hd..][..hd];
@@ -82,12 +77,7 @@ pub fn paged_attention(shape: &AttentionShape, input: &AttentionInput, out: &mut
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ac
-        .remainder()
-        .iter()
-        .zip(bc.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
+    let tail: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y).sum();
     for (x, y) in ac.zip(bc) {
         for i in 0..8 {
             acc[i] = x[i].mul_add(y[i], acc[i]);

@@ -6,7 +6,7 @@ use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 
 use super::pool::{parallel_for, SyncPtr};
-use super::q4_1::{self, BlockQ4_1, BlockQ8_1, QK};
+use super::q4_1::{self, BlockQ4_1x4, BlockQ8_1, QK};
 use crate::runtime::error::{Result, RuntimeError};
 
 pub struct Linear {
@@ -17,15 +17,12 @@ pub struct Linear {
 }
 
 enum Weight {
-    Q4_1(Vec<BlockQ4_1>),
+    /// Row quads interleaved (`q4_1::interleave4`).
+    Q4_1(Vec<BlockQ4_1x4>),
     Candle(QMatMul),
     /// Different dtypes that could not be concatenated: run one after the other.
     Stacked(Vec<Linear>),
 }
-
-/// Rows of activations processed against one column quad before moving on: keeps the quad's
-/// weights in L1 while several tokens of a prefill reuse them.
-const ROW_TILE: usize = 8;
 
 impl Linear {
     pub fn from_qtensor(name: &str, t: QTensor, bias: Option<Vec<f32>>) -> Result<Self> {
@@ -36,17 +33,13 @@ impl Linear {
         let (out_features, in_features) = t.shape().dims2().map_err(|e| bad(e.to_string()))?;
         if let Some(b) = &bias {
             if b.len() != out_features {
-                return Err(bad(format!(
-                    "bias has {} entries for {out_features} outputs",
-                    b.len()
-                )));
+                return Err(bad(format!("bias has {} entries for {out_features} outputs", b.len())));
             }
         }
-        let weight = if t.dtype() == GgmlDType::Q4_1 && in_features % QK == 0 {
+        let weight = if t.dtype() == GgmlDType::Q4_1 && in_features % QK == 0 && out_features % 4 == 0 {
             let bytes = t.data().map_err(|e| bad(e.to_string()))?;
-            Weight::Q4_1(
-                q4_1::blocks_from_bytes(&bytes).ok_or_else(|| bad("ragged Q4_1 data".into()))?,
-            )
+            let blocks = q4_1::blocks_from_bytes(&bytes).ok_or_else(|| bad("ragged Q4_1 data".into()))?;
+            Weight::Q4_1(q4_1::interleave4(&blocks, out_features, in_features / QK))
         } else {
             Weight::Candle(QMatMul::from_qtensor(t).map_err(|e| bad(e.to_string()))?)
         };
@@ -78,6 +71,7 @@ impl Linear {
         } else {
             None
         };
+        // Every part has a multiple of 4 rows, so its quads simply follow the previous part's.
         let weight = if parts.iter().all(|p| matches!(p.weight, Weight::Q4_1(_))) {
             let mut blocks = Vec::new();
             for p in &parts {
@@ -87,12 +81,7 @@ impl Linear {
             }
             Weight::Q4_1(blocks)
         } else {
-            Weight::Stacked(
-                parts
-                    .into_iter()
-                    .map(|p| Linear { bias: None, ..p })
-                    .collect(),
-            )
+            Weight::Stacked(parts.into_iter().map(|p| Linear { bias: None, ..p }).collect())
         };
         Ok(Linear {
             out_features,
@@ -134,37 +123,33 @@ impl Linear {
         Ok(())
     }
 
-    fn forward_q4_1(&self, w: &[BlockQ4_1], x: &[f32], m: usize, out: &mut [f32]) {
+    fn forward_q4_1(&self, w: &[BlockQ4_1x4], x: &[f32], m: usize, out: &mut [f32]) {
         let (n, kb) = (self.out_features, self.in_features / QK);
         let mut xq = vec![BlockQ8_1::ZERO; m * kb];
-        for (xr, qr) in x
-            .chunks_exact(self.in_features)
-            .zip(xq.chunks_exact_mut(kb))
-        {
+        for (xr, qr) in x.chunks_exact(self.in_features).zip(xq.chunks_exact_mut(kb)) {
             q4_1::quantize_row_q8_1(xr, qr);
         }
-        let dot4 = q4_1::dot4();
-        let row = |c: usize| &w[c * kb..(c + 1) * kb];
-        let quads = n / 4;
-        let tiles = m.div_ceil(ROW_TILE);
+        let kernel = q4_1::quad_kernel();
         let dst = SyncPtr(out.as_mut_ptr());
-        parallel_for(tiles * quads, |items| {
-            for item in items {
-                let (tile, c) = (item / quads, (item % quads) * 4);
-                for r in tile * ROW_TILE..m.min((tile + 1) * ROW_TILE) {
-                    let y = dot4(
-                        [row(c), row(c + 1), row(c + 2), row(c + 3)],
-                        &xq[r * kb..(r + 1) * kb],
-                    );
-                    // SAFETY: each (row, column quad) is written by exactly one work item.
-                    unsafe { std::ptr::copy_nonoverlapping(y.as_ptr(), dst.at(r * n + c), 4) };
+        // Quad-major: each weight quad streams in once and meets every activation row while it
+        // is in L1; the activations (a few hundred KiB at most) stay in L2.
+        parallel_for(n / 4, |quads| {
+            let mut res = [[0f32; 4]; q4_1::MAX_ROWS];
+            for quad in quads {
+                let wq = &w[quad * kb..(quad + 1) * kb];
+                for r0 in (0..m).step_by(q4_1::MAX_ROWS) {
+                    let rows = q4_1::MAX_ROWS.min(m - r0);
+                    let mut xs: [&[BlockQ8_1]; q4_1::MAX_ROWS] = [&[]; q4_1::MAX_ROWS];
+                    for (i, slot) in xs.iter_mut().take(rows).enumerate() {
+                        *slot = &xq[(r0 + i) * kb..(r0 + i + 1) * kb];
+                    }
+                    kernel(wq, &xs[..rows], &mut res[..rows]);
+                    for (i, r) in res.iter().take(rows).enumerate() {
+                        // SAFETY: each (row, quad) is written by exactly one work item.
+                        unsafe { std::ptr::copy_nonoverlapping(r.as_ptr(), dst.at((r0 + i) * n + quad * 4), 4) };
+                    }
                 }
             }
         });
-        for c in quads * 4..n {
-            for r in 0..m {
-                out[r * n + c] = q4_1::vec_dot_scalar(row(c), &xq[r * kb..(r + 1) * kb]);
-            }
-        }
     }
 }

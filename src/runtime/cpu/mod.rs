@@ -104,10 +104,7 @@ impl Backend for CpuBackend {
         let seq_slots: Vec<Vec<u32>> = (0..batch.num_seqs())
             .map(|s| {
                 (0..batch.context_lens[s] as usize)
-                    .map(|p| {
-                        batch.block_tables[s][p / block_size] * block_size as u32
-                            + (p % block_size) as u32
-                    })
+                    .map(|p| batch.block_tables[s][p / block_size] * block_size as u32 + (p % block_size) as u32)
                     .collect()
             })
             .collect();
@@ -170,12 +167,7 @@ impl Backend for CpuBackend {
             picked.extend_from_slice(&x[r as usize * d..(r as usize + 1) * d]);
         }
         let mut normed = vec![0f32; rows * d];
-        ops::rms_norm(
-            &picked,
-            &self.weights.output_norm,
-            cfg.rms_norm_eps,
-            &mut normed,
-        );
+        ops::rms_norm(&picked, &self.weights.output_norm, cfg.rms_norm_eps, &mut normed);
         let mut data = vec![0f32; rows * cfg.vocab_size];
         if rows > 0 {
             self.weights.lm_head.forward(&normed, rows, &mut data)?;

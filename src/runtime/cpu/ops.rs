@@ -21,10 +21,7 @@ pub fn add_in_place(x: &mut [f32], y: &[f32]) {
 
 /// `gate_up` rows hold `[gate | up]`; writes `silu(gate) * up`.
 pub fn silu_mul(gate_up: &[f32], width: usize, out: &mut [f32]) {
-    for (gu, o) in gate_up
-        .chunks_exact(2 * width)
-        .zip(out.chunks_exact_mut(width))
-    {
+    for (gu, o) in gate_up.chunks_exact(2 * width).zip(out.chunks_exact_mut(width)) {
         let (g, u) = gu.split_at(width);
         for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
             *o = g / (1.0 + (-g).exp()) * u;
@@ -56,12 +53,7 @@ impl Rope {
                 angle *= ratio;
             }
         }
-        Rope {
-            half,
-            style,
-            cos,
-            sin,
-        }
+        Rope { half, style, cos, sin }
     }
 
     /// Rotates every head of one token's row in place.

@@ -37,7 +37,7 @@ impl BlockQ8_1 {
 
 /// Parses raw GGUF bytes of a Q4_1 tensor.
 pub fn blocks_from_bytes(bytes: &[u8]) -> Option<Vec<BlockQ4_1>> {
-    if bytes.len() % 20 != 0 {
+    if !bytes.len().is_multiple_of(20) {
         return None;
     }
     Some(
@@ -90,91 +90,153 @@ pub fn vec_dot_scalar(w: &[BlockQ4_1], x: &[BlockQ8_1]) -> f32 {
     sum
 }
 
-/// Four weight rows against one activation row: the activation block is loaded once.
-pub type Dot4 = fn([&[BlockQ4_1]; 4], &[BlockQ8_1]) -> [f32; 4];
+/// Four consecutive weight rows' blocks at one block index, interleaved so that one load and
+/// one f16 conversion give all four scales and offsets. Same bytes as four `BlockQ4_1`.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+pub struct BlockQ4_1x4 {
+    pub d: [f16; 4],
+    pub m: [f16; 4],
+    pub qs: [[u8; QK / 2]; 4],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ4_1x4>() == 80);
 
-fn dot4_scalar(w: [&[BlockQ4_1]; 4], x: &[BlockQ8_1]) -> [f32; 4] {
-    w.map(|r| vec_dot_scalar(r, x))
+/// Regroups row-major blocks (`rows * kb`) into row quads: quad `q`, block `b` at `q * kb + b`.
+pub fn interleave4(blocks: &[BlockQ4_1], rows: usize, kb: usize) -> Vec<BlockQ4_1x4> {
+    debug_assert_eq!(rows % 4, 0);
+    let mut out = Vec::with_capacity(rows / 4 * kb);
+    for q in 0..rows / 4 {
+        for b in 0..kb {
+            let at = |r: usize| &blocks[(4 * q + r) * kb + b];
+            out.push(BlockQ4_1x4 {
+                d: [at(0).d, at(1).d, at(2).d, at(3).d],
+                m: [at(0).m, at(1).m, at(2).m, at(3).m],
+                qs: [at(0).qs, at(1).qs, at(2).qs, at(3).qs],
+            });
+        }
+    }
+    out
+}
+
+/// Dot products of one weight quad (its `kb` interleaved blocks) with up to `MAX_ROWS`
+/// activation rows; `out[i][r]` is activation row `i` times weight row `r`.
+pub type QuadKernel = fn(&[BlockQ4_1x4], &[&[BlockQ8_1]], &mut [[f32; 4]]);
+
+/// Activation rows one kernel call handles: each expanded weight block is reused this often.
+pub const MAX_ROWS: usize = 4;
+
+fn quad_scalar(w: &[BlockQ4_1x4], xs: &[&[BlockQ8_1]], out: &mut [[f32; 4]]) {
+    for (x, o) in xs.iter().zip(out.iter_mut()) {
+        for (r, o) in o.iter_mut().enumerate() {
+            let row: Vec<BlockQ4_1> = w
+                .iter()
+                .map(|b| BlockQ4_1 {
+                    d: b.d[r],
+                    m: b.m[r],
+                    qs: b.qs[r],
+                })
+                .collect();
+            *o = vec_dot_scalar(&row, x);
+        }
+    }
 }
 
 /// The fastest kernel this CPU runs, picked once.
-pub fn dot4() -> Dot4 {
+pub fn quad_kernel() -> QuadKernel {
     use std::sync::OnceLock;
-    static PICK: OnceLock<Dot4> = OnceLock::new();
+    static PICK: OnceLock<QuadKernel> = OnceLock::new();
     *PICK.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            if is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-            {
-                return x86::dot4_avx2_safe;
+            let avx2 =
+                is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
+            if avx2 && is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl") {
+                return x86::quad_vnni_safe;
+            }
+            if avx2 {
+                return x86::quad_avx2_safe;
             }
         }
-        dot4_scalar
+        quad_scalar
     })
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{BlockQ4_1, BlockQ8_1};
+    use super::{BlockQ4_1x4, BlockQ8_1, MAX_ROWS};
     use std::arch::x86_64::*;
 
-    pub fn dot4_avx2_safe(w: [&[BlockQ4_1]; 4], x: &[BlockQ8_1]) -> [f32; 4] {
-        // SAFETY: only selected after the CPU reported avx2, fma and f16c.
-        unsafe { dot4_avx2(w, x) }
+    /// The kernel body, shared by the AVX2 and VNNI variants, which differ only in the u8 x i8
+    /// multiply-accumulate: target features must be on the function the intrinsics inline into.
+    macro_rules! quad_kernel {
+        ($name:ident, $features:literal, $mul_sum:expr) => {
+            #[target_feature(enable = $features)]
+            unsafe fn $name(w: &[BlockQ4_1x4], xs: &[&[BlockQ8_1]], out: &mut [[f32; 4]]) {
+                let rows = xs.len().min(MAX_ROWS);
+                let mask = _mm256_set1_epi8(0x0f);
+                let mut acc = [[_mm256_setzero_ps(); 4]; MAX_ROWS];
+                let mut summ = [_mm_setzero_ps(); MAX_ROWS];
+                for (b, wb) in w.iter().enumerate() {
+                    // d0..d3 in the low half, m0..m3 in the high half.
+                    let dm = _mm256_cvtph_ps(_mm_loadu_si128(wb.d.as_ptr() as *const __m128i));
+                    let (wd, wm) = (_mm256_castps256_ps128(dm), _mm256_extractf128_ps(dm, 1));
+                    let mut q = [_mm256_setzero_si256(); 4];
+                    for r in 0..4 {
+                        let packed = _mm_loadu_si128(wb.qs[r].as_ptr() as *const __m128i);
+                        q[r] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), mask);
+                    }
+                    for i in 0..rows {
+                        let xb = xs[i].get_unchecked(b);
+                        let y = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
+                        let ds = _mm_cvtph_ps(_mm_cvtsi32_si128(
+                            (xb.d.to_bits() as u32 | ((xb.s.to_bits() as u32) << 16)) as i32,
+                        ));
+                        let scale = _mm_mul_ps(wd, _mm_broadcastss_ps(ds));
+                        summ[i] = _mm_fmadd_ps(wm, _mm_shuffle_ps(ds, ds, 0b01_01_01_01), summ[i]);
+                        let mut sc = [0f32; 4];
+                        _mm_storeu_ps(sc.as_mut_ptr(), scale);
+                        for r in 0..4 {
+                            let p: __m256i = $mul_sum(q[r], y);
+                            acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sc[r]), acc[i][r]);
+                        }
+                    }
+                }
+                for i in 0..rows {
+                    let mut m = [0f32; 4];
+                    _mm_storeu_ps(m.as_mut_ptr(), summ[i]);
+                    for r in 0..4 {
+                        out[i][r] = hsum(acc[i][r]) + m[r];
+                    }
+                }
+            }
+        };
+    }
+
+    quad_kernel!(quad_avx2, "avx2,fma,f16c", |q, y| _mm256_madd_epi16(
+        _mm256_maddubs_epi16(q, y),
+        _mm256_set1_epi16(1)
+    ));
+    quad_kernel!(quad_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", |q, y| {
+        _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, y)
+    });
+
+    pub fn quad_avx2_safe(w: &[BlockQ4_1x4], xs: &[&[BlockQ8_1]], out: &mut [[f32; 4]]) {
+        // SAFETY: selected only after the CPU reported these features.
+        unsafe { quad_avx2(w, xs, out) }
+    }
+
+    pub fn quad_vnni_safe(w: &[BlockQ4_1x4], xs: &[&[BlockQ8_1]], out: &mut [[f32; 4]]) {
+        // SAFETY: selected only after the CPU reported these features.
+        unsafe { quad_vnni(w, xs, out) }
     }
 
     #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn nibbles(qs: &[u8; 16]) -> __m256i {
-        let packed = _mm_loadu_si128(qs.as_ptr() as *const __m128i);
-        let both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
-        _mm256_and_si256(both, _mm256_set1_epi8(0x0f))
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn h2f(h: half::f16) -> f32 {
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h.to_bits() as i32)))
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
+    #[target_feature(enable = "avx2,fma")]
     unsafe fn hsum(v: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         let s = _mm_add_ss(s, _mm_movehdup_ps(s));
         _mm_cvtss_f32(s)
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot4_avx2(w: [&[BlockQ4_1]; 4], x: &[BlockQ8_1]) -> [f32; 4] {
-        let n = x.len();
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let mut summ = [0f32; 4];
-        for b in 0..n {
-            let xb = x.get_unchecked(b);
-            let y = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
-            let dy = h2f(xb.d);
-            let sy = h2f(xb.s);
-            for r in 0..4 {
-                let wb = w[r].get_unchecked(b);
-                // u8 nibbles times i8 activations: pairwise sums fit i16 (2 * 15 * 127).
-                let p16 = _mm256_maddubs_epi16(nibbles(&wb.qs), y);
-                let p32 = _mm256_madd_epi16(p16, ones);
-                let scale = _mm256_set1_ps(h2f(wb.d) * dy);
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), scale, acc[r]);
-                summ[r] += h2f(wb.m) * sy;
-            }
-        }
-        [
-            hsum(acc[0]) + summ[0],
-            hsum(acc[1]) + summ[1],
-            hsum(acc[2]) + summ[2],
-            hsum(acc[3]) + summ[3],
-        ]
     }
 }
 
@@ -183,9 +245,7 @@ mod tests {
     use super::*;
 
     fn lcg(seed: &mut u64) -> f32 {
-        *seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
+        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         ((*seed >> 33) as f32 / (1u64 << 31) as f32) - 0.5
     }
 
@@ -213,7 +273,23 @@ mod tests {
         let xf: Vec<f32> = (0..k).map(|_| lcg(&mut seed) * 4.0).collect();
         let mut xq = vec![BlockQ8_1::ZERO; k / QK];
         quantize_row_q8_1(&xf, &mut xq);
-        let got = dot4()([&rows[0], &rows[1], &rows[2], &rows[3]], &xq);
+        let flat: Vec<BlockQ4_1> = rows.concat();
+        let quad = interleave4(&flat, 4, k / QK);
+        let mut outs = [[0f32; 4]; 3];
+        let xq2: Vec<BlockQ8_1> = xq
+            .iter()
+            .map(|b| BlockQ8_1 {
+                d: b.d,
+                s: -b.s,
+                qs: b.qs.map(|q| q.saturating_neg()),
+            })
+            .collect();
+        quad_kernel()(&quad, &[&xq, &xq2, &xq], &mut outs);
+        assert_eq!(outs[2], outs[0], "activation rows are independent");
+        for (neg, pos) in outs[1].iter().zip(&outs[0]) {
+            assert!((neg + pos).abs() <= 1e-3 * pos.abs().max(1.0), "negated activation row");
+        }
+        let got = outs[0];
         for r in 0..4 {
             let scalar = vec_dot_scalar(&rows[r], &xq);
             assert!(

@@ -30,11 +30,7 @@ pub struct ModelWeights {
 impl ModelWeights {
     pub fn load(gguf: &mut GgufFile, cfg: &ModelConfig) -> Result<Self> {
         let embedding = gguf.tensor("token_embd.weight")?;
-        expect_shape(
-            "token_embd.weight",
-            &embedding,
-            &[cfg.vocab_size, cfg.hidden_size],
-        )?;
+        expect_shape("token_embd.weight", &embedding, &[cfg.vocab_size, cfg.hidden_size])?;
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for i in 0..cfg.num_layers {
             layers.push(load_layer(gguf, cfg, i)?);
@@ -59,11 +55,7 @@ impl ModelWeights {
     /// Dequantized embedding rows of `ids`, `[ids, hidden]`.
     pub fn embed(&self, ids: &[u32]) -> Result<Vec<f32>> {
         let ids = Tensor::from_slice(ids, ids.len(), &Device::Cpu)?;
-        Ok(self
-            .embedding
-            .embedding(&ids)?
-            .flatten_all()?
-            .to_vec1::<f32>()?)
+        Ok(self.embedding.embedding(&ids)?.flatten_all()?.to_vec1::<f32>()?)
     }
 }
 
@@ -101,9 +93,7 @@ fn load_layer(gguf: &mut GgufFile, cfg: &ModelConfig, i: usize) -> Result<LayerW
 fn vector(gguf: &mut GgufFile, name: &str, len: usize) -> Result<Vec<f32>> {
     let t = gguf.tensor(name)?;
     expect_shape(name, &t, &[len])?;
-    Ok(t.dequantize(&Device::Cpu)?
-        .flatten_all()?
-        .to_vec1::<f32>()?)
+    Ok(t.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?)
 }
 
 fn expect_shape(name: &str, t: &QTensor, want: &[usize]) -> Result<()> {
