@@ -117,6 +117,7 @@ fn quarry(args: &[&str]) -> (bool, String) {
 fn cli_reports_bad_models_and_long_prompts_without_panicking() {
     let (ok, err) = quarry(&["generate", "--model", "/nonexistent/x.gguf", "--prompt", "hi"]);
     assert!(!ok && err.contains("model file not found"), "{err}");
+    assert_eq!(err.matches("model file not found").count(), 1, "said once: {err}");
 
     let garbage = temp_file("cli-garbage.gguf", b"GGUF\x03\x00\x00\x00garbage");
     let (ok, err) = quarry(&["generate", "--model", garbage.to_str().unwrap(), "--prompt", "hi"]);
@@ -129,5 +130,7 @@ fn cli_reports_bad_models_and_long_prompts_without_panicking() {
         assert!(!ok && err.contains("leaves no room to generate"), "{err}");
         let (ok, err) = quarry(&["generate", "--prompt", "hi", "--top-p", "1.5"]);
         assert!(!ok && err.contains("top_p"), "{err}");
+        let (ok, err) = quarry(&["generate", "--prompt", "hi", "--temperature", "-1"]);
+        assert!(!ok && err.contains("invalid sampling parameter `temperature`"), "{err}");
     }
 }

@@ -8,6 +8,7 @@ use crate::sampling::SamplingParams;
 use crate::tokenizer::ChatMessage;
 
 #[derive(Args)]
+#[command(allow_negative_numbers = true)]
 pub struct GenerateArgs {
     #[command(flatten)]
     model: ModelArgs,

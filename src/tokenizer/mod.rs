@@ -13,7 +13,7 @@ use crate::runtime::RuntimeError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
-    #[error("{0}")]
+    #[error(transparent)]
     Model(#[from] RuntimeError),
     #[error("tokenizer metadata: {0}")]
     Metadata(String),
