@@ -1,6 +1,5 @@
 //! Causal attention of each query token over its sequence's paged context, reading K and V
-//! through the slots its block table names. Work items are (token, kv head) pairs: the query
-//! heads of one group share every K and V row they load.
+//! through the slots its block table names.
 
 use std::cell::RefCell;
 
@@ -39,33 +38,28 @@ pub fn paged_attention(shape: &AttentionShape, input: &AttentionInput, out: &mut
     let scale = 1.0 / (hd as f32).sqrt();
     let dst = SyncPtr(out.as_mut_ptr());
     let tokens = input.token_seq.len();
-    parallel_for(tokens * kvh, |items| {
+    // One item per (token, query head): a decode step still has enough items for every thread.
+    parallel_for(tokens * shape.num_heads, |items| {
         SCORES.with(|cell| {
             let mut scores = cell.borrow_mut();
             for item in items {
-                let (t, g) = (item / kvh, item % kvh);
+                let (t, h) = (item / shape.num_heads, item % shape.num_heads);
+                let g = h / group;
                 let ctx = input.positions[t] as usize + 1;
                 let slots = &input.seq_slots[input.token_seq[t] as usize][..ctx];
+                let q = &input.q[t * input.q_stride + h * hd..][..hd];
                 scores.clear();
-                scores.resize(group * ctx, 0.0);
-                let q_at = |h: usize| &input.q[t * input.q_stride + (g * group + h) * hd..][..hd];
-                for (j, &slot) in slots.iter().enumerate() {
-                    let k = &input.k_pool[slot as usize * slot_width + g * hd..][..hd];
-                    for h in 0..group {
-                        scores[h * ctx + j] = dot(q_at(h), k) * scale;
-                    }
-                }
-                for h in 0..group {
-                    softmax(&mut scores[h * ctx..(h + 1) * ctx]);
-                }
-                for h in 0..group {
-                    // SAFETY: (token, head) output rows are disjoint across work items.
-                    let o = unsafe { std::slice::from_raw_parts_mut(dst.at(t * out_width + (g * group + h) * hd), hd) };
-                    o.fill(0.0);
-                    for (j, &slot) in slots.iter().enumerate() {
-                        let v = &input.v_pool[slot as usize * slot_width + g * hd..][..hd];
-                        axpy(scores[h * ctx + j], v, o);
-                    }
+                scores.extend(
+                    slots
+                        .iter()
+                        .map(|&slot| dot(q, &input.k_pool[slot as usize * slot_width + g * hd..][..hd]) * scale),
+                );
+                softmax(&mut scores);
+                // SAFETY: (token, head) output rows are disjoint across work items.
+                let o = unsafe { std::slice::from_raw_parts_mut(dst.at(t * out_width + h * hd), hd) };
+                o.fill(0.0);
+                for (&p, &slot) in scores.iter().zip(slots) {
+                    axpy(p, &input.v_pool[slot as usize * slot_width + g * hd..][..hd], o);
                 }
             }
         })
