@@ -1,0 +1,272 @@
+//! Byte-level DFAs for lexemes and regex constraints, in our own compact form. regex-automata
+//! parses and determinizes; we copy its automaton into a dense table over its byte classes and
+//! fold every state that can no longer reach a match into the dead state, so a mask walk never
+//! descends into a branch that is doomed anyway.
+
+use std::collections::HashMap;
+
+use regex_automata::dfa::{dense, Automaton, StartKind};
+use regex_automata::util::start;
+use regex_automata::{Anchored, MatchKind};
+
+use crate::error::GrammarError;
+
+pub type StateId = u32;
+
+/// The state from which nothing matches; every transition out of it returns to it.
+pub const DEAD: StateId = 0;
+
+/// Bounds that keep a pathological pattern from taking the process down.
+#[derive(Debug, Clone, Copy)]
+pub struct DfaLimits {
+    /// Bytes regex-automata may use while building (NFA and determinization each).
+    pub build_bytes: usize,
+    pub max_states: usize,
+}
+
+impl Default for DfaLimits {
+    fn default() -> Self {
+        DfaLimits {
+            build_bytes: 64 << 20,
+            max_states: 100_000,
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct ByteDfa {
+    classes: [u8; 256],
+    num_classes: usize,
+    /// `trans[state * num_classes + class]`; row 0 is the dead state.
+    trans: Vec<StateId>,
+    /// Whether the input may end in this state.
+    accepting: Vec<bool>,
+    start: StateId,
+}
+
+impl ByteDfa {
+    /// A DFA accepting exactly the byte strings that `pattern` matches in full.
+    pub fn from_regex(pattern: &str, limits: DfaLimits) -> Result<Self, GrammarError> {
+        let bad = |e: &dyn std::fmt::Display| GrammarError::Regex {
+            pattern: pattern.to_string(),
+            reason: e.to_string(),
+        };
+        let dfa = dense::Builder::new()
+            .configure(
+                dense::Config::new()
+                    .start_kind(StartKind::Anchored)
+                    // All: keep every way the input can still match, not just the leftmost-first.
+                    .match_kind(MatchKind::All)
+                    .dfa_size_limit(Some(limits.build_bytes))
+                    .determinize_size_limit(Some(limits.build_bytes)),
+            )
+            .thompson(regex_automata::nfa::thompson::Config::new().nfa_size_limit(Some(limits.build_bytes)))
+            .build(pattern)
+            .map_err(|e| bad(&e))?;
+        let start = dfa
+            .start_state(&start::Config::new().anchored(Anchored::Yes))
+            .map_err(|e| bad(&e))?;
+        Self::copy(&dfa, start, limits.max_states).map_err(|reason| GrammarError::TooLarge {
+            what: format!("regex {pattern:?}"),
+            reason,
+        })
+    }
+
+    fn copy(
+        dfa: &dense::DFA<Vec<u32>>,
+        start: regex_automata::util::primitives::StateID,
+        max_states: usize,
+    ) -> Result<Self, String> {
+        let bc = dfa.byte_classes();
+        let mut classes = [0u8; 256];
+        for b in 0..=255u8 {
+            classes[b as usize] = bc.get(b);
+        }
+        let num_classes = bc.alphabet_len() - 1; // the last class is end-of-input
+        let reps: Vec<u8> = (0..num_classes)
+            .map(|c| (0..=255u8).find(|&b| classes[b as usize] as usize == c).unwrap_or(0))
+            .collect();
+
+        // Breadth-first copy; index 0 stays the dead state.
+        let mut index: HashMap<regex_automata::util::primitives::StateID, StateId> = HashMap::new();
+        let mut order = vec![None, Some(start)];
+        index.insert(start, 1);
+        let mut trans = vec![DEAD; 2 * num_classes];
+        let mut accepting = vec![false, dfa.is_match_state(dfa.next_eoi_state(start))];
+        let mut i = 1;
+        while i < order.len() {
+            let from = order[i].expect("only the dead row is None");
+            for (c, &b) in reps.iter().enumerate() {
+                let to = dfa.next_state(from, b);
+                if dfa.is_dead_state(to) || dfa.is_quit_state(to) {
+                    continue;
+                }
+                let id = match index.get(&to) {
+                    Some(&id) => id,
+                    None => {
+                        if order.len() >= max_states {
+                            return Err(format!("more than {max_states} DFA states"));
+                        }
+                        let id = order.len() as StateId;
+                        index.insert(to, id);
+                        order.push(Some(to));
+                        trans.extend(std::iter::repeat_n(DEAD, num_classes));
+                        accepting.push(dfa.is_match_state(dfa.next_eoi_state(to)));
+                        id
+                    }
+                };
+                trans[i * num_classes + c] = id;
+            }
+            i += 1;
+        }
+        let mut out = ByteDfa {
+            classes,
+            num_classes,
+            trans,
+            accepting,
+            start: 1,
+        };
+        out.prune_dead_ends();
+        Ok(out)
+    }
+
+    /// Sends every transition into a state that cannot reach acceptance to `DEAD`.
+    fn prune_dead_ends(&mut self) {
+        let n = self.accepting.len();
+        let mut live = self.accepting.clone();
+        loop {
+            let mut changed = false;
+            for s in 1..n {
+                if !live[s] && self.row(s as StateId).iter().any(|&t| live[t as usize]) {
+                    live[s] = true;
+                    changed = true;
+                }
+            }
+            if !changed {
+                break;
+            }
+        }
+        live[DEAD as usize] = false;
+        for t in self.trans.iter_mut() {
+            if !live[*t as usize] {
+                *t = DEAD;
+            }
+        }
+        if !live[self.start as usize] {
+            self.start = DEAD;
+        }
+    }
+
+    fn row(&self, s: StateId) -> &[StateId] {
+        &self.trans[s as usize * self.num_classes..][..self.num_classes]
+    }
+
+    pub fn start(&self) -> StateId {
+        self.start
+    }
+
+    #[inline]
+    pub fn next(&self, s: StateId, byte: u8) -> StateId {
+        self.trans[s as usize * self.num_classes + self.classes[byte as usize] as usize]
+    }
+
+    /// Runs `bytes` from `s`; `DEAD` as soon as a byte is refused.
+    pub fn run(&self, mut s: StateId, bytes: &[u8]) -> StateId {
+        for &b in bytes {
+            s = self.next(s, b);
+            if s == DEAD {
+                break;
+            }
+        }
+        s
+    }
+
+    pub fn is_accepting(&self, s: StateId) -> bool {
+        self.accepting[s as usize]
+    }
+
+    pub fn num_states(&self) -> usize {
+        self.accepting.len()
+    }
+
+    /// The only byte `s` can continue with, when there is exactly one and the input may not
+    /// end here: a byte the automaton alone decides.
+    pub fn forced_byte(&self, s: StateId) -> Option<u8> {
+        if s == DEAD || self.is_accepting(s) {
+            return None;
+        }
+        let mut live = self.row(s).iter().enumerate().filter(|(_, &t)| t != DEAD);
+        let (class, _) = live.next()?;
+        if live.next().is_some() {
+            return None;
+        }
+        let mut bytes = (0..=255u8).filter(|&b| self.classes[b as usize] as usize == class);
+        let b = bytes.next()?;
+        bytes.next().is_none().then_some(b)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dfa(p: &str) -> ByteDfa {
+        ByteDfa::from_regex(p, DfaLimits::default()).unwrap()
+    }
+
+    fn accepts(d: &ByteDfa, s: &str) -> bool {
+        let end = d.run(d.start(), s.as_bytes());
+        end != DEAD && d.is_accepting(end)
+    }
+
+    #[test]
+    fn matches_whole_input_with_every_alternative_kept() {
+        let d = dfa("a|ab|[0-9]{2,3}");
+        for yes in ["a", "ab", "12", "123"] {
+            assert!(accepts(&d, yes), "{yes}");
+        }
+        for no in ["", "abc", "1", "1234", "b"] {
+            assert!(!accepts(&d, no), "{no}");
+        }
+    }
+
+    #[test]
+    fn doomed_states_are_dead_and_forced_bytes_are_found() {
+        // After `x` comes an empty class that can never match: `x` is pruned at once.
+        let d = dfa(r"x[a&&b]|yz");
+        assert_eq!(d.next(d.start(), b'q'), DEAD);
+        assert_eq!(d.next(d.start(), b'x'), DEAD);
+        let y = d.next(d.start(), b'y');
+        assert_eq!(d.forced_byte(y), Some(b'z'));
+        assert_eq!(d.forced_byte(d.start()), Some(b'y'), "the pruned branch is no choice");
+        let two = dfa("ab|ac");
+        assert_eq!(two.forced_byte(two.start()), Some(b'a'));
+        assert_eq!(two.forced_byte(two.next(two.start(), b'a')), None, "two ways to go");
+        assert_eq!(d.forced_byte(d.next(y, b'z')), None, "may end here");
+    }
+
+    #[test]
+    fn unicode_classes_work_on_utf8_bytes() {
+        let d = dfa(r"\p{Greek}+");
+        assert!(accepts(&d, "αβγ"));
+        assert!(!accepts(&d, "abc"));
+        // A two-byte character split across tokens: the first byte alone is a live prefix.
+        assert_ne!(d.next(d.start(), "α".as_bytes()[0]), DEAD);
+    }
+
+    #[test]
+    fn oversized_patterns_are_typed_errors() {
+        let limits = DfaLimits {
+            build_bytes: 1 << 16,
+            max_states: 1000,
+        };
+        assert!(matches!(
+            ByteDfa::from_regex("[a-z]{1,5000}", limits),
+            Err(GrammarError::Regex { .. } | GrammarError::TooLarge { .. })
+        ));
+        assert!(matches!(
+            ByteDfa::from_regex("(", DfaLimits::default()),
+            Err(GrammarError::Regex { .. })
+        ));
+    }
+}

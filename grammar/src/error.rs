@@ -1,0 +1,14 @@
+/// Why a constraint could not be compiled or a token was refused.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum GrammarError {
+    #[error("invalid regex {pattern:?}: {reason}")]
+    Regex { pattern: String, reason: String },
+    #[error("{what} is too large: {reason}")]
+    TooLarge { what: String, reason: String },
+    #[error("token {token} is not allowed here")]
+    TokenRejected { token: u32 },
+    #[error("the output is already complete")]
+    AlreadyFinished,
+    #[error("cannot roll back {requested} tokens, only {available} accepted")]
+    RollbackTooFar { requested: usize, available: usize },
+}

@@ -1,0 +1,172 @@
+//! A regex constraint: the output must match the pattern in full. The allowed tokens depend on
+//! the DFA state alone, so each state's mask is computed once by a trie walk, cached in the
+//! shared compiled grammar, and copied out on every later visit.
+
+use std::sync::{Arc, OnceLock};
+
+use crate::bitmask::{allow, bitmask_words};
+use crate::dfa::{ByteDfa, DfaLimits, StateId, DEAD};
+use crate::error::GrammarError;
+use crate::trie::TrieVisitor;
+use crate::vocab::{TokenId, TokenVocab};
+
+pub struct RegexGrammar {
+    dfa: ByteDfa,
+    vocab: Arc<TokenVocab>,
+    /// Per DFA state, the non-EOS tokens allowed there; filled on first use.
+    masks: Vec<OnceLock<Box<[u32]>>>,
+}
+
+impl RegexGrammar {
+    pub fn compile(pattern: &str, vocab: Arc<TokenVocab>) -> Result<Arc<Self>, GrammarError> {
+        let dfa = ByteDfa::from_regex(pattern, DfaLimits::default())?;
+        let masks = (0..dfa.num_states()).map(|_| OnceLock::new()).collect();
+        Ok(Arc::new(RegexGrammar { dfa, vocab, masks }))
+    }
+
+    pub fn vocab(&self) -> &Arc<TokenVocab> {
+        &self.vocab
+    }
+
+    pub fn dfa(&self) -> &ByteDfa {
+        &self.dfa
+    }
+
+    fn token_mask(&self, state: StateId) -> &[u32] {
+        self.masks[state as usize].get_or_init(|| {
+            let mut mask = vec![0u32; bitmask_words(self.vocab.vocab_size())];
+            if state != DEAD {
+                let mut walk = DfaWalk {
+                    dfa: &self.dfa,
+                    states: vec![DEAD; self.vocab.trie().max_depth() + 1],
+                    mask: &mut mask,
+                };
+                walk.states[0] = state;
+                self.vocab.trie().walk(&mut walk);
+            }
+            mask.into_boxed_slice()
+        })
+    }
+}
+
+/// Steps the DFA along the trie: a byte that kills the DFA prunes every token below it.
+struct DfaWalk<'a> {
+    dfa: &'a ByteDfa,
+    /// DFA state after each depth of the current trie path.
+    states: Vec<StateId>,
+    mask: &'a mut [u32],
+}
+
+impl TrieVisitor for DfaWalk<'_> {
+    #[inline]
+    fn enter(&mut self, depth: usize, byte: u8) -> bool {
+        let s = self.dfa.next(self.states[depth - 1], byte);
+        self.states[depth] = s;
+        s != DEAD
+    }
+
+    fn tokens(&mut self, tokens: &[TokenId]) {
+        for &t in tokens {
+            allow(self.mask, t);
+        }
+    }
+}
+
+/// One request's position in a regex constraint.
+pub struct RegexMatcher {
+    grammar: Arc<RegexGrammar>,
+    /// State after each accepted token; the first entry is the start.
+    states: Vec<StateId>,
+    finished: bool,
+}
+
+impl RegexMatcher {
+    pub fn new(grammar: Arc<RegexGrammar>) -> Self {
+        let start = grammar.dfa.start();
+        RegexMatcher {
+            grammar,
+            states: vec![start],
+            finished: false,
+        }
+    }
+
+    fn state(&self) -> StateId {
+        *self.states.last().expect("start state is never popped")
+    }
+
+    /// Sets the bits of every token allowed next (EOS when the output may end here); clears
+    /// all others.
+    pub fn fill_bitmask(&self, mask: &mut [u32]) {
+        if self.finished {
+            mask.fill(0);
+            return;
+        }
+        mask.copy_from_slice(self.grammar.token_mask(self.state()));
+        if self.can_finish() {
+            for &e in self.grammar.vocab.eos_tokens() {
+                allow(mask, e);
+            }
+        }
+    }
+
+    pub fn accept(&mut self, token: TokenId) -> Result<(), GrammarError> {
+        if self.finished {
+            return Err(GrammarError::AlreadyFinished);
+        }
+        let vocab = &self.grammar.vocab;
+        if vocab.is_eos(token) && self.can_finish() {
+            self.finished = true;
+            return Ok(());
+        }
+        let bytes = vocab.token_bytes(token);
+        let next = self.grammar.dfa.run(self.state(), bytes);
+        if vocab.is_special(token) || bytes.is_empty() || next == DEAD {
+            return Err(GrammarError::TokenRejected { token });
+        }
+        self.states.push(next);
+        Ok(())
+    }
+
+    /// Undoes the last `n` accepted tokens (an accepted EOS counts as one).
+    pub fn rollback(&mut self, n: usize) -> Result<(), GrammarError> {
+        let available = self.states.len() - 1 + self.finished as usize;
+        if n > available {
+            return Err(GrammarError::RollbackTooFar {
+                requested: n,
+                available,
+            });
+        }
+        let mut n = n;
+        if n > 0 && self.finished {
+            self.finished = false;
+            n -= 1;
+        }
+        self.states.truncate(self.states.len() - n);
+        Ok(())
+    }
+
+    /// EOS has been accepted.
+    pub fn is_finished(&self) -> bool {
+        self.finished
+    }
+
+    /// The output so far is complete as it is (EOS would be accepted).
+    pub fn can_finish(&self) -> bool {
+        !self.finished && self.grammar.dfa.is_accepting(self.state())
+    }
+
+    /// The bytes the grammar alone decides from here, up to the first choice.
+    pub fn forced_bytes(&self) -> Vec<u8> {
+        let dfa = &self.grammar.dfa;
+        let mut s = self.state();
+        let mut out = Vec::new();
+        while let Some(b) = dfa.forced_byte(s) {
+            out.push(b);
+            s = dfa.next(s, b);
+            if out.len() > 4096 {
+                break;
+            }
+        }
+        out
+    }
+}
