@@ -5,6 +5,18 @@ pub enum GrammarError {
     Regex { pattern: String, reason: String },
     #[error("{what} is too large: {reason}")]
     TooLarge { what: String, reason: String },
+    #[error("invalid schema at {pointer:?}, keyword `{keyword}`: {reason}")]
+    InvalidSchema {
+        pointer: String,
+        keyword: String,
+        reason: String,
+    },
+    #[error("unsupported schema keyword `{keyword}` at {pointer:?}: {reason}")]
+    Unsupported {
+        pointer: String,
+        keyword: String,
+        reason: String,
+    },
     #[error("token {token} is not allowed here")]
     TokenRejected { token: u32 },
     #[error("the output is already complete")]

@@ -5,11 +5,13 @@
 //! - `vocab`, `trie`: the tokenizer's byte vocabulary and its pre-order byte trie.
 //! - `dfa`: byte-level DFAs (built by regex-automata, copied into a compact pruned table).
 //! - `regex`: the regex constraint and its matcher.
+//! - `json`: JSON Schema compiled to a resolved graph with a per-keyword report.
 //! - `bitmask`: the mask layout shared with the runtime.
 
 pub mod bitmask;
 pub mod dfa;
 pub mod error;
+pub mod json;
 pub mod regex;
 pub mod trie;
 pub mod vocab;

@@ -1,0 +1,298 @@
+//! The keywords of each kind of value: numbers, strings, arrays, objects, and the literal
+//! values of `enum` and `const`.
+
+use serde_json::{Map, Value};
+
+use super::super::ir::{ArrayRules, Node, NumberRules, ObjectRules, StringFormat, StringRules};
+use super::super::report::KeywordStatus;
+use super::{bad, escape, Compiler};
+use crate::error::GrammarError;
+
+impl Compiler<'_> {
+    pub(super) fn number_rules(
+        &mut self,
+        obj: &Map<String, Value>,
+        pointer: &str,
+        integer: bool,
+    ) -> Result<NumberRules, GrammarError> {
+        let num = |k: &str| -> Result<Option<f64>, GrammarError> {
+            match obj.get(k) {
+                None => Ok(None),
+                Some(v) => v.as_f64().map(Some).ok_or_else(|| bad(pointer, k, "must be a number")),
+            }
+        };
+        let mut r = NumberRules {
+            minimum: num("minimum")?,
+            maximum: num("maximum")?,
+            ..Default::default()
+        };
+        // Draft 4 spells exclusivity as booleans, later drafts as numbers.
+        for (key, bound, flag) in [
+            ("exclusiveMinimum", &mut r.minimum, &mut r.exclusive_minimum),
+            ("exclusiveMaximum", &mut r.maximum, &mut r.exclusive_maximum),
+        ] {
+            match obj.get(key) {
+                Some(Value::Bool(b)) => *flag = *b,
+                Some(v) => {
+                    let x = v
+                        .as_f64()
+                        .ok_or_else(|| bad(pointer, key, "must be a number or a boolean"))?;
+                    let tighter = match *bound {
+                        None => true,
+                        Some(b) => {
+                            if key == "exclusiveMinimum" {
+                                x >= b
+                            } else {
+                                x <= b
+                            }
+                        }
+                    };
+                    if tighter {
+                        *bound = Some(x);
+                        *flag = true;
+                    }
+                }
+                None => {}
+            }
+        }
+        for k in ["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"] {
+            if obj.contains_key(k) && self.report.status_of(pointer, k).is_none() {
+                self.report.add(pointer, k, KeywordStatus::Enforced);
+            }
+        }
+        if let Some(m) = num("multipleOf")? {
+            if m <= 0.0 {
+                return Err(bad(pointer, "multipleOf", "must be greater than 0"));
+            }
+            r.multiple_of = Some(m);
+            if self.report.status_of(pointer, "multipleOf").is_none() {
+                let status = if integer && m.fract() == 0.0 {
+                    KeywordStatus::Enforced
+                } else {
+                    KeywordStatus::Rejected("multipleOf is enforced for integers only".into())
+                };
+                self.report.add(pointer, "multipleOf", status);
+            }
+        }
+        Ok(r)
+    }
+
+    pub(super) fn string_rules(
+        &mut self,
+        obj: &Map<String, Value>,
+        pointer: &str,
+    ) -> Result<StringRules, GrammarError> {
+        let mut r = StringRules::default();
+        if let Some(v) = obj.get("minLength") {
+            r.min_length = v
+                .as_u64()
+                .ok_or_else(|| bad(pointer, "minLength", "must be a non-negative integer"))?;
+            self.enforced(pointer, "minLength");
+        }
+        if let Some(v) = obj.get("maxLength") {
+            r.max_length = Some(
+                v.as_u64()
+                    .ok_or_else(|| bad(pointer, "maxLength", "must be a non-negative integer"))?,
+            );
+            self.enforced(pointer, "maxLength");
+        }
+        if let Some(v) = obj.get("pattern") {
+            r.pattern = Some(
+                v.as_str()
+                    .ok_or_else(|| bad(pointer, "pattern", "must be a string"))?
+                    .to_string(),
+            );
+            self.enforced(pointer, "pattern");
+        }
+        if let Some(v) = obj.get("format") {
+            let name = v.as_str().ok_or_else(|| bad(pointer, "format", "must be a string"))?;
+            r.format = StringFormat::parse(name);
+            if self.report.status_of(pointer, "format").is_none() {
+                let status = match r.format {
+                    Some(_) => KeywordStatus::Enforced,
+                    // Unknown formats are annotations by the specification.
+                    None => KeywordStatus::Approximated(format!("unknown format {name:?} is not checked")),
+                };
+                self.report.add(pointer, "format", status);
+            }
+        }
+        Ok(r)
+    }
+
+    pub(super) fn array_rules(&mut self, obj: &Map<String, Value>, pointer: &str) -> Result<ArrayRules, GrammarError> {
+        let mut prefix = Vec::new();
+        let mut items = None;
+        let prefix_src = match (obj.get("prefixItems"), obj.get("items")) {
+            (Some(Value::Array(p)), _) => Some(("prefixItems", p)),
+            (None, Some(Value::Array(p))) => Some(("items", p)),
+            _ => None,
+        };
+        if let Some((key, list)) = prefix_src {
+            for (i, s) in list.iter().enumerate() {
+                prefix.push(self.compile(s, &format!("{pointer}/{key}/{i}"))?);
+            }
+            self.enforced(pointer, key);
+        }
+        if let Some(s) = obj.get("items").filter(|v| !v.is_array()) {
+            items = Some(self.compile(s, &format!("{pointer}/items"))?);
+            self.enforced(pointer, "items");
+        }
+        if let Some(s) = obj.get("additionalItems") {
+            if prefix_src.is_some_and(|(k, _)| k == "items") && items.is_none() {
+                items = Some(self.compile(s, &format!("{pointer}/additionalItems"))?);
+            }
+            self.enforced(pointer, "additionalItems");
+        }
+        let items = match items {
+            Some(i) => i,
+            None => self.push(Node::Any)?,
+        };
+        let mut r = ArrayRules {
+            prefix,
+            items,
+            min_items: 0,
+            max_items: None,
+        };
+        if let Some(v) = obj.get("minItems") {
+            r.min_items = v
+                .as_u64()
+                .ok_or_else(|| bad(pointer, "minItems", "must be a non-negative integer"))?;
+            self.enforced(pointer, "minItems");
+        }
+        if let Some(v) = obj.get("maxItems") {
+            r.max_items = Some(
+                v.as_u64()
+                    .ok_or_else(|| bad(pointer, "maxItems", "must be a non-negative integer"))?,
+            );
+            self.enforced(pointer, "maxItems");
+        }
+        Ok(r)
+    }
+
+    pub(super) fn object_rules(
+        &mut self,
+        obj: &Map<String, Value>,
+        pointer: &str,
+    ) -> Result<ObjectRules, GrammarError> {
+        let mut properties = Vec::new();
+        if let Some(props) = obj.get("properties") {
+            let props = props
+                .as_object()
+                .ok_or_else(|| bad(pointer, "properties", "must be an object"))?;
+            for (name, s) in props {
+                properties.push((
+                    name.clone(),
+                    self.compile(s, &format!("{pointer}/properties/{}", escape(name)))?,
+                ));
+            }
+            self.enforced(pointer, "properties");
+        }
+        let mut pattern_properties = Vec::new();
+        if let Some(pp) = obj.get("patternProperties") {
+            let pp = pp
+                .as_object()
+                .ok_or_else(|| bad(pointer, "patternProperties", "must be an object"))?;
+            for (pat, s) in pp {
+                pattern_properties.push((
+                    pat.clone(),
+                    self.compile(s, &format!("{pointer}/patternProperties/{}", escape(pat)))?,
+                ));
+            }
+            self.enforced(pointer, "patternProperties");
+        }
+        let additional = match obj.get("additionalProperties") {
+            Some(s) => {
+                self.enforced(pointer, "additionalProperties");
+                self.compile(s, &format!("{pointer}/additionalProperties"))?
+            }
+            None => self.push(Node::Any)?,
+        };
+        let mut required = Vec::new();
+        if let Some(req) = obj.get("required") {
+            let list = req
+                .as_array()
+                .ok_or_else(|| bad(pointer, "required", "must be an array"))?;
+            for r in list {
+                let name = r
+                    .as_str()
+                    .ok_or_else(|| bad(pointer, "required", "must hold strings"))?;
+                if !required.iter().any(|x: &String| x == name) {
+                    required.push(name.to_string());
+                }
+            }
+            self.enforced(pointer, "required");
+        }
+        let mut r = ObjectRules {
+            properties,
+            required,
+            pattern_properties,
+            additional,
+            min_properties: 0,
+            max_properties: None,
+            property_names: None,
+        };
+        if let Some(v) = obj.get("minProperties") {
+            r.min_properties = v
+                .as_u64()
+                .ok_or_else(|| bad(pointer, "minProperties", "must be a non-negative integer"))?;
+            self.enforced(pointer, "minProperties");
+        }
+        if let Some(v) = obj.get("maxProperties") {
+            r.max_properties = Some(
+                v.as_u64()
+                    .ok_or_else(|| bad(pointer, "maxProperties", "must be a non-negative integer"))?,
+            );
+            self.enforced(pointer, "maxProperties");
+        }
+        if let Some(Value::Object(names)) = obj.get("propertyNames") {
+            let names_pointer = format!("{pointer}/propertyNames");
+            r.property_names = Some(self.string_rules(names, &names_pointer)?);
+            self.enforced(pointer, "propertyNames");
+        }
+        Ok(r)
+    }
+
+    pub(super) fn enforced(&mut self, pointer: &str, keyword: &str) {
+        if self.report.status_of(pointer, keyword).is_none() {
+            self.report.add(pointer, keyword, KeywordStatus::Enforced);
+        }
+    }
+
+    /// `enum` and `const`: the allowed values themselves.
+    pub(super) fn literals(
+        &mut self,
+        obj: &Map<String, Value>,
+        pointer: &str,
+    ) -> Result<Option<Vec<Value>>, GrammarError> {
+        let mut values: Option<Vec<Value>> = None;
+        if let Some(e) = obj.get("enum") {
+            values = Some(
+                e.as_array()
+                    .ok_or_else(|| bad(pointer, "enum", "must be an array"))?
+                    .clone(),
+            );
+            self.enforced(pointer, "enum");
+        }
+        if let Some(c) = obj.get("const") {
+            values = Some(match values {
+                Some(v) => v.into_iter().filter(|x| x == c).collect(),
+                None => vec![c.clone()],
+            });
+            self.enforced(pointer, "const");
+        }
+        if values.is_some()
+            && ["type", "minLength", "maxLength", "pattern", "minimum", "maximum"]
+                .iter()
+                .any(|k| obj.contains_key(*k))
+        {
+            // The matcher keeps only the literals the other keywords also accept; until it does,
+            // say so rather than pretend.
+            self.report.add(
+                pointer,
+                "enum/const with other keywords",
+                KeywordStatus::Approximated("literals are not re-checked against sibling keywords".into()),
+            );
+        }
+        Ok(values)
+    }
+}

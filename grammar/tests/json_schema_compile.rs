@@ -1,0 +1,223 @@
+//! The JSON Schema compiler: what it keeps, what it reports, and that real schemas never crash
+//! it.
+
+use std::io::BufRead;
+
+use quarry_grammar::json::{compile_schema, KeywordStatus, Node, SchemaGraph, SchemaOptions};
+use quarry_grammar::GrammarError;
+use serde_json::json;
+
+fn lenient() -> SchemaOptions {
+    SchemaOptions {
+        strict: false,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn every_keyword_is_reported_with_its_pointer() {
+    let schema = json!({
+        "title": "Invoice",
+        "type": "object",
+        "properties": {
+            "number": {"type": "string", "pattern": "^INV-[0-9]+$", "description": "id"},
+            "total": {"type": "number", "minimum": 0, "multipleOf": 0.01},
+            "lines": {"type": "array", "items": {"type": "object"}, "uniqueItems": true, "minItems": 1},
+            "currency": {"enum": ["EUR", "USD"]},
+            "note": {"type": ["string", "null"], "format": "hexcolor", "x-ui": "textarea"}
+        },
+        "required": ["number", "total"],
+        "additionalProperties": false,
+        "not": {"required": ["legacy"]}
+    });
+    let (graph, report) = compile_schema(&schema, &lenient()).unwrap();
+    let status = |p: &str, k: &str| {
+        report
+            .status_of(p, k)
+            .cloned()
+            .unwrap_or_else(|| panic!("{p} {k} not reported"))
+    };
+    assert_eq!(status("", "title"), KeywordStatus::Annotation);
+    assert_eq!(status("", "required"), KeywordStatus::Enforced);
+    assert_eq!(status("/properties/number", "pattern"), KeywordStatus::Enforced);
+    assert_eq!(status("/properties/number", "description"), KeywordStatus::Annotation);
+    assert_eq!(status("/properties/total", "minimum"), KeywordStatus::Enforced);
+    assert!(matches!(
+        status("/properties/total", "multipleOf"),
+        KeywordStatus::Rejected(_)
+    ));
+    assert!(matches!(
+        status("/properties/lines", "uniqueItems"),
+        KeywordStatus::Rejected(_)
+    ));
+    assert!(matches!(
+        status("/properties/note", "format"),
+        KeywordStatus::Approximated(_)
+    ));
+    assert_eq!(status("/properties/note", "x-ui"), KeywordStatus::Annotation);
+    assert!(matches!(status("", "not"), KeywordStatus::Rejected(_)));
+    assert!(!report.fully_enforced());
+
+    let Node::Object(root) = graph.node(graph.root) else {
+        panic!("root is an object")
+    };
+    assert_eq!(root.required, vec!["number", "total"]);
+    assert_eq!(graph.node(root.additional), &Node::Never);
+    let names: Vec<&str> = root.properties.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        names,
+        ["number", "total", "lines", "currency", "note"],
+        "schema order is kept"
+    );
+    let note = root.properties[4].1;
+    assert!(
+        matches!(graph.node(note), Node::AnyOf(alts) if alts.len() == 2),
+        "type array is a union"
+    );
+
+    // Strict mode refuses the same schema, naming the first keyword it cannot enforce.
+    match compile_schema(&schema, &SchemaOptions::default()) {
+        Err(GrammarError::Unsupported { pointer, keyword, .. }) => {
+            assert!(
+                ["/properties/total", "/properties/lines", ""].contains(&pointer.as_str()),
+                "{pointer}"
+            );
+            assert!(
+                ["multipleOf", "uniqueItems", "not"].contains(&keyword.as_str()),
+                "{keyword}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+fn reachable(graph: &SchemaGraph, from: u32, target: u32) -> bool {
+    let mut seen = vec![false; graph.nodes.len()];
+    let mut stack = vec![from];
+    while let Some(id) = stack.pop() {
+        let children: Vec<u32> = match graph.node(id) {
+            Node::AnyOf(a) => a.clone(),
+            Node::Array(a) => a.prefix.iter().copied().chain([a.items]).collect(),
+            Node::Object(o) => o
+                .properties
+                .iter()
+                .map(|p| p.1)
+                .chain(o.pattern_properties.iter().map(|p| p.1))
+                .chain([o.additional])
+                .collect(),
+            _ => vec![],
+        };
+        for c in children {
+            if c == target {
+                return true;
+            }
+            if !seen[c as usize] {
+                seen[c as usize] = true;
+                stack.push(c);
+            }
+        }
+    }
+    false
+}
+
+#[test]
+fn recursion_becomes_a_cycle_and_bad_references_are_typed_errors() {
+    let tree = json!({
+        "$defs": {"node": {"type": "object", "properties": {
+            "value": {"type": "integer"},
+            "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}
+        }}},
+        "$ref": "#/$defs/node"
+    });
+    let (graph, report) = compile_schema(&tree, &SchemaOptions::default()).unwrap();
+    assert!(report.fully_enforced(), "{:?}", report.keywords);
+    let Node::AnyOf(alias) = graph.node(graph.root) else {
+        panic!()
+    };
+    assert!(reachable(&graph, alias[0], alias[0]), "the node schema contains itself");
+
+    let missing = json!({"properties": {"a": {"$ref": "#/definitions/nope"}}});
+    match compile_schema(&missing, &lenient()) {
+        Err(GrammarError::InvalidSchema { pointer, keyword, .. }) => {
+            assert_eq!((pointer.as_str(), keyword.as_str()), ("/properties/a", "$ref"))
+        }
+        other => panic!("{other:?}"),
+    }
+    let remote = json!({"$ref": "https://example.com/schema.json"});
+    assert!(matches!(
+        compile_schema(&remote, &lenient()),
+        Err(GrammarError::InvalidSchema { .. })
+    ));
+    assert!(matches!(
+        compile_schema(&json!({"type": 3}), &lenient()),
+        Err(GrammarError::InvalidSchema { .. })
+    ));
+    assert!(matches!(
+        compile_schema(&json!({"minLength": -1, "type": "string"}), &lenient()),
+        Err(GrammarError::InvalidSchema { .. })
+    ));
+}
+
+#[test]
+fn unions_and_intersections() {
+    let one_of_kinds = json!({"oneOf": [{"type": "string"}, {"type": "integer"}]});
+    let (_, r) = compile_schema(&one_of_kinds, &SchemaOptions::default()).unwrap();
+    assert_eq!(
+        r.status_of("", "oneOf"),
+        Some(&KeywordStatus::Enforced),
+        "different kinds never overlap"
+    );
+    let one_of_objects = json!({"oneOf": [{"type": "object"}, {"type": "object", "required": ["a"]}]});
+    let (_, r) = compile_schema(&one_of_objects, &lenient()).unwrap();
+    assert!(matches!(r.status_of("", "oneOf"), Some(KeywordStatus::Approximated(_))));
+
+    let all_of = json!({"allOf": [
+        {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]},
+        {"properties": {"b": {"type": "integer", "maximum": 5}}, "required": ["b"]},
+        {"properties": {"b": {"minimum": 1}}}
+    ]});
+    let (graph, r) = compile_schema(&all_of, &SchemaOptions::default()).unwrap();
+    assert!(r.fully_enforced(), "{:?}", r.keywords);
+    let Node::Object(o) = graph.node(graph.root) else {
+        panic!("{:?}", graph.node(graph.root))
+    };
+    assert_eq!(o.required, vec!["a", "b"]);
+    let b = o.properties.iter().find(|p| p.0 == "b").unwrap().1;
+    let Node::Integer(rules) = graph.node(b) else {
+        panic!("{:?}", graph.node(b))
+    };
+    assert_eq!((rules.minimum, rules.maximum), (Some(1.0), Some(5.0)));
+    assert_eq!(
+        compile_schema(&json!({"allOf": [{"type": "string"}, {"type": "integer"}]}), &lenient())
+            .unwrap()
+            .0
+            .nodes
+            .last(),
+        Some(&Node::Never)
+    );
+}
+
+/// Every real-world schema of the corpus compiles or fails with a typed error; none panics.
+#[test]
+fn the_maskbench_corpus_never_crashes_the_compiler() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/maskbench-dev.jsonl.gz");
+    let Ok(file) = std::fs::File::open(&path) else {
+        eprintln!(
+            "skipping: {} not found (the corpus lives in ../shared beside the checkout)",
+            path.display()
+        );
+        return;
+    };
+    let (mut ok, mut strict_ok, mut errors) = (0, 0, std::collections::BTreeMap::<String, usize>::new());
+    for line in std::io::BufReader::new(flate2::read::GzDecoder::new(file)).lines() {
+        let entry: serde_json::Value = serde_json::from_str(&line.unwrap()).unwrap();
+        let schema = &entry["schema"];
+        match compile_schema(schema, &lenient()) {
+            Ok(_) => ok += 1,
+            Err(e) => *errors.entry(format!("{:?}", std::mem::discriminant(&e))).or_default() += 1,
+        }
+        strict_ok += compile_schema(schema, &SchemaOptions::default()).is_ok() as usize;
+    }
+    eprintln!("lenient: {ok} compiled; strict: {strict_ok} compiled; errors: {errors:?}");
+    assert!(ok > 7000, "only {ok} of the corpus compiled leniently");
+}
