@@ -3,7 +3,7 @@
 
 use serde_json::{Map, Value};
 
-use super::super::ir::{ArrayRules, Node, NumberRules, ObjectRules, StringFormat, StringRules};
+use super::super::ir::{ArrayRules, Node, NodeId, NumberRules, ObjectRules, StringFormat, StringRules};
 use super::super::report::KeywordStatus;
 use super::{bad, escape, Compiler};
 use crate::error::GrammarError;
@@ -82,20 +82,11 @@ impl Compiler<'_> {
         obj: &Map<String, Value>,
         pointer: &str,
     ) -> Result<StringRules, GrammarError> {
-        let mut r = StringRules::default();
-        if let Some(v) = obj.get("minLength") {
-            r.min_length = v
-                .as_u64()
-                .ok_or_else(|| bad(pointer, "minLength", "must be a non-negative integer"))?;
-            self.enforced(pointer, "minLength");
-        }
-        if let Some(v) = obj.get("maxLength") {
-            r.max_length = Some(
-                v.as_u64()
-                    .ok_or_else(|| bad(pointer, "maxLength", "must be a non-negative integer"))?,
-            );
-            self.enforced(pointer, "maxLength");
-        }
+        let mut r = StringRules {
+            min_length: self.count(obj, pointer, "minLength")?.unwrap_or(0),
+            max_length: self.count(obj, pointer, "maxLength")?,
+            ..Default::default()
+        };
         if let Some(v) = obj.get("pattern") {
             r.pattern = Some(
                 v.as_str()
@@ -153,19 +144,8 @@ impl Compiler<'_> {
             min_items: 0,
             max_items: None,
         };
-        if let Some(v) = obj.get("minItems") {
-            r.min_items = v
-                .as_u64()
-                .ok_or_else(|| bad(pointer, "minItems", "must be a non-negative integer"))?;
-            self.enforced(pointer, "minItems");
-        }
-        if let Some(v) = obj.get("maxItems") {
-            r.max_items = Some(
-                v.as_u64()
-                    .ok_or_else(|| bad(pointer, "maxItems", "must be a non-negative integer"))?,
-            );
-            self.enforced(pointer, "maxItems");
-        }
+        r.min_items = self.count(obj, pointer, "minItems")?.unwrap_or(0);
+        r.max_items = self.count(obj, pointer, "maxItems")?;
         Ok(r)
     }
 
@@ -174,32 +154,8 @@ impl Compiler<'_> {
         obj: &Map<String, Value>,
         pointer: &str,
     ) -> Result<ObjectRules, GrammarError> {
-        let mut properties = Vec::new();
-        if let Some(props) = obj.get("properties") {
-            let props = props
-                .as_object()
-                .ok_or_else(|| bad(pointer, "properties", "must be an object"))?;
-            for (name, s) in props {
-                properties.push((
-                    name.clone(),
-                    self.compile(s, &format!("{pointer}/properties/{}", escape(name)))?,
-                ));
-            }
-            self.enforced(pointer, "properties");
-        }
-        let mut pattern_properties = Vec::new();
-        if let Some(pp) = obj.get("patternProperties") {
-            let pp = pp
-                .as_object()
-                .ok_or_else(|| bad(pointer, "patternProperties", "must be an object"))?;
-            for (pat, s) in pp {
-                pattern_properties.push((
-                    pat.clone(),
-                    self.compile(s, &format!("{pointer}/patternProperties/{}", escape(pat)))?,
-                ));
-            }
-            self.enforced(pointer, "patternProperties");
-        }
+        let properties = self.schema_map(obj, pointer, "properties")?;
+        let pattern_properties = self.schema_map(obj, pointer, "patternProperties")?;
         let additional = match obj.get("additionalProperties") {
             Some(s) => {
                 self.enforced(pointer, "additionalProperties");
@@ -231,19 +187,8 @@ impl Compiler<'_> {
             max_properties: None,
             property_names: None,
         };
-        if let Some(v) = obj.get("minProperties") {
-            r.min_properties = v
-                .as_u64()
-                .ok_or_else(|| bad(pointer, "minProperties", "must be a non-negative integer"))?;
-            self.enforced(pointer, "minProperties");
-        }
-        if let Some(v) = obj.get("maxProperties") {
-            r.max_properties = Some(
-                v.as_u64()
-                    .ok_or_else(|| bad(pointer, "maxProperties", "must be a non-negative integer"))?,
-            );
-            self.enforced(pointer, "maxProperties");
-        }
+        r.min_properties = self.count(obj, pointer, "minProperties")?.unwrap_or(0);
+        r.max_properties = self.count(obj, pointer, "maxProperties")?;
         if let Some(Value::Object(names)) = obj.get("propertyNames") {
             let names_pointer = format!("{pointer}/propertyNames");
             r.property_names = Some(self.string_rules(names, &names_pointer)?);
@@ -294,5 +239,37 @@ impl Compiler<'_> {
             );
         }
         Ok(values)
+    }
+
+    /// An optional non-negative integer keyword (`minLength`, `maxItems`, ...), recorded as
+    /// enforced. `2.0` counts as an integer, as the specification says.
+    fn count(&mut self, obj: &Map<String, Value>, pointer: &str, key: &str) -> Result<Option<u64>, GrammarError> {
+        let Some(v) = obj.get(key) else { return Ok(None) };
+        let n = v
+            .as_u64()
+            .or_else(|| v.as_f64().filter(|f| *f >= 0.0 && f.fract() == 0.0).map(|f| f as u64))
+            .ok_or_else(|| bad(pointer, key, "must be a non-negative integer"))?;
+        self.enforced(pointer, key);
+        Ok(Some(n))
+    }
+
+    /// A keyword mapping names (or patterns) to schemas, compiled in schema order.
+    fn schema_map(
+        &mut self,
+        obj: &Map<String, Value>,
+        pointer: &str,
+        key: &str,
+    ) -> Result<Vec<(String, NodeId)>, GrammarError> {
+        let Some(map) = obj.get(key) else { return Ok(Vec::new()) };
+        let map = map.as_object().ok_or_else(|| bad(pointer, key, "must be an object"))?;
+        let mut out = Vec::with_capacity(map.len());
+        for (name, s) in map {
+            out.push((
+                name.clone(),
+                self.compile(s, &format!("{pointer}/{key}/{}", escape(name)))?,
+            ));
+        }
+        self.enforced(pointer, key);
+        Ok(out)
     }
 }
