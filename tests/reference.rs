@@ -32,6 +32,11 @@ fn tokenization_matches_llama_cpp_and_round_trips() {
         return;
     };
     let tok = quarry::tokenizer::Tokenizer::from_model_file(&path).unwrap();
+    // llama.cpp lists <|endoftext|> (0) and <|im_end|> (2, the GGUF's eos_token_id) as ending
+    // a generation for this model.
+    let mut eog = tok.end_of_generation_ids().to_vec();
+    eog.sort();
+    assert_eq!(eog, vec![0, 2]);
     for case in common::golden().tokenization {
         let ids = tok.encode(&case.text, false).unwrap();
         assert_eq!(ids, case.tokens, "tokens of {:?}", case.text);

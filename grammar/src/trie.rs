@@ -87,10 +87,6 @@ impl TokTrie {
         self.max_depth
     }
 
-    pub fn num_nodes(&self) -> usize {
-        self.nodes.len()
-    }
-
     /// Visits the trie in pre-order, skipping the subtrees the visitor refuses.
     pub fn walk(&self, visitor: &mut impl TrieVisitor) {
         let mut i = 1;

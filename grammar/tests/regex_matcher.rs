@@ -138,8 +138,27 @@ fn known_valid_strings_are_accepted_token_by_token() {
                     .unwrap_or_else(|e| panic!("{pattern}: {ex:?} at byte {b}: {e}"));
             }
             assert!(m.can_finish(), "{pattern}: {ex:?} is complete");
+            assert!(
+                m.forced_bytes().is_empty(),
+                "{pattern}: nothing is forced where the output may end"
+            );
             m.accept(EOS).unwrap();
             assert!(m.is_finished());
         }
     }
+}
+
+#[test]
+fn forced_bytes_run_to_the_first_choice() {
+    let vocab = vocab();
+    let grammar = RegexGrammar::compile(r"(true|false|null)|\d{4}-\d{2}", vocab).unwrap();
+    let mut m = RegexMatcher::new(grammar);
+    assert!(m.forced_bytes().is_empty(), "t, f, n or a digit: a choice");
+    m.accept(2 + b'f' as u32).unwrap();
+    assert_eq!(m.forced_bytes(), b"alse");
+    m.rollback(1).unwrap();
+    for b in b"2024" {
+        m.accept(2 + *b as u32).unwrap();
+    }
+    assert_eq!(m.forced_bytes(), b"-", "a dash, then a choice of digits");
 }

@@ -46,10 +46,8 @@ pub struct Tokenizer {
     plain: tokenizers::Tokenizer,
     tokens: Vec<String>,
     bos_id: Option<u32>,
-    eos_id: Option<u32>,
     add_bos: bool,
     end_of_generation: Vec<u32>,
-    special_ids: Vec<u32>,
     chat_template: Option<ChatTemplate>,
 }
 
@@ -97,10 +95,8 @@ impl Tokenizer {
             plain,
             tokens: vocab.tokens,
             bos_id,
-            eos_id,
             add_bos,
             end_of_generation,
-            special_ids: vocab.control_ids,
             chat_template,
         })
     }
@@ -141,14 +137,6 @@ impl Tokenizer {
 
     pub fn end_of_generation_ids(&self) -> &[u32] {
         &self.end_of_generation
-    }
-
-    pub fn is_special(&self, id: u32) -> bool {
-        self.special_ids.contains(&id)
-    }
-
-    pub fn eos_id(&self) -> Option<u32> {
-        self.eos_id
     }
 
     /// The vocabulary entry of `id` in its byte-level spelling (`Ġ` for a space).

@@ -31,10 +31,6 @@ impl KvCache {
         self.layout
     }
 
-    pub fn bytes(layout: KvLayout, num_layers: usize, slot_width: usize) -> usize {
-        2 * num_layers * layout.num_slots() * slot_width * std::mem::size_of::<f32>()
-    }
-
     /// Stores one token's K and V (already rotated) in `slot`.
     pub fn write(&mut self, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
         let at = slot * self.slot_width;

@@ -68,15 +68,6 @@ impl CpuBackend {
             kv,
         })
     }
-
-    /// Host memory the KV pool of this many tokens would take.
-    pub fn kv_cache_bytes(config: &ModelConfig, tokens: usize) -> usize {
-        let layout = KvLayout {
-            num_blocks: tokens.div_ceil(16),
-            block_size: 16,
-        };
-        KvCache::bytes(layout, config.num_layers, config.kv_size())
-    }
 }
 
 impl Backend for CpuBackend {
