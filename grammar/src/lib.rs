@@ -6,12 +6,14 @@
 //! - `dfa`: byte-level DFAs (built by regex-automata, copied into a compact pruned table).
 //! - `regex`: the regex constraint and its matcher.
 //! - `json`: JSON Schema compiled to a resolved graph with a per-keyword report.
+//! - `lexeme`: regexes for constrained JSON lexemes (integer ranges, string formats).
 //! - `bitmask`: the mask layout shared with the runtime.
 
 pub mod bitmask;
 pub mod dfa;
 pub mod error;
 pub mod json;
+pub mod lexeme;
 pub mod regex;
 pub mod trie;
 pub mod vocab;

@@ -24,6 +24,18 @@ impl RegexGrammar {
         Ok(Arc::new(RegexGrammar { dfa, vocab, masks }))
     }
 
+    /// A choice constraint: the output is exactly one of `options`.
+    pub fn choice(options: &[String], vocab: Arc<TokenVocab>) -> Result<Arc<Self>, GrammarError> {
+        if options.is_empty() {
+            return Err(GrammarError::Regex {
+                pattern: String::new(),
+                reason: "a choice needs at least one option".into(),
+            });
+        }
+        let alternation: Vec<String> = options.iter().map(|o| literal(o)).collect();
+        Self::compile(&format!("(?:{})", alternation.join("|")), vocab)
+    }
+
     pub fn vocab(&self) -> &Arc<TokenVocab> {
         &self.vocab
     }
@@ -47,6 +59,19 @@ impl RegexGrammar {
             mask.into_boxed_slice()
         })
     }
+}
+
+/// `text` as a regex matching itself only: every character but ASCII letters and digits escaped.
+pub fn literal(text: &str) -> String {
+    text.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_string()
+            } else {
+                format!("\\x{{{:X}}}", c as u32)
+            }
+        })
+        .collect()
 }
 
 /// Steps the DFA along the trie: a byte that kills the DFA prunes every token below it.

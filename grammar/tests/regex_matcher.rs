@@ -162,3 +162,32 @@ fn forced_bytes_run_to_the_first_choice() {
     }
     assert_eq!(m.forced_bytes(), b"-", "a dash, then a choice of digits");
 }
+
+#[test]
+fn a_choice_produces_exactly_one_of_its_options() {
+    let vocab = vocab();
+    let options: Vec<String> = ["true", "tr", "a.b*c", "日本語", "\"quoted\"", "ab"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let grammar = RegexGrammar::choice(&options, vocab.clone()).unwrap();
+    let mut rng = Rng(7);
+    let mut seen = std::collections::HashSet::new();
+    for _ in 0..300 {
+        let mut m = RegexMatcher::new(grammar.clone());
+        let mut out = Vec::new();
+        while !m.is_finished() {
+            let allowed: Vec<u32> = allowed_tokens(&mask(&m, &vocab)).collect();
+            let t = allowed[rng.next(allowed.len())];
+            m.accept(t).unwrap();
+            if t != EOS {
+                out.extend_from_slice(vocab.token_bytes(t));
+            }
+        }
+        let text = String::from_utf8(out).unwrap();
+        assert!(options.contains(&text), "{text:?} is not an option");
+        seen.insert(text);
+    }
+    assert_eq!(seen.len(), options.len(), "every option is reachable: {seen:?}");
+    assert!(RegexGrammar::choice(&[], vocab).is_err());
+}
