@@ -41,14 +41,27 @@ pub struct ByteDfa {
     trans: Vec<StateId>,
     /// Whether the input may end in this state.
     accepting: Vec<bool>,
+    /// For a DFA of several patterns: per state, the patterns that match if the input ends here.
+    matches: Vec<Vec<u32>>,
+    /// Per state, the patterns some continuation can still match.
+    reachable: Vec<Vec<u32>>,
+    /// Per state, whether any byte leads on (a closed string or literal has none).
+    has_next: Vec<bool>,
     start: StateId,
 }
 
 impl ByteDfa {
     /// A DFA accepting exactly the byte strings that `pattern` matches in full.
     pub fn from_regex(pattern: &str, limits: DfaLimits) -> Result<Self, GrammarError> {
+        Self::from_regexes(&[pattern], limits)
+    }
+
+    /// A DFA of several patterns at once; `matches(state)` says which of them an input ending
+    /// in `state` matches, in full.
+    pub fn from_regexes(patterns: &[&str], limits: DfaLimits) -> Result<Self, GrammarError> {
+        let pattern = patterns.join(" | ");
         let bad = |e: &dyn std::fmt::Display| GrammarError::Regex {
-            pattern: pattern.to_string(),
+            pattern: pattern.clone(),
             reason: e.to_string(),
         };
         let dfa = dense::Builder::new()
@@ -61,7 +74,7 @@ impl ByteDfa {
                     .determinize_size_limit(Some(limits.build_bytes)),
             )
             .thompson(regex_automata::nfa::thompson::Config::new().nfa_size_limit(Some(limits.build_bytes)))
-            .build(pattern)
+            .build_many(patterns)
             .map_err(|e| bad(&e))?;
         let start = dfa
             .start_state(&start::Config::new().anchored(Anchored::Yes))
@@ -92,7 +105,16 @@ impl ByteDfa {
         let mut order = vec![None, Some(start)];
         index.insert(start, 1);
         let mut trans = vec![DEAD; 2 * num_classes];
-        let mut accepting = vec![false, dfa.is_match_state(dfa.next_eoi_state(start))];
+        let eoi_matches = |s| {
+            let end = dfa.next_eoi_state(s);
+            if !dfa.is_match_state(end) {
+                return Vec::new();
+            }
+            (0..dfa.match_len(end))
+                .map(|i| dfa.match_pattern(end, i).as_u32())
+                .collect::<Vec<u32>>()
+        };
+        let mut matches = vec![Vec::new(), eoi_matches(start)];
         let mut i = 1;
         while i < order.len() {
             let from = order[i].expect("only the dead row is None");
@@ -111,7 +133,7 @@ impl ByteDfa {
                         index.insert(to, id);
                         order.push(Some(to));
                         trans.extend(std::iter::repeat_n(DEAD, num_classes));
-                        accepting.push(dfa.is_match_state(dfa.next_eoi_state(to)));
+                        matches.push(eoi_matches(to));
                         id
                     }
                 };
@@ -119,14 +141,22 @@ impl ByteDfa {
             }
             i += 1;
         }
+        let accepting = matches.iter().map(|m| !m.is_empty()).collect();
         let mut out = ByteDfa {
             classes,
             num_classes,
             trans,
             accepting,
+            matches,
+            reachable: Vec::new(),
+            has_next: Vec::new(),
             start: 1,
         };
         out.prune_dead_ends();
+        out.reachable = out.reachable_patterns();
+        out.has_next = (0..out.num_states())
+            .map(|s| out.row(s as StateId).iter().any(|&t| t != DEAD))
+            .collect();
         Ok(out)
     }
 
@@ -155,6 +185,46 @@ impl ByteDfa {
         if !live[self.start as usize] {
             self.start = DEAD;
         }
+    }
+
+    /// Per state, the sorted set of patterns matched at some state reachable from it.
+    fn reachable_patterns(&self) -> Vec<Vec<u32>> {
+        let mut reach: Vec<Vec<u32>> = self.matches.clone();
+        loop {
+            let mut changed = false;
+            for s in 1..reach.len() {
+                let mut acc = reach[s].clone();
+                for &t in self.row(s as StateId) {
+                    if t != DEAD {
+                        acc.extend_from_slice(&reach[t as usize]);
+                    }
+                }
+                acc.sort_unstable();
+                acc.dedup();
+                if acc.len() != reach[s].len() {
+                    reach[s] = acc;
+                    changed = true;
+                }
+            }
+            if !changed {
+                return reach;
+            }
+        }
+    }
+
+    /// Whether some byte continues from `s`.
+    pub fn has_next(&self, s: StateId) -> bool {
+        self.has_next[s as usize]
+    }
+
+    /// The patterns an input ending in `s` matches.
+    pub fn matches(&self, s: StateId) -> &[u32] {
+        &self.matches[s as usize]
+    }
+
+    /// The patterns some continuation from `s` can still match, sorted.
+    pub fn reachable(&self, s: StateId) -> &[u32] {
+        &self.reachable[s as usize]
     }
 
     fn row(&self, s: StateId) -> &[StateId] {
@@ -243,6 +313,18 @@ mod tests {
         assert_eq!(two.forced_byte(two.start()), Some(b'a'));
         assert_eq!(two.forced_byte(two.next(two.start(), b'a')), None, "two ways to go");
         assert_eq!(d.forced_byte(d.next(y, b'z')), None, "may end here");
+    }
+
+    #[test]
+    fn several_patterns_report_which_matched_and_which_remain_reachable() {
+        let d = ByteDfa::from_regexes(&["name", "nam[a-z]+", "[0-9]+"], DfaLimits::default()).unwrap();
+        let after = |s: &str| d.run(d.start(), s.as_bytes());
+        assert_eq!(d.reachable(d.start()), &[0, 1, 2]);
+        assert_eq!(d.reachable(after("na")), &[0, 1]);
+        assert_eq!(d.matches(after("name")), &[0, 1]);
+        assert_eq!(d.matches(after("namex")), &[1]);
+        assert_eq!(d.reachable(after("12")), &[2]);
+        assert!(d.matches(after("nam")).is_empty());
     }
 
     #[test]

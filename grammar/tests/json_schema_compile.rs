@@ -41,7 +41,10 @@ fn every_keyword_is_reported_with_its_pointer() {
     assert_eq!(status("", "required"), KeywordStatus::Enforced);
     assert_eq!(status("/properties/number", "pattern"), KeywordStatus::Enforced);
     assert_eq!(status("/properties/number", "description"), KeywordStatus::Annotation);
-    assert_eq!(status("/properties/total", "minimum"), KeywordStatus::Enforced);
+    assert!(
+        matches!(status("/properties/total", "minimum"), KeywordStatus::Approximated(_)),
+        "bounds on a non-integer number are not enforced yet, and the report says so"
+    );
     assert!(matches!(
         status("/properties/total", "multipleOf"),
         KeywordStatus::Rejected(_)
@@ -177,7 +180,10 @@ fn unions_and_intersections() {
         {"properties": {"b": {"minimum": 1}}}
     ]});
     let (graph, r) = compile_schema(&all_of, &SchemaOptions::default()).unwrap();
-    assert!(r.fully_enforced(), "{:?}", r.keywords);
+    // Each part is reported as compiled on its own, before the merge: `{"minimum": 1}` alone is
+    // a number bound (approximated) even though the merged node below is an exact integer range.
+    // The report may say less than is enforced, never more.
+    assert_eq!(r.rejected().count(), 0, "{:?}", r.keywords);
     let Node::Object(o) = graph.node(graph.root) else {
         panic!("{:?}", graph.node(graph.root))
     };

@@ -36,6 +36,18 @@ impl CompileReport {
         });
     }
 
+    /// Records `status`, replacing what was said of the same keyword before.
+    pub(crate) fn set(&mut self, pointer: &str, keyword: &str, status: KeywordStatus) {
+        match self
+            .keywords
+            .iter_mut()
+            .find(|k| k.pointer == pointer && k.keyword == keyword)
+        {
+            Some(k) => k.status = status,
+            None => self.add(pointer, keyword, status),
+        }
+    }
+
     /// Every constraint is enforced exactly: valid outputs are exactly the schema's instances
     /// (up to the whitespace policy).
     pub fn fully_enforced(&self) -> bool {

@@ -4,9 +4,11 @@
 use serde_json::{Map, Value};
 
 use super::super::ir::{ArrayRules, Node, NodeId, NumberRules, ObjectRules, StringFormat, StringRules};
+use super::super::lexemes::{number_regex, pattern_body, string_body};
 use super::super::report::KeywordStatus;
 use super::{bad, escape, Compiler};
 use crate::error::GrammarError;
+use crate::lexeme::format_exactness;
 
 impl Compiler<'_> {
     pub(super) fn number_rules(
@@ -65,13 +67,21 @@ impl Compiler<'_> {
                 return Err(bad(pointer, "multipleOf", "must be greater than 0"));
             }
             r.multiple_of = Some(m);
-            if self.report.status_of(pointer, "multipleOf").is_none() {
-                let status = if integer && m.fract() == 0.0 {
-                    KeywordStatus::Enforced
-                } else {
-                    KeywordStatus::Rejected("multipleOf is enforced for integers only".into())
-                };
-                self.report.add(pointer, "multipleOf", status);
+        }
+        // What the number lexeme leaves out, as its builder says.
+        for loose in number_regex(&r, integer).1 {
+            let keywords: &[&str] = match loose {
+                "multipleOf" => &["multipleOf"],
+                _ => &["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"],
+            };
+            for k in keywords {
+                if obj.contains_key(*k) {
+                    let status = match loose {
+                        "multipleOf" => KeywordStatus::Rejected("not enforced yet".into()),
+                        _ => KeywordStatus::Approximated("bounds on non-integer numbers are not enforced yet".into()),
+                    };
+                    self.report.set(pointer, k, status);
+                }
             }
         }
         Ok(r)
@@ -107,7 +117,45 @@ impl Compiler<'_> {
                 self.report.add(pointer, "format", status);
             }
         }
+        self.report_loose_string(&r, pointer);
         Ok(r)
+    }
+
+    /// What the string lexeme cannot enforce, as the lexeme builder says.
+    fn report_loose_string(&mut self, r: &StringRules, pointer: &str) {
+        for loose in string_body(r).1 {
+            let (keywords, status): (&[&str], KeywordStatus) = match loose {
+                "pattern (unsupported regex features)" => {
+                    let why = r
+                        .pattern
+                        .as_deref()
+                        .map(pattern_body)
+                        .and_then(|b| b.err())
+                        .unwrap_or_default();
+                    (
+                        &["pattern"],
+                        KeywordStatus::Rejected(format!("cannot be enforced: {why}")),
+                    )
+                }
+                l if l.starts_with("format") => (&["format"], KeywordStatus::Approximated(l.into())),
+                l if l.starts_with("minLength/maxLength") => {
+                    (&["minLength", "maxLength"], KeywordStatus::Approximated(l.into()))
+                }
+                l if l.starts_with("minLength") => (&["minLength"], KeywordStatus::Approximated(l.into())),
+                l => (&["maxLength"], KeywordStatus::Approximated(l.into())),
+            };
+            for k in keywords {
+                if self.report.status_of(pointer, k).is_some() {
+                    self.report.set(pointer, k, status.clone());
+                }
+            }
+        }
+        if let (Some(f), None) = (r.format, &r.pattern) {
+            if let Some(how) = format_exactness(f) {
+                self.report
+                    .set(pointer, "format", KeywordStatus::Approximated(how.into()));
+            }
+        }
     }
 
     pub(super) fn array_rules(&mut self, obj: &Map<String, Value>, pointer: &str) -> Result<ArrayRules, GrammarError> {
@@ -192,7 +240,17 @@ impl Compiler<'_> {
         if let Some(Value::Object(names)) = obj.get("propertyNames") {
             let names_pointer = format!("{pointer}/propertyNames");
             r.property_names = Some(self.string_rules(names, &names_pointer)?);
-            self.enforced(pointer, "propertyNames");
+            self.report.set(
+                pointer,
+                "propertyNames",
+                KeywordStatus::Rejected("not enforced yet".into()),
+            );
+        }
+        for (p, _) in &r.pattern_properties {
+            if let Err(why) = pattern_body(p) {
+                let status = KeywordStatus::Rejected(format!("pattern {p:?} cannot be enforced: {why}"));
+                self.report.set(pointer, "patternProperties", status);
+            }
         }
         Ok(r)
     }

@@ -1,0 +1,216 @@
+//! A compiled JSON Schema constraint: the schema graph plus the automata the matcher steps
+//! through (one DFA per distinct scalar lexeme, one key DFA per object).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use serde_json::Value;
+
+use super::compile::{compile_schema, SchemaOptions};
+use super::ir::{Node, NodeId, ObjectRules, SchemaGraph, StringRules};
+use super::lexemes::{literal_regex, number_regex, pattern_body, string_body, Whitespace, STRING_CHAR};
+use super::report::CompileReport;
+use crate::dfa::{ByteDfa, DfaLimits};
+use crate::error::GrammarError;
+use crate::vocab::TokenVocab;
+
+pub type LexId = u32;
+
+/// How a scalar node is matched: a whole lexeme (numbers, literals), or a string body between
+/// quotes the matcher handles itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lexeme {
+    Whole(LexId),
+    StringBody(LexId),
+}
+
+/// An object's keys as one DFA of several patterns over the key's body (between the quotes):
+/// declared names first, then the pattern properties, then (when allowed) any other string.
+pub struct KeyAutomaton {
+    pub dfa: ByteDfa,
+    pub num_props: u32,
+    /// Value schema of each pattern, by pattern index.
+    pub values: Vec<NodeId>,
+    /// Declared property index of each required name.
+    pub required: Vec<u32>,
+    /// Some key beyond the declared ones can always be added.
+    pub open: bool,
+}
+
+pub struct JsonGrammar {
+    pub(crate) graph: SchemaGraph,
+    pub(crate) whitespace: Whitespace,
+    pub(crate) lexemes: Vec<ByteDfa>,
+    /// Per node, the lexeme of a scalar node.
+    pub(crate) node_lexeme: Vec<Option<Lexeme>>,
+    /// Per node, the keys of an object node.
+    pub(crate) keys: Vec<Option<KeyAutomaton>>,
+    pub(crate) vocab: Arc<TokenVocab>,
+    report: CompileReport,
+}
+
+impl JsonGrammar {
+    pub fn compile(
+        schema: &Value,
+        options: &SchemaOptions,
+        whitespace: Whitespace,
+        vocab: Arc<TokenVocab>,
+    ) -> Result<Arc<Self>, GrammarError> {
+        let (mut graph, report) = compile_schema(schema, options)?;
+        expand_any(&mut graph);
+        let mut b = Builder {
+            lexemes: Vec::new(),
+            by_regex: HashMap::new(),
+        };
+        let mut node_lexeme = vec![None; graph.nodes.len()];
+        let mut keys: Vec<Option<KeyAutomaton>> = (0..graph.nodes.len()).map(|_| None).collect();
+        for id in 0..graph.nodes.len() {
+            node_lexeme[id] = match &graph.nodes[id] {
+                Node::Null => Some(Lexeme::Whole(b.lexeme("null")?)),
+                Node::Boolean => Some(Lexeme::Whole(b.lexeme("true|false")?)),
+                Node::Integer(r) => Some(Lexeme::Whole(b.lexeme(&number_regex(r, true).0)?)),
+                Node::Number(r) => Some(Lexeme::Whole(b.lexeme(&number_regex(r, false).0)?)),
+                Node::String(r) => Some(Lexeme::StringBody(b.lexeme(&string_body(r).0)?)),
+                Node::Literals(vs) => {
+                    let alts: Vec<String> = vs
+                        .iter()
+                        .map(|v| format!("(?:{})", literal_regex(v, whitespace)))
+                        .collect();
+                    Some(Lexeme::Whole(b.lexeme(&alts.join("|"))?))
+                }
+                Node::Object(o) => {
+                    keys[id] = Some(key_automaton(o, &graph)?);
+                    None
+                }
+                _ => None,
+            };
+        }
+        Ok(Arc::new(JsonGrammar {
+            graph,
+            whitespace,
+            lexemes: b.lexemes,
+            node_lexeme,
+            keys,
+            vocab,
+            report,
+        }))
+    }
+
+    pub fn report(&self) -> &CompileReport {
+        &self.report
+    }
+
+    pub fn vocab(&self) -> &Arc<TokenVocab> {
+        &self.vocab
+    }
+}
+
+struct Builder {
+    lexemes: Vec<ByteDfa>,
+    by_regex: HashMap<String, LexId>,
+}
+
+impl Builder {
+    fn lexeme(&mut self, regex: &str) -> Result<LexId, GrammarError> {
+        if let Some(&id) = self.by_regex.get(regex) {
+            return Ok(id);
+        }
+        let dfa = ByteDfa::from_regex(regex, DfaLimits::default())?;
+        let id = self.lexemes.len() as LexId;
+        self.lexemes.push(dfa);
+        self.by_regex.insert(regex.to_string(), id);
+        Ok(id)
+    }
+}
+
+/// Replaces every `Any` by an alias of one "any JSON value" node: objects and arrays of any
+/// values, strings, numbers, booleans and null.
+fn expand_any(graph: &mut SchemaGraph) {
+    let any = graph.nodes.len() as NodeId;
+    let alias = || Node::AnyOf(vec![any]);
+    let push = |g: &mut SchemaGraph, n: Node| {
+        g.nodes.push(n);
+        (g.nodes.len() - 1) as NodeId
+    };
+    graph.nodes.push(Node::Never); // placeholder for `any`
+    let object = push(
+        graph,
+        Node::Object(ObjectRules {
+            properties: Vec::new(),
+            required: Vec::new(),
+            pattern_properties: Vec::new(),
+            additional: any,
+            min_properties: 0,
+            max_properties: None,
+            property_names: None,
+        }),
+    );
+    let array = push(
+        graph,
+        Node::Array(super::ir::ArrayRules {
+            prefix: Vec::new(),
+            items: any,
+            min_items: 0,
+            max_items: None,
+        }),
+    );
+    let string = push(graph, Node::String(StringRules::default()));
+    let number = push(graph, Node::Number(Default::default()));
+    let boolean = push(graph, Node::Boolean);
+    let null = push(graph, Node::Null);
+    graph.nodes[any as usize] = Node::AnyOf(vec![object, array, string, number, boolean, null]);
+    for n in graph.nodes.iter_mut() {
+        if *n == Node::Any {
+            *n = alias();
+        }
+    }
+}
+
+fn key_automaton(o: &ObjectRules, graph: &SchemaGraph) -> Result<KeyAutomaton, GrammarError> {
+    let mut names: Vec<(String, NodeId)> = o.properties.clone();
+    // Required names without a declared schema are still tracked, with the schema an
+    // undeclared key would get.
+    for r in &o.required {
+        if !names.iter().any(|(n, _)| n == r) {
+            names.push((r.clone(), o.additional));
+        }
+    }
+    // A key's body: its JSON encoding without the quotes, as a literal.
+    let body = |name: &str| {
+        let quoted = Value::String(name.to_string()).to_string();
+        crate::regex::literal(&quoted[1..quoted.len() - 1])
+    };
+    let mut patterns: Vec<String> = names.iter().map(|(n, _)| body(n)).collect();
+    let mut values: Vec<NodeId> = names.iter().map(|(_, v)| *v).collect();
+    for (p, node) in &o.pattern_properties {
+        if let Ok(body) = pattern_body(p) {
+            patterns.push(body);
+            values.push(*node);
+        }
+    }
+    let open_additional = !matches!(graph.node(o.additional), Node::Never);
+    if open_additional {
+        patterns.push(format!("{STRING_CHAR}*"));
+        values.push(o.additional);
+    }
+    if patterns.is_empty() {
+        // No key at all is possible: a DFA that never matches.
+        patterns.push("[^\\x00-\\x{10FFFF}]".into());
+        values.push(o.additional);
+    }
+    let refs: Vec<&str> = patterns.iter().map(|s| s.as_str()).collect();
+    let dfa = ByteDfa::from_regexes(&refs, DfaLimits::default())?;
+    let required = o
+        .required
+        .iter()
+        .filter_map(|r| names.iter().position(|(n, _)| n == r))
+        .map(|i| i as u32)
+        .collect();
+    Ok(KeyAutomaton {
+        dfa,
+        num_props: names.len() as u32,
+        values,
+        required,
+        open: patterns.len() > names.len() && (open_additional || !o.pattern_properties.is_empty()),
+    })
+}

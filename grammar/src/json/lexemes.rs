@@ -1,0 +1,349 @@
+//! Regexes for the scalar values of a schema, over their JSON encoding: strings (with length,
+//! format or pattern), integers in a range, numbers, and the literal values of `enum`/`const`.
+
+use serde_json::Value;
+
+use super::ir::{NumberRules, StringRules};
+use crate::dfa::{ByteDfa, DfaLimits, StateId, DEAD};
+use crate::lexeme::{format_regex, int_range_regex, integer_bounds};
+
+/// One character of a JSON string body, as encoded: a character other than `"`, `\` and
+/// controls, or an escape.
+pub const STRING_CHAR: &str = r#"(?:[^"\\\x00-\x1F]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})"#;
+
+/// Longest `maxLength` spelled out as a counted repetition; beyond it the DFA would grow
+/// with the bound, so the bound is left to a later check (and reported).
+pub const MAX_COUNTED_LENGTH: u64 = 256;
+
+pub const NUMBER: &str = r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?";
+pub const INTEGER: &str = r"-?(?:0|[1-9][0-9]*)";
+
+/// How the whitespace between tokens is allowed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Whitespace {
+    /// None at all: `{"a":1,"b":[2,3]}`.
+    Compact,
+    /// Runs of at most `max_run` whitespace bytes around structural characters.
+    Flexible { max_run: u8 },
+}
+
+impl Whitespace {
+    pub fn regex(self) -> String {
+        match self {
+            Whitespace::Compact => String::new(),
+            Whitespace::Flexible { max_run } => format!("[ \\t\\n\\r]{{0,{max_run}}}"),
+        }
+    }
+}
+
+/// The body of the string lexeme of `rules` (the matcher handles the quotes, so `^` and `$` in
+/// a pattern are true assertions at the body's ends), and what it does not enforce.
+pub fn string_body(rules: &StringRules) -> (String, Vec<&'static str>) {
+    let mut loose = Vec::new();
+    let body = if let Some(p) = &rules.pattern {
+        match pattern_body(p) {
+            Ok(b) => {
+                if rules.format.is_some() {
+                    loose.push("format (a pattern is enforced instead)");
+                }
+                if rules.min_length > 0 || rules.max_length.is_some() {
+                    loose.push("minLength/maxLength (a pattern is enforced instead)");
+                }
+                b
+            }
+            Err(_) => {
+                loose.push("pattern (unsupported regex features)");
+                counted(rules, &mut loose)
+            }
+        }
+    } else if let Some(f) = rules.format {
+        if rules.min_length > 0 || rules.max_length.is_some() {
+            loose.push("minLength/maxLength (a format is enforced instead)");
+        }
+        format_regex(f)
+    } else {
+        counted(rules, &mut loose)
+    };
+    (body, loose)
+}
+
+fn counted(rules: &StringRules, loose: &mut Vec<&'static str>) -> String {
+    let min = rules.min_length.min(MAX_COUNTED_LENGTH);
+    if rules.min_length > MAX_COUNTED_LENGTH {
+        loose.push("minLength (above the counted limit)");
+    }
+    match rules.max_length {
+        Some(max) if max <= MAX_COUNTED_LENGTH => format!("{STRING_CHAR}{{{min},{max}}}"),
+        Some(_) => {
+            loose.push("maxLength (above the counted limit)");
+            format!("{STRING_CHAR}{{{min},}}")
+        }
+        None => format!("{STRING_CHAR}{{{min},}}"),
+    }
+}
+
+/// The body of a string whose decoded text matches the ECMA-262 `pattern` somewhere (JSON
+/// Schema patterns are not anchored; `^` and `$` inside are assertions at the body's ends).
+/// Characters the pattern needs are produced unescaped, so patterns that can match `"`, `\`
+/// or controls are refused rather than approximated.
+pub fn pattern_body(pattern: &str) -> Result<String, String> {
+    let translated = ecma_to_rust(pattern)?;
+    let free = r#"[^"\\\x00-\x1F]*"#;
+    let body = format!("{free}(?:{}){free}", restrict(&translated));
+    // Whatever the pattern spells (a literal quote, `\x22`, ...), a raw string body must never
+    // take `"`, `\` or a control byte: check the automaton itself, not the spelling.
+    let dfa = ByteDfa::from_regex(&body, DfaLimits::default()).map_err(|e| e.to_string())?;
+    let forbidden = (0u8..0x20).chain([b'"', b'\\']);
+    for b in forbidden {
+        if (1..dfa.num_states() as StateId).any(|s| dfa.next(s, b) != DEAD) {
+            return Err(format!(
+                "the pattern can match byte {b:#04x}, which a JSON string must escape"
+            ));
+        }
+    }
+    Ok(body)
+}
+
+/// Removes `"`, `\` and control characters from what `pattern` can match, by intersecting
+/// every dot and class with the characters a raw string body may hold.
+fn restrict(pattern: &str) -> String {
+    let mut out = String::with_capacity(pattern.len() + 16);
+    let mut chars = pattern.chars().peekable();
+    let mut in_class = 0usize;
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => {
+                out.push(c);
+                if let Some(n) = chars.next() {
+                    out.push(n);
+                }
+            }
+            '[' => {
+                if in_class == 0 {
+                    out.push_str(r#"[[^"\\\x00-\x1F]&&["#);
+                } else {
+                    out.push('[');
+                }
+                in_class += 1;
+            }
+            ']' if in_class > 0 => {
+                in_class -= 1;
+                out.push(']');
+                if in_class == 0 {
+                    out.push(']');
+                }
+            }
+            '.' if in_class == 0 => out.push_str(r#"[^"\\\x00-\x1F]"#),
+            _ => out.push(c),
+        }
+    }
+    out
+}
+
+/// ECMA-262 escapes that differ from Rust's regex syntax: `\d`, `\w` and `\s` are ASCII (and
+/// ECMA whitespace) there; `\/` is a plain slash.
+fn ecma_to_rust(p: &str) -> Result<String, String> {
+    let mut out = String::with_capacity(p.len());
+    let mut chars = p.chars();
+    while let Some(c) = chars.next() {
+        if c != '\\' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('d') => out.push_str("[0-9]"),
+            Some('D') => out.push_str("[^0-9]"),
+            Some('w') => out.push_str("[A-Za-z0-9_]"),
+            Some('W') => out.push_str("[^A-Za-z0-9_]"),
+            Some('/') => out.push('/'),
+            Some(c @ ('1'..='9' | 'k')) => return Err(format!("backreference \\{c}")),
+            Some(c) => {
+                out.push('\\');
+                out.push(c);
+            }
+            None => return Err("pattern ends in a backslash".into()),
+        }
+    }
+    if out.contains("(?=") || out.contains("(?!") || out.contains("(?<=") || out.contains("(?<!") {
+        return Err("lookaround".into());
+    }
+    Ok(out)
+}
+
+/// The number lexeme of `rules`, and whether its bounds are left unenforced.
+pub fn number_regex(rules: &NumberRules, integer: bool) -> (String, Vec<&'static str>) {
+    let mut loose = Vec::new();
+    let bounded = rules.minimum.is_some() || rules.maximum.is_some();
+    if integer {
+        if rules.multiple_of.is_some() {
+            loose.push("multipleOf");
+        }
+        if bounded {
+            let (lo, hi) = integer_bounds(
+                rules.minimum,
+                rules.exclusive_minimum,
+                rules.maximum,
+                rules.exclusive_maximum,
+            );
+            return match int_range_regex(lo, hi) {
+                Some(r) => (r, loose),
+                None => ("[^\\x00-\\x{10FFFF}]".into(), loose),
+            };
+        }
+        return (INTEGER.into(), loose);
+    }
+    if rules.multiple_of.is_some() {
+        loose.push("multipleOf");
+    }
+    if bounded {
+        loose.push("minimum/maximum on numbers");
+    }
+    (NUMBER.into(), loose)
+}
+
+/// One literal value (`enum`, `const`) spelled as JSON, with the whitespace policy between
+/// the tokens of arrays and objects.
+pub fn literal_regex(value: &Value, ws: Whitespace) -> String {
+    let w = ws.regex();
+    match value {
+        Value::Array(items) => {
+            let parts: Vec<String> = items.iter().map(|v| literal_regex(v, ws)).collect();
+            format!("\\[{w}{}{w}\\]", parts.join(&format!("{w},{w}")))
+        }
+        Value::Object(map) => {
+            let parts: Vec<String> = map
+                .iter()
+                .map(|(k, v)| {
+                    format!(
+                        "{}{w}:{w}{}",
+                        escape_regex(&Value::String(k.clone()).to_string()),
+                        literal_regex(v, ws)
+                    )
+                })
+                .collect();
+            format!("\\{{{w}{}{w}\\}}", parts.join(&format!("{w},{w}")))
+        }
+        // Numbers: the value's own spelling, plus `1.0` for integral floats as Python writes.
+        Value::Number(n) => {
+            let s = n.to_string();
+            match n.as_f64() {
+                Some(f) if f.fract() == 0.0 && !s.contains('.') && !s.contains('e') => {
+                    format!("{}(?:\\.0+)?", escape_regex(&s))
+                }
+                _ => escape_regex(&s),
+            }
+        }
+        other => escape_regex(&other.to_string()),
+    }
+}
+
+fn escape_regex(s: &str) -> String {
+    crate::regex::literal(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn full(re: &str) -> regex::Regex {
+        regex::Regex::new(&format!("^(?:{re})$")).unwrap()
+    }
+
+    #[test]
+    fn strings_with_lengths_formats_and_patterns() {
+        // Bodies are matched without their quotes: the matcher handles those.
+        let body = |r: StringRules| {
+            let (b, loose) = string_body(&r);
+            (full(&b), loose)
+        };
+        let (re, loose) = body(StringRules {
+            min_length: 2,
+            max_length: Some(3),
+            ..Default::default()
+        });
+        assert!(loose.is_empty());
+        for ok in ["ab", r#"a\"b"#, r"\u00e9é"] {
+            assert!(re.is_match(ok), "{ok}");
+        }
+        for bad in ["a", "abcd", r#"a"b"#, "a\nb"] {
+            assert!(!re.is_match(bad), "{bad:?}");
+        }
+        let (re, _) = body(StringRules {
+            pattern: Some(r"^[A-Z]{2}\d{3}$".into()),
+            ..Default::default()
+        });
+        assert!(re.is_match("AB123") && !re.is_match("AB12") && !re.is_match("xAB123"));
+        let (re, _) = body(StringRules {
+            pattern: Some(r"\d{3}".into()),
+            ..Default::default()
+        });
+        assert!(
+            re.is_match("abc 123 def") && !re.is_match("12a"),
+            "unanchored pattern matches anywhere"
+        );
+        assert!(!re.is_match(r#"x" 123"#), "a raw quote never enters a string");
+        let (re, _) = body(StringRules {
+            pattern: Some(r"^[^\s]+$".into()),
+            ..Default::default()
+        });
+        assert!(re.is_match("sample") && !re.is_match("sample tag"));
+        let (re, _) = body(StringRules {
+            pattern: Some(r"^$|^(([0-9]|[1-9][0-9]|1[0-9]{2}|2[0-4][0-9]|25[0-5])\.){3}([0-9]|[1-9][0-9]|1[0-9]{2}|2[0-4][0-9]|25[0-5])?$".into()),
+            ..Default::default()
+        });
+        assert!(
+            re.is_match("") && re.is_match("10.0.0.1") && !re.is_match("256.1.1.1"),
+            "anchors inside alternatives"
+        );
+        let (_, loose) = string_body(&StringRules {
+            pattern: Some(r"(a)\1".into()),
+            ..Default::default()
+        });
+        assert_eq!(loose, vec!["pattern (unsupported regex features)"]);
+        for smuggled in [r#"a"b"#, r"a\\b", r"a\x22b", "a\\nb"] {
+            assert!(
+                pattern_body(smuggled).is_err(),
+                "{smuggled} would put a raw quote, backslash or control in a string"
+            );
+        }
+    }
+
+    #[test]
+    fn numbers_and_literals() {
+        let (re, loose) = number_regex(
+            &NumberRules {
+                minimum: Some(1.0),
+                maximum: Some(12.0),
+                ..Default::default()
+            },
+            true,
+        );
+        assert!(loose.is_empty());
+        let re = full(&re);
+        assert!(re.is_match("1") && re.is_match("12") && !re.is_match("13") && !re.is_match("0"));
+        let (_, loose) = number_regex(
+            &NumberRules {
+                minimum: Some(0.0),
+                ..Default::default()
+            },
+            false,
+        );
+        assert_eq!(loose, vec!["minimum/maximum on numbers"]);
+
+        let flexible = Whitespace::Flexible { max_run: 2 };
+        let re = full(&literal_regex(&json!({"a": [1, "x"], "b": null}), flexible));
+        assert!(re.is_match(r#"{"a":[1,"x"],"b":null}"#));
+        assert!(re.is_match(r#"{"a": [1, "x"], "b": null}"#));
+        assert!(
+            re.is_match(r#"{"a": [1.0, "x"], "b": null}"#),
+            "Python writes integral floats as 1.0"
+        );
+        assert!(
+            !re.is_match(r#"{"b":null,"a":[1,"x"]}"#),
+            "a literal keeps its own key order"
+        );
+        let compact = full(&literal_regex(&json!("a.b\"c"), Whitespace::Compact));
+        assert!(compact.is_match(r#""a.b\"c""#) && !compact.is_match(r#""aXb\"c""#));
+    }
+}

@@ -1,0 +1,147 @@
+//! One request's position in a JSON Schema constraint.
+
+use std::sync::Arc;
+
+use super::grammar::JsonGrammar;
+use super::machine::{Arena, Stack};
+use crate::bitmask::allow;
+use crate::error::GrammarError;
+use crate::trie::TrieVisitor;
+use crate::vocab::TokenId;
+
+pub struct JsonMatcher {
+    grammar: Arc<JsonGrammar>,
+    arena: Arena,
+    /// The live stacks after each accepted token (the first entry is the start), with the
+    /// arena size to return to when rolling back past it.
+    history: Vec<(Vec<Stack>, (usize, usize))>,
+    finished: bool,
+}
+
+impl JsonMatcher {
+    pub fn new(grammar: Arc<JsonGrammar>) -> Self {
+        let mut arena = Arena::default();
+        let start = grammar.start(&mut arena);
+        let mark = arena.mark();
+        JsonMatcher {
+            grammar,
+            arena,
+            history: vec![(vec![start], mark)],
+            finished: false,
+        }
+    }
+
+    fn current(&self) -> &[Stack] {
+        &self.history.last().expect("start is never popped").0
+    }
+
+    pub fn can_finish(&self) -> bool {
+        !self.finished && self.current().iter().any(|&s| self.grammar.can_finish(&self.arena, s))
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.finished
+    }
+
+    pub fn accept(&mut self, token: TokenId) -> Result<(), GrammarError> {
+        if self.finished {
+            return Err(GrammarError::AlreadyFinished);
+        }
+        let vocab = self.grammar.vocab.clone();
+        if vocab.is_eos(token) && self.can_finish() {
+            self.finished = true;
+            return Ok(());
+        }
+        let bytes = vocab.token_bytes(token);
+        if vocab.is_special(token) || bytes.is_empty() {
+            return Err(GrammarError::TokenRejected { token });
+        }
+        let before = self.arena.mark();
+        let mut states = self.current().to_vec();
+        let mut next = Vec::new();
+        for &b in bytes {
+            next.clear();
+            for &s in &states {
+                self.grammar.step(&mut self.arena, s, b, &mut next);
+            }
+            std::mem::swap(&mut states, &mut next);
+            if states.is_empty() {
+                self.arena.reset_to(before);
+                return Err(GrammarError::TokenRejected { token });
+            }
+        }
+        let mark = self.arena.mark();
+        self.history.push((states, mark));
+        Ok(())
+    }
+
+    pub fn rollback(&mut self, n: usize) -> Result<(), GrammarError> {
+        let available = self.history.len() - 1 + self.finished as usize;
+        if n > available {
+            return Err(GrammarError::RollbackTooFar {
+                requested: n,
+                available,
+            });
+        }
+        let mut n = n;
+        if n > 0 && self.finished {
+            self.finished = false;
+            n -= 1;
+        }
+        self.history.truncate(self.history.len() - n);
+        let mark = self.history.last().expect("start is kept").1;
+        self.arena.reset_to(mark);
+        Ok(())
+    }
+
+    /// Sets the bits of every token allowed next; clears the rest.
+    pub fn fill_bitmask(&mut self, mask: &mut [u32]) {
+        mask.fill(0);
+        if self.finished {
+            return;
+        }
+        if self.can_finish() {
+            for &e in self.grammar.vocab.eos_tokens() {
+                allow(mask, e);
+            }
+        }
+        let mark = self.arena.mark();
+        let grammar = self.grammar.clone();
+        let depth = grammar.vocab.trie().max_depth() + 1;
+        let mut walk = Walk {
+            grammar: &grammar,
+            arena: &mut self.arena,
+            states: vec![Vec::new(); depth],
+            mask,
+        };
+        walk.states[0] = self.history.last().expect("start is kept").0.clone();
+        grammar.vocab.trie().walk(&mut walk);
+        self.arena.reset_to(mark);
+    }
+}
+
+/// Steps every live stack along the trie path; a byte that leaves none prunes the subtree.
+struct Walk<'a> {
+    grammar: &'a JsonGrammar,
+    arena: &'a mut Arena,
+    states: Vec<Vec<Stack>>,
+    mask: &'a mut [u32],
+}
+
+impl TrieVisitor for Walk<'_> {
+    fn enter(&mut self, depth: usize, byte: u8) -> bool {
+        let (before, after) = self.states.split_at_mut(depth);
+        let out = &mut after[0];
+        out.clear();
+        for &s in &before[depth - 1] {
+            self.grammar.step(self.arena, s, byte, out);
+        }
+        !out.is_empty()
+    }
+
+    fn tokens(&mut self, tokens: &[TokenId]) {
+        for &t in tokens {
+            allow(self.mask, t);
+        }
+    }
+}

@@ -1,0 +1,258 @@
+//! The JSON Schema matcher: every output it allows validates (checked by the independent
+//! `jsonschema` crate), real schemas' valid instances go through and invalid ones are refused.
+
+use std::io::BufRead;
+use std::sync::Arc;
+
+use quarry_grammar::json::{JsonGrammar, JsonMatcher, SchemaOptions, Whitespace};
+use quarry_grammar::{allowed_tokens, bitmask_words, is_allowed, TokenVocab};
+use serde_json::{json, Value};
+
+const EOS: u32 = 0;
+
+/// Every byte as a token, plus JSON-shaped multi-byte tokens as a BPE vocabulary has them.
+fn vocab() -> Arc<TokenVocab> {
+    let mut toks: Vec<Vec<u8>> = vec![b"<|eos|>".to_vec()];
+    toks.extend((0..=255u8).map(|b| vec![b]));
+    let words = [
+        "{\"", "\":", "\": ", "\", \"", "\",\"", "\"}", "\"]", "},", "}]", "[{", "[\"", "\"name", "name", "\"id", "id",
+        "true", "false", "null", "12", "345", "-1", "0.", "e+", ", ", ": ", "  ", "\n", "\\n", "\\\"", "\\u00", "abc",
+        " the", "é", "日本", "2024", "-01-", "T12:", ":00Z", "@", ".com", "\"type\"", "children", "value", "tags",
+    ];
+    toks.extend(words.iter().map(|w| w.as_bytes().to_vec()));
+    TokenVocab::new(toks, &[], &[EOS])
+}
+
+fn byte_token(b: u8) -> u32 {
+    1 + b as u32
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % n as u64) as usize
+    }
+}
+
+fn hard_cases() -> Vec<Value> {
+    vec![
+        json!({"type": "object", "properties": {
+            "name": {"type": "string", "minLength": 1, "maxLength": 8},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "tags": {"type": "array", "items": {"enum": ["a", "b", "日本"]}, "minItems": 1, "maxItems": 3}
+        }, "required": ["name", "age"], "additionalProperties": false}),
+        json!({"$defs": {"node": {"type": "object", "properties": {
+            "value": {"type": "integer"},
+            "children": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}
+        }, "required": ["value"], "additionalProperties": false}}, "$ref": "#/$defs/node"}),
+        json!({"anyOf": [
+            {"type": "object", "properties": {"kind": {"const": "a"}, "x": {"type": "integer"}}, "required": ["kind", "x"], "additionalProperties": false},
+            {"type": "object", "properties": {"kind": {"const": "b"}, "y": {"type": "boolean"}}, "required": ["kind"], "additionalProperties": false}
+        ]}),
+        json!({"type": "array", "items": {"type": "array", "items": {"type": ["number", "null"]}, "minItems": 1, "maxItems": 2}, "maxItems": 3}),
+        json!({"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}-\\d{2}$"}, "city": {"type": "string", "pattern": "\\p{L}+"}}, "required": ["code", "city"], "additionalProperties": false}),
+        json!({"type": "object", "patternProperties": {"^x-": {"type": "integer"}}, "additionalProperties": {"type": "string", "format": "date"}, "maxProperties": 2}),
+        json!({"type": "object", "properties": {"email": {"type": "string", "format": "email"}, "n": {"type": "integer", "exclusiveMinimum": -3, "maximum": 3}}, "required": ["email", "n"], "additionalProperties": false}),
+        json!({"enum": [1, "x", null, {"a": [true]}, [1, 2]]}),
+    ]
+}
+
+fn random_output(matcher: &mut JsonMatcher, vocab: &TokenVocab, rng: &mut Rng) -> Option<String> {
+    let mut out = Vec::new();
+    let mut mask = vec![0u32; bitmask_words(vocab.vocab_size())];
+    while !matcher.is_finished() {
+        matcher.fill_bitmask(&mut mask);
+        let allowed: Vec<u32> = allowed_tokens(&mask).collect();
+        assert!(
+            !allowed.is_empty(),
+            "dead end after {:?}",
+            String::from_utf8_lossy(&out)
+        );
+        if out.len() > 1500 {
+            return None; // a walk that keeps nesting is abandoned, not judged
+        }
+        // Closing tokens (and quotes, which end strings) get a boost once the output is long,
+        // so walks tend to end.
+        let closers: Vec<u32> = allowed
+            .iter()
+            .copied()
+            .filter(|&t| t == EOS || [b'}', b']', b'"'].contains(&vocab.token_bytes(t).first().copied().unwrap_or(0)))
+            .collect();
+        let t = if out.len() > 60 && !closers.is_empty() && rng.next(2) == 0 {
+            closers[rng.next(closers.len())]
+        } else {
+            allowed[rng.next(allowed.len())]
+        };
+        matcher
+            .accept(t)
+            .unwrap_or_else(|e| panic!("allowed token {t} refused: {e}"));
+        if t != EOS {
+            out.extend_from_slice(vocab.token_bytes(t));
+        }
+    }
+    Some(String::from_utf8(out).expect("outputs are valid UTF-8"))
+}
+
+#[test]
+fn random_walks_always_produce_valid_json() {
+    let vocab = vocab();
+    let mut rng = Rng(0x2545F4914F6CDD1D);
+    for (i, schema) in hard_cases().into_iter().enumerate() {
+        let validator = jsonschema::validator_for(&schema).unwrap();
+        for ws in [Whitespace::Compact, Whitespace::Flexible { max_run: 2 }] {
+            let grammar = JsonGrammar::compile(&schema, &SchemaOptions::default(), ws, vocab.clone()).unwrap();
+            let mut finished = 0;
+            for _ in 0..60 {
+                let mut m = JsonMatcher::new(grammar.clone());
+                let Some(text) = random_output(&mut m, &vocab, &mut rng) else {
+                    continue;
+                };
+                let value: Value = match serde_json::from_str(&text) {
+                    Ok(v) => v,
+                    // Valid JSON (RFC 8259 lets parsers bound number ranges), but serde_json
+                    // cannot hold it as an f64, so the validator cannot judge it.
+                    Err(e) if e.to_string().starts_with("number out of range") => continue,
+                    Err(e) => panic!("case {i}: {text:?} is not JSON: {e}"),
+                };
+                assert!(validator.is_valid(&value), "case {i}: {text} does not validate");
+                if ws == Whitespace::Compact {
+                    assert!(
+                        !text.contains([' ', '\n']) || text.contains('"'),
+                        "case {i}: whitespace in compact output {text}"
+                    );
+                }
+                finished += 1;
+            }
+            assert!(finished >= 20, "case {i}: only {finished} walks finished");
+        }
+    }
+}
+
+/// Python's `json.dumps` (", " and ": " separators, non-ASCII kept), as MaskBench writes
+/// instances.
+fn python_dumps(v: &Value) -> String {
+    match v {
+        Value::Array(a) => format!("[{}]", a.iter().map(python_dumps).collect::<Vec<_>>().join(", ")),
+        Value::Object(o) => format!(
+            "{{{}}}",
+            o.iter()
+                .map(|(k, v)| format!("{}: {}", Value::String(k.clone()), python_dumps(v)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        other => other.to_string(),
+    }
+}
+
+fn accepts(grammar: &Arc<JsonGrammar>, text: &str) -> bool {
+    let mut m = JsonMatcher::new(grammar.clone());
+    text.bytes().all(|b| m.accept(byte_token(b)).is_ok()) && m.can_finish()
+}
+
+#[test]
+fn hand_written_instances() {
+    let vocab = vocab();
+    let schema = &hard_cases()[0];
+    let g = JsonGrammar::compile(
+        schema,
+        &SchemaOptions::default(),
+        Whitespace::Flexible { max_run: 1 },
+        vocab.clone(),
+    )
+    .unwrap();
+    for ok in [
+        r#"{"name": "Ada", "age": 36}"#,
+        r#"{"age": 0, "name": "é", "tags": ["日本"]}"#,
+    ] {
+        assert!(accepts(&g, ok), "{ok}");
+    }
+    for bad in [
+        r#"{"name": "Ada"}"#,
+        r#"{"name": "", "age": 1}"#,
+        r#"{"name": "Ada", "age": 121}"#,
+        r#"{"name": "Ada", "age": 1, "x": 1}"#,
+        r#"{"name": "Ada", "name": "Bob", "age": 1}"#,
+        r#"{"name": "Ada", "age": 1, "tags": []}"#,
+        r#"{"name": "Ada",  "age": 1}"#,
+    ] {
+        assert!(!accepts(&g, bad), "{bad}");
+    }
+    // The mask allows a duplicate key's prefix only while another key can still follow from it.
+    let mut m = JsonMatcher::new(g.clone());
+    for b in br#"{"name": "A", "age": 1, ""#.iter() {
+        m.accept(byte_token(*b)).unwrap();
+    }
+    let mut mask = vec![0u32; bitmask_words(vocab.vocab_size())];
+    m.fill_bitmask(&mut mask);
+    assert!(is_allowed(&mask, byte_token(b't')), "tags is still possible");
+    assert!(
+        !is_allowed(&mask, byte_token(b'n')) && !is_allowed(&mask, byte_token(b'a')),
+        "name and age are taken"
+    );
+}
+
+/// The corpus, sampled: each valid instance is accepted and each invalid one refused; where
+/// the report says every keyword is enforced, no invalid instance may get through.
+#[test]
+fn maskbench_sample_instances() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/maskbench-dev.jsonl.gz");
+    let Ok(file) = std::fs::File::open(&path) else {
+        eprintln!(
+            "skipping: {} not found (the corpus lives in ../shared beside the checkout)",
+            path.display()
+        );
+        return;
+    };
+    let vocab = vocab();
+    let options = SchemaOptions {
+        strict: false,
+        ..Default::default()
+    };
+    let (mut schemas, mut compiled, mut passing, mut valid_rejected, mut invalid_accepted, mut enforced_leaks) =
+        (0, 0, 0, 0, 0, 0);
+    for (i, line) in std::io::BufReader::new(flate2::read::GzDecoder::new(file))
+        .lines()
+        .enumerate()
+    {
+        if i % 40 != 0 {
+            continue;
+        }
+        let entry: Value = serde_json::from_str(&line.unwrap()).unwrap();
+        schemas += 1;
+        let Ok(g) = JsonGrammar::compile(
+            &entry["schema"],
+            &options,
+            Whitespace::Flexible { max_run: 1 },
+            vocab.clone(),
+        ) else {
+            continue;
+        };
+        compiled += 1;
+        let mut ok = true;
+        for test in entry["tests"].as_array().unwrap() {
+            let accepted = accepts(&g, &python_dumps(&test["data"]));
+            let valid = test["valid"].as_bool().unwrap();
+            if valid && !accepted {
+                valid_rejected += 1;
+                ok = false;
+            }
+            if !valid && accepted {
+                invalid_accepted += 1;
+                ok = false;
+                if g.report().fully_enforced() {
+                    enforced_leaks += 1;
+                    eprintln!("LEAK {}: {}", entry["name"], python_dumps(&test["data"]));
+                }
+            }
+        }
+        passing += ok as usize;
+    }
+    eprintln!("sample: schemas={schemas} compiled={compiled} passing={passing} valid_rejected={valid_rejected} invalid_accepted={invalid_accepted} (fully enforced: {enforced_leaks})");
+    assert_eq!(
+        enforced_leaks, 0,
+        "invalid instances accepted by schemas reported as fully enforced"
+    );
+}
