@@ -1,0 +1,233 @@
+//! MaskBench: correctness and speed of the JSON Schema matcher on a corpus of real schemas
+//! with valid and invalid instances (JSONSchemaBench's format), the same protocol as
+//! scripts/peers/maskbench_peer.py so the SUMMARY lines compare directly.
+//!
+//!   cargo run -p quarry-grammar --release --example maskbench -- CORPUS.jsonl.gz \
+//!       --tokenizer FIXTURE.json [--limit N] [--every N]
+//!
+//! Fixtures come from scripts/grammar-fixtures. Instances are written as Python's json.dumps
+//! writes them (", " and ": " separators, non-ASCII kept) and tokenized canonically; before
+//! each token the mask is computed (timed) and must contain it; EOS must be allowed at the
+//! end. A schema passes when it compiles and every instance behaves. Both whitespace policies
+//! are run; the flexible one (which admits json.dumps' separators) prints last.
+
+use std::collections::HashMap;
+use std::io::BufRead;
+use std::sync::Arc;
+use std::time::Instant;
+
+use quarry_grammar::json::{JsonGrammar, JsonMatcher, SchemaOptions, Whitespace};
+use quarry_grammar::{bitmask_words, is_allowed, TokenVocab};
+use serde_json::Value;
+
+struct Args {
+    corpus: String,
+    tokenizer: String,
+    limit: usize,
+    every: usize,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut it = std::env::args().skip(1);
+    let mut args = Args {
+        corpus: String::new(),
+        tokenizer: String::new(),
+        limit: usize::MAX,
+        every: 1,
+    };
+    while let Some(a) = it.next() {
+        let mut value = |name: &str| it.next().ok_or(format!("{name} needs a value"));
+        match a.as_str() {
+            "--tokenizer" => args.tokenizer = value("--tokenizer")?,
+            "--limit" => args.limit = value("--limit")?.parse().map_err(|e| format!("--limit: {e}"))?,
+            "--every" => args.every = value("--every")?.parse().map_err(|e| format!("--every: {e}"))?,
+            _ if args.corpus.is_empty() => args.corpus = a,
+            other => return Err(format!("unexpected argument {other}")),
+        }
+    }
+    if args.corpus.is_empty() || args.tokenizer.is_empty() {
+        return Err("usage: maskbench CORPUS.jsonl.gz --tokenizer FILE.json [--limit N] [--every N]".into());
+    }
+    Ok(args)
+}
+
+/// GPT-2's byte-level spelling (printable bytes stand for themselves, the rest for U+0100...),
+/// reversed: tokenizers keeps its own copy of this table private.
+fn byte_decoder() -> HashMap<char, u8> {
+    let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+    let mut map = HashMap::new();
+    let mut extra = 0u32;
+    for b in 0..=255u8 {
+        let c = if printable(b) {
+            char::from(b)
+        } else {
+            extra += 1;
+            char::from_u32(255 + extra).expect("valid code point")
+        };
+        map.insert(c, b);
+    }
+    map
+}
+
+fn load_vocab(path: &str) -> Result<(tokenizers::Tokenizer, Arc<TokenVocab>, u32), String> {
+    let tok = tokenizers::Tokenizer::from_file(path).map_err(|e| format!("{path}: {e}"))?;
+    let eos_name = std::fs::read_to_string(std::path::Path::new(path).with_extension("eos"))
+        .map_err(|e| format!("{path} .eos sidecar: {e}"))?;
+    let eos = tok
+        .token_to_id(eos_name.trim())
+        .ok_or("EOS token not in the vocabulary")?;
+    let size = tok.get_vocab_size(true);
+    let decoder = byte_decoder();
+    let special: Vec<u32> = tok
+        .get_added_tokens_decoder()
+        .iter()
+        .filter(|(_, t)| t.special)
+        .map(|(&id, _)| id)
+        .collect();
+    let mut bytes = vec![Vec::new(); size];
+    for (text, id) in tok.get_vocab(true) {
+        if special.contains(&id) {
+            continue;
+        }
+        if let Some(b) = text
+            .chars()
+            .map(|c| decoder.get(&c).copied())
+            .collect::<Option<Vec<u8>>>()
+        {
+            bytes[id as usize] = b;
+        }
+    }
+    let vocab = TokenVocab::new(bytes, &special, &[eos]);
+    Ok((tok, vocab, eos))
+}
+
+fn python_dumps(v: &Value) -> String {
+    match v {
+        Value::Array(a) => format!("[{}]", a.iter().map(python_dumps).collect::<Vec<_>>().join(", ")),
+        Value::Object(o) => format!(
+            "{{{}}}",
+            o.iter()
+                .map(|(k, v)| format!("{}: {}", Value::String(k.clone()), python_dumps(v)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        other => other.to_string(),
+    }
+}
+
+#[derive(Default)]
+struct Tally {
+    schemas: usize,
+    compiled: usize,
+    passing: usize,
+    invalid_accepted: usize,
+    valid_rejected: usize,
+    mask_us: Vec<f64>,
+    compile_ms: Vec<f64>,
+}
+
+fn percentile(xs: &mut [f64], q: f64) -> f64 {
+    if xs.is_empty() {
+        return 0.0;
+    }
+    xs.sort_by(f64::total_cmp);
+    xs[((q * xs.len() as f64) as usize).min(xs.len() - 1)]
+}
+
+fn run(entries: &[Value], tok: &tokenizers::Tokenizer, vocab: &Arc<TokenVocab>, eos: u32, ws: Whitespace) -> Tally {
+    let options = SchemaOptions {
+        strict: false,
+        ..Default::default()
+    };
+    let mut t = Tally::default();
+    let mut mask = vec![0u32; bitmask_words(vocab.vocab_size())];
+    for entry in entries {
+        t.schemas += 1;
+        let start = Instant::now();
+        let Ok(grammar) = JsonGrammar::compile(&entry["schema"], &options, ws, vocab.clone()) else {
+            continue;
+        };
+        t.compile_ms.push(start.elapsed().as_secs_f64() * 1e3);
+        t.compiled += 1;
+        let mut ok = true;
+        for test in entry["tests"].as_array().into_iter().flatten() {
+            let text = python_dumps(&test["data"]);
+            let mut ids = tok
+                .encode(text.as_str(), false)
+                .map(|e| e.get_ids().to_vec())
+                .unwrap_or_default();
+            ids.push(eos);
+            let mut m = JsonMatcher::new(grammar.clone());
+            let mut accepted = true;
+            for &id in &ids {
+                let start = Instant::now();
+                m.fill_bitmask(&mut mask);
+                t.mask_us.push(start.elapsed().as_secs_f64() * 1e6);
+                if !is_allowed(&mask, id) || m.accept(id).is_err() {
+                    accepted = false;
+                    break;
+                }
+            }
+            match (test["valid"].as_bool() == Some(true), accepted) {
+                (true, false) => {
+                    t.valid_rejected += 1;
+                    ok = false;
+                }
+                (false, true) => {
+                    t.invalid_accepted += 1;
+                    ok = false;
+                }
+                _ => {}
+            }
+        }
+        t.passing += ok as usize;
+    }
+    t
+}
+
+fn summary(name: &str, t: &mut Tally) -> String {
+    let mean = t.mask_us.iter().sum::<f64>() / t.mask_us.len().max(1) as f64;
+    let max = t.mask_us.iter().cloned().fold(0.0, f64::max);
+    format!(
+        "SUMMARY engine={name} schemas={} compiled={} passing={} invalid_accepted={} valid_rejected={} mask_mean_us={mean:.2} mask_p50_us={:.2} mask_p99_us={:.2} mask_max_us={max:.2} compile_p50_ms={:.3} compile_p99_ms={:.3}",
+        t.schemas, t.compiled, t.passing, t.invalid_accepted, t.valid_rejected,
+        percentile(&mut t.mask_us, 0.5), percentile(&mut t.mask_us, 0.99),
+        percentile(&mut t.compile_ms, 0.5), percentile(&mut t.compile_ms, 0.99),
+    )
+}
+
+fn main() {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("{e}");
+            std::process::exit(2);
+        }
+    };
+    let (tok, vocab, eos) = match load_vocab(&args.tokenizer) {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("{e}");
+            std::process::exit(2);
+        }
+    };
+    let file = match std::fs::File::open(&args.corpus) {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("{}: {e}", args.corpus);
+            std::process::exit(2);
+        }
+    };
+    let entries: Vec<Value> = std::io::BufReader::new(flate2::read::GzDecoder::new(file))
+        .lines()
+        .map_while(Result::ok)
+        .enumerate()
+        .filter(|(i, _)| i % args.every == 0)
+        .filter_map(|(_, l)| serde_json::from_str(&l).ok())
+        .take(args.limit)
+        .collect();
+    let mut compact = run(&entries, &tok, &vocab, eos, Whitespace::Compact);
+    println!("{}", summary("quarry-compact", &mut compact));
+    let mut flexible = run(&entries, &tok, &vocab, eos, Whitespace::Flexible { max_run: 4 });
+    println!("{}", summary("quarry", &mut flexible));
+}
