@@ -45,19 +45,7 @@ impl RegexGrammar {
     }
 
     fn token_mask(&self, state: StateId) -> &[u32] {
-        self.masks[state as usize].get_or_init(|| {
-            let mut mask = vec![0u32; bitmask_words(self.vocab.vocab_size())];
-            if state != DEAD {
-                let mut walk = DfaWalk {
-                    dfa: &self.dfa,
-                    states: vec![DEAD; self.vocab.trie().max_depth() + 1],
-                    mask: &mut mask,
-                };
-                walk.states[0] = state;
-                self.vocab.trie().walk(&mut walk);
-            }
-            mask.into_boxed_slice()
-        })
+        self.masks[state as usize].get_or_init(|| dfa_token_mask(&self.dfa, state, &self.vocab))
     }
 }
 
@@ -72,6 +60,21 @@ pub fn literal(text: &str) -> String {
             }
         })
         .collect()
+}
+
+/// The tokens whose every byte `dfa` accepts from `state` (the end need not be accepting).
+pub(crate) fn dfa_token_mask(dfa: &ByteDfa, state: StateId, vocab: &TokenVocab) -> Box<[u32]> {
+    let mut mask = vec![0u32; bitmask_words(vocab.vocab_size())];
+    if state != DEAD {
+        let mut walk = DfaWalk {
+            dfa,
+            states: vec![DEAD; vocab.trie().max_depth() + 1],
+            mask: &mut mask,
+        };
+        walk.states[0] = state;
+        vocab.trie().walk(&mut walk);
+    }
+    mask.into_boxed_slice()
 }
 
 /// Steps the DFA along the trie: a byte that kills the DFA prunes every token below it.

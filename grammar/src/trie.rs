@@ -33,8 +33,13 @@ pub trait TrieVisitor {
 impl TokTrie {
     /// Builds the trie of every non-special, non-empty token.
     pub fn build(bytes: &[Vec<u8>], special: &[bool]) -> Self {
+        Self::build_filtered(bytes, special, |_| true)
+    }
+
+    /// The trie of the non-special, non-empty tokens whose bytes satisfy `keep`.
+    pub fn build_filtered(bytes: &[Vec<u8>], special: &[bool], keep: impl Fn(&[u8]) -> bool) -> Self {
         let mut ids: Vec<TokenId> = (0..bytes.len() as TokenId)
-            .filter(|&i| !special[i as usize] && !bytes[i as usize].is_empty())
+            .filter(|&i| !special[i as usize] && !bytes[i as usize].is_empty() && keep(&bytes[i as usize]))
             .collect();
         ids.sort_by(|&a, &b| bytes[a as usize].cmp(&bytes[b as usize]).then(a.cmp(&b)));
         let mut trie = TokTrie {

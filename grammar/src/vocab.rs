@@ -1,7 +1,8 @@
 //! A tokenizer's vocabulary as the grammar sees it: the bytes each token stands for, which
 //! tokens are special (never produced by a grammar) and which end the output.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use crate::trie::TokTrie;
 
@@ -12,6 +13,11 @@ pub struct TokenVocab {
     special: Vec<bool>,
     eos: Vec<TokenId>,
     trie: TokTrie,
+    /// Tries of the tokens containing a given byte, built on first use.
+    with_byte: Mutex<HashMap<u8, Arc<TokTrie>>>,
+    /// Token masks of lexeme DFA states, by (lexeme regex, state): shared by every grammar
+    /// over this vocabulary, since most schemas reuse the same few lexemes.
+    lexeme_masks: Mutex<HashMap<(String, u32), Arc<[u32]>>>,
 }
 
 impl TokenVocab {
@@ -32,6 +38,8 @@ impl TokenVocab {
             special: is_special,
             eos,
             trie,
+            with_byte: Mutex::new(HashMap::new()),
+            lexeme_masks: Mutex::new(HashMap::new()),
         })
     }
 
@@ -57,5 +65,34 @@ impl TokenVocab {
 
     pub fn trie(&self) -> &TokTrie {
         &self.trie
+    }
+
+    /// The mask cached for `(regex, state)`, computed by `compute` the first time.
+    pub fn lexeme_mask(&self, regex: &str, state: u32, compute: impl FnOnce() -> Box<[u32]>) -> Arc<[u32]> {
+        let key = (regex.to_string(), state);
+        if let Some(m) = self.lexeme_masks.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+            return m.clone();
+        }
+        // Computed outside the lock: other threads' masks need not wait for this walk.
+        let mask: Arc<[u32]> = compute().into();
+        self.lexeme_masks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(key)
+            .or_insert(mask)
+            .clone()
+    }
+
+    /// The trie of the tokens containing `byte` (say, a quote: the only way out of a string).
+    pub fn trie_with_byte(&self, byte: u8) -> Arc<TokTrie> {
+        let mut cache = self.with_byte.lock().unwrap_or_else(|e| e.into_inner());
+        cache
+            .entry(byte)
+            .or_insert_with(|| {
+                Arc::new(TokTrie::build_filtered(&self.bytes, &self.special, |b| {
+                    b.contains(&byte)
+                }))
+            })
+            .clone()
     }
 }

@@ -63,8 +63,16 @@ fn hard_cases() -> Vec<Value> {
 fn random_output(matcher: &mut JsonMatcher, vocab: &TokenVocab, rng: &mut Rng) -> Option<String> {
     let mut out = Vec::new();
     let mut mask = vec![0u32; bitmask_words(vocab.vocab_size())];
+    let mut reference = mask.clone();
     while !matcher.is_finished() {
         matcher.fill_bitmask(&mut mask);
+        matcher.fill_bitmask_exhaustive(&mut reference);
+        assert_eq!(
+            mask,
+            reference,
+            "shortcut mask differs after {:?}",
+            String::from_utf8_lossy(&out)
+        );
         let allowed: Vec<u32> = allowed_tokens(&mask).collect();
         assert!(
             !allowed.is_empty(),
@@ -177,6 +185,8 @@ fn hand_written_instances() {
         r#"{"name": "Ada", "name": "Bob", "age": 1}"#,
         r#"{"name": "Ada", "age": 1, "tags": []}"#,
         r#"{"name": "Ada",  "age": 1}"#,
+        r#"{"name": "\ud83d", "age": 1}"#,
+        r#"{"name": "\ude00x", "age": 1}"#,
     ] {
         assert!(!accepts(&g, bad), "{bad}");
     }

@@ -2,7 +2,7 @@
 //! through (one DFA per distinct scalar lexeme, one key DFA per object).
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use serde_json::Value;
 
@@ -10,8 +10,9 @@ use super::compile::{compile_schema, SchemaOptions};
 use super::ir::{Node, NodeId, ObjectRules, SchemaGraph, StringRules};
 use super::lexemes::{literal_regex, number_regex, pattern_body, string_body, Whitespace, STRING_CHAR};
 use super::report::CompileReport;
-use crate::dfa::{ByteDfa, DfaLimits};
+use crate::dfa::{ByteDfa, DfaLimits, StateId};
 use crate::error::GrammarError;
+use crate::trie::TokTrie;
 use crate::vocab::TokenVocab;
 
 pub type LexId = u32;
@@ -35,6 +36,11 @@ pub struct KeyAutomaton {
     pub required: Vec<u32>,
     /// Some key beyond the declared ones can always be added.
     pub open: bool,
+    /// Any string may be a key (additional properties allowed): every live state can still
+    /// end as such a key, so which keys stay inside depends on the DFA state alone.
+    pub any_key: bool,
+    /// Identifies this key DFA in the vocabulary's shared mask cache.
+    pub cache_key: String,
 }
 
 pub struct JsonGrammar {
@@ -46,6 +52,13 @@ pub struct JsonGrammar {
     /// Per node, the keys of an object node.
     pub(crate) keys: Vec<Option<KeyAutomaton>>,
     pub(crate) vocab: Arc<TokenVocab>,
+    /// The tokens containing a quote: the only tokens that can leave a string body.
+    pub(crate) quote_trie: Arc<TokTrie>,
+    /// Per lexeme and DFA state, the tokens that stay inside that lexeme: they depend on the
+    /// state alone, so each is computed once.
+    inner: Vec<Vec<OnceLock<Arc<[u32]>>>>,
+    /// The regex each lexeme was built from (the key of the vocabulary's shared mask cache).
+    lexeme_regex: Vec<String>,
     report: CompileReport,
 }
 
@@ -85,7 +98,19 @@ impl JsonGrammar {
                 _ => None,
             };
         }
+        let inner = b
+            .lexemes
+            .iter()
+            .map(|d| (0..d.num_states()).map(|_| OnceLock::new()).collect())
+            .collect();
+        let mut lexeme_regex = vec![String::new(); b.lexemes.len()];
+        for (regex, &id) in &b.by_regex {
+            lexeme_regex[id as usize] = regex.clone();
+        }
         Ok(Arc::new(JsonGrammar {
+            quote_trie: vocab.trie_with_byte(b'"'),
+            inner,
+            lexeme_regex,
             graph,
             whitespace,
             lexemes: b.lexemes,
@@ -94,6 +119,24 @@ impl JsonGrammar {
             vocab,
             report,
         }))
+    }
+
+    /// The tokens lexeme `lex` takes whole from `state` without ending.
+    pub(crate) fn inner_mask(&self, lex: LexId, state: StateId) -> &[u32] {
+        self.inner[lex as usize][state as usize].get_or_init(|| {
+            let dfa = &self.lexemes[lex as usize];
+            self.vocab.lexeme_mask(&self.lexeme_regex[lex as usize], state, || {
+                crate::regex::dfa_token_mask(dfa, state, &self.vocab)
+            })
+        })
+    }
+
+    /// The tokens that stay inside a key of object `node` from `state` (objects with `any_key`).
+    pub(crate) fn key_inner_mask(&self, node: NodeId, state: StateId) -> Arc<[u32]> {
+        let keys = self.keys[node as usize].as_ref().expect("object nodes have keys");
+        self.vocab.lexeme_mask(&keys.cache_key, state, || {
+            crate::regex::dfa_token_mask(&keys.dfa, state, &self.vocab)
+        })
     }
 
     pub fn report(&self) -> &CompileReport {
@@ -206,7 +249,10 @@ fn key_automaton(o: &ObjectRules, graph: &SchemaGraph) -> Result<KeyAutomaton, G
         .filter_map(|r| names.iter().position(|(n, _)| n == r))
         .map(|i| i as u32)
         .collect();
+    let cache_key = format!("key\u{0}{}", refs.join("\u{0}"));
     Ok(KeyAutomaton {
+        any_key: open_additional,
+        cache_key,
         dfa,
         num_props: names.len() as u32,
         values,

@@ -9,7 +9,9 @@ use crate::lexeme::{format_regex, int_range_regex, integer_bounds};
 
 /// One character of a JSON string body, as encoded: a character other than `"`, `\` and
 /// controls, or an escape.
-pub const STRING_CHAR: &str = r#"(?:[^"\\\x00-\x1F]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})"#;
+/// `\u` escapes name a Unicode scalar: a surrogate only as a high-low pair, never alone (many
+/// parsers, serde_json among them, refuse a lone one).
+pub const STRING_CHAR: &str = r#"(?:[^"\\\x00-\x1F]|\\["\\/bfnrt]|\\u(?:[0-9a-cA-Ce-fE-F][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2})|\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2})"#;
 
 /// Longest `maxLength` spelled out as a counted repetition; beyond it the DFA would grow
 /// with the bound, so the bound is left to a later check (and reported).

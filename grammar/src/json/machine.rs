@@ -200,17 +200,16 @@ impl JsonGrammar {
             }
             Frame::Str { lex, state } => {
                 let dfa = &self.lexemes[lex as usize];
-                if b == b'"' {
-                    if dfa.is_accepting(state) {
-                        if let Some(p) = self.value_done(arena, arena.parent(s)) {
-                            out.push(p);
-                        }
-                    }
-                    return;
-                }
+                // The body takes the byte first: a quote inside an escape (`\"`) is text. A
+                // quote the body cannot take closes the string, if the body is complete there
+                // (mid-escape it never is, so the two cannot both apply).
                 let next = dfa.next(state, b);
                 if next != DEAD {
                     out.push(arena.replace(s, Frame::Str { lex, state: next }));
+                } else if b == b'"' && dfa.is_accepting(state) {
+                    if let Some(p) = self.value_done(arena, arena.parent(s)) {
+                        out.push(p);
+                    }
                 }
             }
             Frame::Object {
@@ -433,8 +432,10 @@ impl JsonGrammar {
         let Frame::Object { count, seen, .. } = arena.top(obj) else {
             return;
         };
-        if b != b'"' {
-            let next = keys.dfa.next(state, b);
+        // As in string bodies: the key's DFA takes the byte first (`\"` inside an escape), and
+        // only a quote it cannot take closes the key.
+        let next = keys.dfa.next(state, b);
+        if next != DEAD || b != b'"' {
             if self.key_viable(arena, node, seen, next) {
                 out.push(arena.replace(s, Frame::Key { node, state: next }));
             }

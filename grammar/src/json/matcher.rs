@@ -3,10 +3,10 @@
 use std::sync::Arc;
 
 use super::grammar::JsonGrammar;
-use super::machine::{Arena, Stack};
+use super::machine::{Arena, Frame, Stack};
 use crate::bitmask::allow;
 use crate::error::GrammarError;
-use crate::trie::TrieVisitor;
+use crate::trie::{TokTrie, TrieVisitor};
 use crate::vocab::TokenId;
 
 pub struct JsonMatcher {
@@ -95,28 +95,81 @@ impl JsonMatcher {
     }
 
     /// Sets the bits of every token allowed next; clears the rest.
+    ///
+    /// Inside a string body, a token either stays inside (which depends on the body's DFA
+    /// state alone: cached) or contains a quote, the only way out; so only the few tokens
+    /// with a quote are walked against the whole stack. Other stacks walk the full trie.
     pub fn fill_bitmask(&mut self, mask: &mut [u32]) {
+        if !self.begin_mask(mask) {
+            return;
+        }
+        let grammar = self.grammar.clone();
+        let current = self.current().to_vec();
+        // Stacks inside a string body, or inside a key of an object that takes any key.
+        let shortcut = |arena: &Arena, s: Stack| match arena.top(s) {
+            Frame::Str { .. } => true,
+            Frame::Key { node, .. } => grammar.keys[node as usize].as_ref().is_some_and(|k| k.any_key),
+            _ => false,
+        };
+        let (in_string, other): (Vec<Stack>, Vec<Stack>) = current.iter().partition(|&&s| shortcut(&self.arena, s));
+        for &s in &in_string {
+            match self.arena.top(s) {
+                Frame::Str { lex, state } => or_into(mask, grammar.inner_mask(lex, state)),
+                Frame::Key { node, state } => or_into(mask, &grammar.key_inner_mask(node, state)),
+                _ => {}
+            }
+        }
+        if !in_string.is_empty() {
+            self.walk(&grammar.quote_trie, in_string, mask);
+        }
+        if !other.is_empty() {
+            self.walk(grammar.vocab.trie(), other, mask);
+        }
+    }
+
+    /// `fill_bitmask` without the string shortcut: every stack against the whole trie. The
+    /// reference the shortcut is tested against.
+    #[doc(hidden)]
+    pub fn fill_bitmask_exhaustive(&mut self, mask: &mut [u32]) {
+        if !self.begin_mask(mask) {
+            return;
+        }
+        let grammar = self.grammar.clone();
+        let current = self.current().to_vec();
+        self.walk(grammar.vocab.trie(), current, mask);
+    }
+
+    /// Clears `mask` and sets EOS where allowed; false when nothing more may come.
+    fn begin_mask(&self, mask: &mut [u32]) -> bool {
         mask.fill(0);
         if self.finished {
-            return;
+            return false;
         }
         if self.can_finish() {
             for &e in self.grammar.vocab.eos_tokens() {
                 allow(mask, e);
             }
         }
+        true
+    }
+
+    fn walk(&mut self, trie: &TokTrie, stacks: Vec<Stack>, mask: &mut [u32]) {
         let mark = self.arena.mark();
-        let grammar = self.grammar.clone();
-        let depth = grammar.vocab.trie().max_depth() + 1;
         let mut walk = Walk {
-            grammar: &grammar,
+            grammar: &self.grammar,
             arena: &mut self.arena,
-            states: vec![Vec::new(); depth],
+            states: vec![Vec::new(); trie.max_depth() + 1],
             mask,
         };
-        walk.states[0] = self.history.last().expect("start is kept").0.clone();
-        grammar.vocab.trie().walk(&mut walk);
+        walk.states[0] = stacks;
+        trie.walk(&mut walk);
         self.arena.reset_to(mark);
+    }
+}
+
+fn or_into(mask: &mut [u32], bits: &[u32]) {
+    for (m, b) in mask.iter_mut().zip(bits) {
+        *m |= b;
     }
 }
 
