@@ -8,6 +8,9 @@ use crate::trie::TokTrie;
 
 pub type TokenId = u32;
 
+/// Token masks by (lexeme regex, DFA state).
+type MaskCache = HashMap<(String, u32), Arc<[u32]>>;
+
 pub struct TokenVocab {
     bytes: Vec<Vec<u8>>,
     special: Vec<bool>,
@@ -17,7 +20,7 @@ pub struct TokenVocab {
     with_byte: Mutex<HashMap<u8, Arc<TokTrie>>>,
     /// Token masks of lexeme DFA states, by (lexeme regex, state): shared by every grammar
     /// over this vocabulary, since most schemas reuse the same few lexemes.
-    lexeme_masks: Mutex<HashMap<(String, u32), Arc<[u32]>>>,
+    lexeme_masks: Mutex<MaskCache>,
 }
 
 impl TokenVocab {
