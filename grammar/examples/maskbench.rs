@@ -124,6 +124,8 @@ struct Tally {
     valid_rejected: usize,
     mask_us: Vec<f64>,
     compile_ms: Vec<f64>,
+    /// The slowest single mask and the schema it came from, to find pathological cases.
+    slowest: (f64, String),
 }
 
 fn percentile(xs: &mut [f64], q: f64) -> f64 {
@@ -162,7 +164,11 @@ fn run(entries: &[Value], tok: &tokenizers::Tokenizer, vocab: &Arc<TokenVocab>, 
             for &id in &ids {
                 let start = Instant::now();
                 m.fill_bitmask(&mut mask);
-                t.mask_us.push(start.elapsed().as_secs_f64() * 1e6);
+                let us = start.elapsed().as_secs_f64() * 1e6;
+                t.mask_us.push(us);
+                if us > t.slowest.0 {
+                    t.slowest = (us, entry["name"].as_str().unwrap_or("?").to_string());
+                }
                 if !is_allowed(&mask, id) || m.accept(id).is_err() {
                     accepted = false;
                     break;
@@ -186,6 +192,7 @@ fn run(entries: &[Value], tok: &tokenizers::Tokenizer, vocab: &Arc<TokenVocab>, 
 }
 
 fn summary(name: &str, t: &mut Tally) -> String {
+    eprintln!("{name}: slowest mask {:.0} us, in schema {}", t.slowest.0, t.slowest.1);
     let mean = t.mask_us.iter().sum::<f64>() / t.mask_us.len().max(1) as f64;
     let max = t.mask_us.iter().cloned().fold(0.0, f64::max);
     format!(
