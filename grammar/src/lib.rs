@@ -12,6 +12,7 @@
 pub mod bitmask;
 pub mod dfa;
 pub mod error;
+mod history;
 pub mod json;
 pub mod lexeme;
 pub mod regex;

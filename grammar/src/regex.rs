@@ -7,6 +7,7 @@ use std::sync::{Arc, OnceLock};
 use crate::bitmask::{allow, bitmask_words};
 use crate::dfa::{ByteDfa, DfaLimits, StateId, DEAD};
 use crate::error::GrammarError;
+use crate::history::History;
 use crate::trie::TrieVisitor;
 use crate::vocab::{TokenId, TokenVocab};
 
@@ -103,9 +104,8 @@ impl TrieVisitor for DfaWalk<'_> {
 /// One request's position in a regex constraint.
 pub struct RegexMatcher {
     grammar: Arc<RegexGrammar>,
-    /// State after each accepted token; the first entry is the start.
-    states: Vec<StateId>,
-    finished: bool,
+    /// The DFA state after each accepted token.
+    history: History<StateId>,
 }
 
 impl RegexMatcher {
@@ -113,19 +113,18 @@ impl RegexMatcher {
         let start = grammar.dfa.start();
         RegexMatcher {
             grammar,
-            states: vec![start],
-            finished: false,
+            history: History::new(start),
         }
     }
 
     fn state(&self) -> StateId {
-        *self.states.last().expect("start state is never popped")
+        *self.history.current()
     }
 
     /// Sets the bits of every token allowed next (EOS when the output may end here); clears
     /// all others.
     pub fn fill_bitmask(&self, mask: &mut [u32]) {
-        if self.finished {
+        if self.history.is_finished() {
             mask.fill(0);
             return;
         }
@@ -138,12 +137,12 @@ impl RegexMatcher {
     }
 
     pub fn accept(&mut self, token: TokenId) -> Result<(), GrammarError> {
-        if self.finished {
+        if self.history.is_finished() {
             return Err(GrammarError::AlreadyFinished);
         }
         let vocab = &self.grammar.vocab;
         if vocab.is_eos(token) && self.can_finish() {
-            self.finished = true;
+            self.history.finish();
             return Ok(());
         }
         let bytes = vocab.token_bytes(token);
@@ -151,36 +150,23 @@ impl RegexMatcher {
         if vocab.is_special(token) || bytes.is_empty() || next == DEAD {
             return Err(GrammarError::TokenRejected { token });
         }
-        self.states.push(next);
+        self.history.push(next);
         Ok(())
     }
 
     /// Undoes the last `n` accepted tokens (an accepted EOS counts as one).
     pub fn rollback(&mut self, n: usize) -> Result<(), GrammarError> {
-        let available = self.states.len() - 1 + self.finished as usize;
-        if n > available {
-            return Err(GrammarError::RollbackTooFar {
-                requested: n,
-                available,
-            });
-        }
-        let mut n = n;
-        if n > 0 && self.finished {
-            self.finished = false;
-            n -= 1;
-        }
-        self.states.truncate(self.states.len() - n);
-        Ok(())
+        self.history.rollback(n)
     }
 
     /// EOS has been accepted.
     pub fn is_finished(&self) -> bool {
-        self.finished
+        self.history.is_finished()
     }
 
     /// The output so far is complete as it is (EOS would be accepted).
     pub fn can_finish(&self) -> bool {
-        !self.finished && self.grammar.dfa.is_accepting(self.state())
+        !self.history.is_finished() && self.grammar.dfa.is_accepting(self.state())
     }
 
     /// The bytes the grammar alone decides from here, up to the first choice.

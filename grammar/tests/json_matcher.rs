@@ -198,6 +198,17 @@ fn hand_written_instances() {
     let mut mask = vec![0u32; bitmask_words(vocab.vocab_size())];
     m.fill_bitmask(&mut mask);
     assert!(is_allowed(&mask, byte_token(b't')), "tags is still possible");
+    // Rolling back restores the mask, the arena included; EOS counts as one step.
+    let before = mask.clone();
+    for b in br#"tags": ["a"]}"#.iter() {
+        m.accept(byte_token(*b)).unwrap();
+    }
+    m.accept(EOS).unwrap();
+    assert!(m.is_finished());
+    m.rollback(14).unwrap();
+    m.fill_bitmask(&mut mask);
+    assert_eq!(mask, before, "back where the key began");
+    assert!(m.rollback(100).is_err(), "cannot roll back past the start");
     assert!(
         !is_allowed(&mask, byte_token(b'n')) && !is_allowed(&mask, byte_token(b'a')),
         "name and age are taken"

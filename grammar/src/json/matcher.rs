@@ -6,16 +6,16 @@ use super::grammar::JsonGrammar;
 use super::machine::{Arena, Frame, Stack};
 use crate::bitmask::allow;
 use crate::error::GrammarError;
+use crate::history::History;
 use crate::trie::{TokTrie, TrieVisitor};
 use crate::vocab::TokenId;
 
 pub struct JsonMatcher {
     grammar: Arc<JsonGrammar>,
     arena: Arena,
-    /// The live stacks after each accepted token (the first entry is the start), with the
-    /// arena size to return to when rolling back past it.
-    history: Vec<(Vec<Stack>, (usize, usize))>,
-    finished: bool,
+    /// The live stacks after each accepted token, with the arena size to return to when
+    /// rolling back to them.
+    history: History<(Vec<Stack>, (usize, usize))>,
 }
 
 impl JsonMatcher {
@@ -26,30 +26,29 @@ impl JsonMatcher {
         JsonMatcher {
             grammar,
             arena,
-            history: vec![(vec![start], mark)],
-            finished: false,
+            history: History::new((vec![start], mark)),
         }
     }
 
     fn current(&self) -> &[Stack] {
-        &self.history.last().expect("start is never popped").0
+        &self.history.current().0
     }
 
     pub fn can_finish(&self) -> bool {
-        !self.finished && self.current().iter().any(|&s| self.grammar.can_finish(&self.arena, s))
+        !self.history.is_finished() && self.current().iter().any(|&s| self.grammar.can_finish(&self.arena, s))
     }
 
     pub fn is_finished(&self) -> bool {
-        self.finished
+        self.history.is_finished()
     }
 
     pub fn accept(&mut self, token: TokenId) -> Result<(), GrammarError> {
-        if self.finished {
+        if self.history.is_finished() {
             return Err(GrammarError::AlreadyFinished);
         }
         let vocab = self.grammar.vocab.clone();
         if vocab.is_eos(token) && self.can_finish() {
-            self.finished = true;
+            self.history.finish();
             return Ok(());
         }
         let bytes = vocab.token_bytes(token);
@@ -75,21 +74,10 @@ impl JsonMatcher {
         Ok(())
     }
 
+    /// Undoes the last `n` accepted tokens (an accepted EOS counts as one).
     pub fn rollback(&mut self, n: usize) -> Result<(), GrammarError> {
-        let available = self.history.len() - 1 + self.finished as usize;
-        if n > available {
-            return Err(GrammarError::RollbackTooFar {
-                requested: n,
-                available,
-            });
-        }
-        let mut n = n;
-        if n > 0 && self.finished {
-            self.finished = false;
-            n -= 1;
-        }
-        self.history.truncate(self.history.len() - n);
-        let mark = self.history.last().expect("start is kept").1;
+        self.history.rollback(n)?;
+        let mark = self.history.current().1;
         self.arena.reset_to(mark);
         Ok(())
     }
@@ -142,7 +130,7 @@ impl JsonMatcher {
     /// Clears `mask` and sets EOS where allowed; false when nothing more may come.
     fn begin_mask(&self, mask: &mut [u32]) -> bool {
         mask.fill(0);
-        if self.finished {
+        if self.history.is_finished() {
             return false;
         }
         if self.can_finish() {
