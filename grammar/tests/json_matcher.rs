@@ -1,8 +1,11 @@
 //! The JSON Schema matcher: every output it allows validates (checked by the independent
 //! `jsonschema` crate), real schemas' valid instances go through and invalid ones are refused.
 
-use std::io::BufRead;
+mod common;
+
 use std::sync::Arc;
+
+use common::Rng;
 
 use quarry_grammar::json::{JsonGrammar, JsonMatcher, SchemaOptions, Whitespace};
 use quarry_grammar::{allowed_tokens, bitmask_words, is_allowed, TokenVocab};
@@ -25,16 +28,6 @@ fn vocab() -> Arc<TokenVocab> {
 
 fn byte_token(b: u8) -> u32 {
     1 + b as u32
-}
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self, n: usize) -> usize {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 % n as u64) as usize
-    }
 }
 
 fn hard_cases() -> Vec<Value> {
@@ -219,14 +212,7 @@ fn hand_written_instances() {
 /// the report says every keyword is enforced, no invalid instance may get through.
 #[test]
 fn maskbench_sample_instances() {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/maskbench-dev.jsonl.gz");
-    let Ok(file) = std::fs::File::open(&path) else {
-        eprintln!(
-            "skipping: {} not found (the corpus lives in ../shared beside the checkout)",
-            path.display()
-        );
-        return;
-    };
+    let Some(corpus) = common::corpus() else { return };
     let vocab = vocab();
     let options = SchemaOptions {
         strict: false,
@@ -234,14 +220,10 @@ fn maskbench_sample_instances() {
     };
     let (mut schemas, mut compiled, mut passing, mut valid_rejected, mut invalid_accepted, mut enforced_leaks) =
         (0, 0, 0, 0, 0, 0);
-    for (i, line) in std::io::BufReader::new(flate2::read::GzDecoder::new(file))
-        .lines()
-        .enumerate()
-    {
+    for (i, entry) in corpus.enumerate() {
         if i % 40 != 0 {
             continue;
         }
-        let entry: Value = serde_json::from_str(&line.unwrap()).unwrap();
         schemas += 1;
         let Ok(g) = JsonGrammar::compile(
             &entry["schema"],

@@ -1,7 +1,7 @@
 //! The JSON Schema compiler: what it keeps, what it reports, and that real schemas never crash
 //! it.
 
-use std::io::BufRead;
+mod common;
 
 use quarry_grammar::json::{compile_schema, KeywordStatus, Node, SchemaGraph, SchemaOptions};
 use quarry_grammar::GrammarError;
@@ -206,17 +206,9 @@ fn unions_and_intersections() {
 /// Every real-world schema of the corpus compiles or fails with a typed error; none panics.
 #[test]
 fn the_maskbench_corpus_never_crashes_the_compiler() {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/maskbench-dev.jsonl.gz");
-    let Ok(file) = std::fs::File::open(&path) else {
-        eprintln!(
-            "skipping: {} not found (the corpus lives in ../shared beside the checkout)",
-            path.display()
-        );
-        return;
-    };
+    let Some(corpus) = common::corpus() else { return };
     let (mut ok, mut strict_ok, mut errors) = (0, 0, std::collections::BTreeMap::<String, usize>::new());
-    for line in std::io::BufReader::new(flate2::read::GzDecoder::new(file)).lines() {
-        let entry: serde_json::Value = serde_json::from_str(&line.unwrap()).unwrap();
+    for entry in corpus {
         let schema = &entry["schema"];
         match compile_schema(schema, &lenient()) {
             Ok(_) => ok += 1,

@@ -1,6 +1,10 @@
 //! The regex constraint against brute force and against an independent regex engine.
 
+mod common;
+
 use std::sync::Arc;
+
+use common::Rng;
 
 use quarry_grammar::dfa::DEAD;
 use quarry_grammar::{allowed_tokens, bitmask_words, is_allowed, RegexGrammar, RegexMatcher, TokenVocab};
@@ -45,16 +49,6 @@ const PATTERNS: &[(&str, &[&str])] = &[
     (r"[a-z0-9._]+@[a-z0-9]+\.(com|org)", &["user@www.com", "a.b@x.org"]),
     (r"(日本語|😀|é)+", &["日本語😀", "éé"]),
 ];
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self, n: usize) -> usize {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 % n as u64) as usize
-    }
-}
 
 fn mask(m: &RegexMatcher, vocab: &TokenVocab) -> Vec<u32> {
     let mut mask = vec![0u32; bitmask_words(vocab.vocab_size())];
