@@ -14,7 +14,7 @@ pub const BOTTOM: Stack = 0;
 /// Guards against `anyOf` aliases that refer to each other without ever consuming a byte.
 const MAX_EXPANSION: usize = 64;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ObjPhase {
     /// After `{`: a key or `}`.
     Open,
@@ -32,7 +32,7 @@ pub enum ObjPhase {
     Comma,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ArrPhase {
     Open,
     InValue,
@@ -40,7 +40,7 @@ pub enum ArrPhase {
     Comma,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Frame {
     Bottom,
     /// A value of `node`, not started yet.
@@ -119,6 +119,60 @@ impl Arena {
     fn replace(&mut self, s: Stack, frame: Frame) -> Stack {
         let parent = self.parent(s);
         self.push(parent, frame)
+    }
+
+    /// The properties of a seen list, sorted: two lists are the same set whatever their order
+    /// or where in the arena they live.
+    fn seen_set(&self, mut list: u32) -> Vec<u32> {
+        let mut out = Vec::new();
+        while list != 0 {
+            let (p, next) = self.seen[list as usize];
+            out.push(p);
+            list = next;
+        }
+        out.sort_unstable();
+        out
+    }
+
+    /// A stack's content from top to bottom, seen lists by their sets: equal for stacks that
+    /// behave the same on every input.
+    fn content(&self, mut s: Stack) -> Vec<(Frame, Vec<u32>)> {
+        let mut out = Vec::new();
+        while s != BOTTOM {
+            let (frame, parent) = self.frames[s as usize];
+            out.push(match frame {
+                Frame::Object {
+                    node,
+                    phase,
+                    ws,
+                    count,
+                    seen,
+                } => (
+                    Frame::Object {
+                        node,
+                        phase,
+                        ws,
+                        count,
+                        seen: 0,
+                    },
+                    self.seen_set(seen),
+                ),
+                f => (f, Vec::new()),
+            });
+            s = parent;
+        }
+        out
+    }
+
+    /// Drops stacks whose content equals an earlier one's. Large `anyOf`s of similar objects
+    /// otherwise multiply into thousands of copies of the same state.
+    pub fn dedup(&self, stacks: &mut Vec<Stack>) {
+        if stacks.len() < 2 {
+            return;
+        }
+        let mut seen: std::collections::HashSet<Vec<(Frame, Vec<u32>)>> =
+            std::collections::HashSet::with_capacity(stacks.len());
+        stacks.retain(|&s| seen.insert(self.content(s)));
     }
 
     fn has_seen(&self, mut list: u32, prop: u32) -> bool {

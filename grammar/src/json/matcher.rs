@@ -63,6 +63,7 @@ impl JsonMatcher {
             for &s in &states {
                 self.grammar.step(&mut self.arena, s, b, &mut next);
             }
+            self.arena.dedup(&mut next);
             std::mem::swap(&mut states, &mut next);
             if states.is_empty() {
                 self.arena.reset_to(before);
@@ -177,6 +178,7 @@ impl TrieVisitor for Walk<'_> {
         for &s in &before[depth - 1] {
             self.grammar.step(self.arena, s, byte, out);
         }
+        self.arena.dedup(out);
         !out.is_empty()
     }
 
