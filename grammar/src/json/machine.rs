@@ -238,9 +238,7 @@ impl JsonGrammar {
                     let t = arena.replace(s, Frame::Lexeme { lex, state: next });
                     if dfa.is_accepting(next) && !dfa.has_next(next) {
                         // A closed string or literal: the value is done right away.
-                        if let Some(p) = self.value_done(arena, arena.parent(t)) {
-                            out.push(p);
-                        }
+                        self.finish_value(arena, t, out);
                     } else {
                         out.push(t);
                     }
@@ -261,9 +259,7 @@ impl JsonGrammar {
                 if next != DEAD {
                     out.push(arena.replace(s, Frame::Str { lex, state: next }));
                 } else if b == b'"' && dfa.is_accepting(state) {
-                    if let Some(p) = self.value_done(arena, arena.parent(s)) {
-                        out.push(p);
-                    }
+                    self.finish_value(arena, s, out);
                 }
             }
             Frame::Object {
@@ -325,6 +321,13 @@ impl JsonGrammar {
                 }
                 _ => {}
             },
+        }
+    }
+
+    /// The value on top of `s` is finished: its parent moves past it, if it can.
+    fn finish_value(&self, arena: &mut Arena, s: Stack, out: &mut Vec<Stack>) {
+        if let Some(p) = self.value_done(arena, arena.parent(s)) {
+            out.push(p);
         }
     }
 
@@ -422,9 +425,7 @@ impl JsonGrammar {
                 }
             }
             ObjPhase::Open | ObjPhase::AfterValue if b == b'}' && closable => {
-                if let Some(p) = self.value_done(arena, arena.parent(s)) {
-                    out.push(p);
-                }
+                self.finish_value(arena, s, out);
             }
             ObjPhase::AfterValue if b == b',' && more => {
                 out.push(arena.replace(
@@ -548,9 +549,7 @@ impl JsonGrammar {
         let may_close = index as u64 >= rules.min_items;
         match phase {
             ArrPhase::Open | ArrPhase::AfterValue if b == b']' && may_close => {
-                if let Some(p) = self.value_done(arena, arena.parent(s)) {
-                    out.push(p);
-                }
+                self.finish_value(arena, s, out);
             }
             ArrPhase::AfterValue if b == b',' && may_add => {
                 out.push(arena.replace(
