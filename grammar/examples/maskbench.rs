@@ -16,6 +16,9 @@ use std::io::BufRead;
 use std::sync::Arc;
 use std::time::Instant;
 
+#[path = "../tests/common/mod.rs"]
+mod common;
+
 use quarry_grammar::json::{JsonGrammar, JsonMatcher, SchemaOptions, Whitespace};
 use quarry_grammar::{bitmask_words, is_allowed, TokenVocab};
 use serde_json::Value;
@@ -101,20 +104,6 @@ fn load_vocab(path: &str) -> Result<(tokenizers::Tokenizer, Arc<TokenVocab>, u32
     Ok((tok, vocab, eos))
 }
 
-fn python_dumps(v: &Value) -> String {
-    match v {
-        Value::Array(a) => format!("[{}]", a.iter().map(python_dumps).collect::<Vec<_>>().join(", ")),
-        Value::Object(o) => format!(
-            "{{{}}}",
-            o.iter()
-                .map(|(k, v)| format!("{}: {}", Value::String(k.clone()), python_dumps(v)))
-                .collect::<Vec<_>>()
-                .join(", ")
-        ),
-        other => other.to_string(),
-    }
-}
-
 #[derive(Default)]
 struct Tally {
     schemas: usize,
@@ -153,7 +142,7 @@ fn run(entries: &[Value], tok: &tokenizers::Tokenizer, vocab: &Arc<TokenVocab>, 
         t.compiled += 1;
         let mut ok = true;
         for test in entry["tests"].as_array().into_iter().flatten() {
-            let text = python_dumps(&test["data"]);
+            let text = common::python_dumps(&test["data"]);
             let mut ids = tok
                 .encode(text.as_str(), false)
                 .map(|e| e.get_ids().to_vec())

@@ -132,22 +132,6 @@ fn random_walks_always_produce_valid_json() {
     }
 }
 
-/// Python's `json.dumps` (", " and ": " separators, non-ASCII kept), as MaskBench writes
-/// instances.
-fn python_dumps(v: &Value) -> String {
-    match v {
-        Value::Array(a) => format!("[{}]", a.iter().map(python_dumps).collect::<Vec<_>>().join(", ")),
-        Value::Object(o) => format!(
-            "{{{}}}",
-            o.iter()
-                .map(|(k, v)| format!("{}: {}", Value::String(k.clone()), python_dumps(v)))
-                .collect::<Vec<_>>()
-                .join(", ")
-        ),
-        other => other.to_string(),
-    }
-}
-
 fn accepts(grammar: &Arc<JsonGrammar>, text: &str) -> bool {
     let mut m = JsonMatcher::new(grammar.clone());
     text.bytes().all(|b| m.accept(byte_token(b)).is_ok()) && m.can_finish()
@@ -236,7 +220,7 @@ fn maskbench_sample_instances() {
         compiled += 1;
         let mut ok = true;
         for test in entry["tests"].as_array().unwrap() {
-            let accepted = accepts(&g, &python_dumps(&test["data"]));
+            let accepted = accepts(&g, &common::python_dumps(&test["data"]));
             let valid = test["valid"].as_bool().unwrap();
             if valid && !accepted {
                 valid_rejected += 1;
@@ -247,7 +231,7 @@ fn maskbench_sample_instances() {
                 ok = false;
                 if g.report().fully_enforced() {
                     enforced_leaks += 1;
-                    eprintln!("LEAK {}: {}", entry["name"], python_dumps(&test["data"]));
+                    eprintln!("LEAK {}: {}", entry["name"], common::python_dumps(&test["data"]));
                 }
             }
         }

@@ -8,7 +8,7 @@ use serde_json::Value;
 
 use super::compile::{compile_schema, SchemaOptions};
 use super::ir::{Node, NodeId, ObjectRules, SchemaGraph, StringRules};
-use super::lexemes::{literal_regex, number_regex, pattern_body, string_body, Whitespace, STRING_CHAR};
+use super::lexemes::{literal_regex, number_regex, pattern_body, string_body, Whitespace, NOTHING, STRING_CHAR};
 use super::report::CompileReport;
 use crate::dfa::{ByteDfa, DfaLimits, StateId};
 use crate::error::GrammarError;
@@ -73,6 +73,7 @@ impl JsonGrammar {
         expand_any(&mut graph);
         let mut b = Builder {
             lexemes: Vec::new(),
+            regexes: Vec::new(),
             by_regex: HashMap::new(),
         };
         let mut node_lexeme = vec![None; graph.nodes.len()];
@@ -103,14 +104,10 @@ impl JsonGrammar {
             .iter()
             .map(|d| (0..d.num_states()).map(|_| OnceLock::new()).collect())
             .collect();
-        let mut lexeme_regex = vec![String::new(); b.lexemes.len()];
-        for (regex, &id) in &b.by_regex {
-            lexeme_regex[id as usize] = regex.clone();
-        }
         Ok(Arc::new(JsonGrammar {
             quote_trie: vocab.trie_with_byte(b'"'),
             inner,
-            lexeme_regex,
+            lexeme_regex: b.regexes,
             graph,
             whitespace,
             lexemes: b.lexemes,
@@ -150,6 +147,8 @@ impl JsonGrammar {
 
 struct Builder {
     lexemes: Vec<ByteDfa>,
+    /// The regex of each lexeme, by id.
+    regexes: Vec<String>,
     by_regex: HashMap<String, LexId>,
 }
 
@@ -161,6 +160,7 @@ impl Builder {
         let dfa = ByteDfa::from_regex(regex, DfaLimits::default())?;
         let id = self.lexemes.len() as LexId;
         self.lexemes.push(dfa);
+        self.regexes.push(regex.to_string());
         self.by_regex.insert(regex.to_string(), id);
         Ok(id)
     }
@@ -238,7 +238,7 @@ fn key_automaton(o: &ObjectRules, graph: &SchemaGraph) -> Result<KeyAutomaton, G
     }
     if patterns.is_empty() {
         // No key at all is possible: a DFA that never matches.
-        patterns.push("[^\\x00-\\x{10FFFF}]".into());
+        patterns.push(NOTHING.into());
         values.push(o.additional);
     }
     let refs: Vec<&str> = patterns.iter().map(|s| s.as_str()).collect();

@@ -6,6 +6,7 @@ use serde_json::Value;
 use super::ir::{NumberRules, StringRules};
 use crate::dfa::{ByteDfa, DfaLimits, StateId, DEAD};
 use crate::lexeme::{format_regex, int_range_regex, integer_bounds};
+use crate::regex::literal;
 
 /// One character of a JSON string body, as encoded: a character other than `"`, `\` and
 /// controls, or an escape.
@@ -16,6 +17,9 @@ pub const STRING_CHAR: &str = r#"(?:[^"\\\x00-\x1F]|\\["\\/bfnrt]|\\u(?:[0-9a-cA
 /// Longest `maxLength` spelled out as a counted repetition; beyond it the DFA would grow
 /// with the bound, so the bound is left to a later check (and reported).
 pub const MAX_COUNTED_LENGTH: u64 = 256;
+
+/// A regex no input matches (an empty range, an object that admits no key).
+pub const NOTHING: &str = r"[^\x00-\x{10FFFF}]";
 
 pub const NUMBER: &str = r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?";
 pub const INTEGER: &str = r"-?(?:0|[1-9][0-9]*)";
@@ -189,7 +193,7 @@ pub fn number_regex(rules: &NumberRules, integer: bool) -> (String, Vec<&'static
             );
             return match int_range_regex(lo, hi) {
                 Some(r) => (r, loose),
-                None => ("[^\\x00-\\x{10FFFF}]".into(), loose),
+                None => (NOTHING.into(), loose),
             };
         }
         return (INTEGER.into(), loose);
@@ -218,7 +222,7 @@ pub fn literal_regex(value: &Value, ws: Whitespace) -> String {
                 .map(|(k, v)| {
                     format!(
                         "{}{w}:{w}{}",
-                        escape_regex(&Value::String(k.clone()).to_string()),
+                        literal(&Value::String(k.clone()).to_string()),
                         literal_regex(v, ws)
                     )
                 })
@@ -230,17 +234,13 @@ pub fn literal_regex(value: &Value, ws: Whitespace) -> String {
             let s = n.to_string();
             match n.as_f64() {
                 Some(f) if f.fract() == 0.0 && !s.contains('.') && !s.contains('e') => {
-                    format!("{}(?:\\.0+)?", escape_regex(&s))
+                    format!("{}(?:\\.0+)?", literal(&s))
                 }
-                _ => escape_regex(&s),
+                _ => literal(&s),
             }
         }
-        other => escape_regex(&other.to_string()),
+        other => literal(&other.to_string()),
     }
-}
-
-fn escape_regex(s: &str) -> String {
-    crate::regex::literal(s)
 }
 
 #[cfg(test)]

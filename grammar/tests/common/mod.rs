@@ -32,3 +32,20 @@ pub fn corpus() -> Option<impl Iterator<Item = serde_json::Value>> {
             .map(|l| serde_json::from_str(&l.expect("corpus line")).expect("corpus entry")),
     )
 }
+
+/// An instance written as Python's `json.dumps` writes it (", " and ": " separators,
+/// non-ASCII kept), as MaskBench serializes its test instances.
+pub fn python_dumps(v: &serde_json::Value) -> String {
+    use serde_json::Value;
+    match v {
+        Value::Array(a) => format!("[{}]", a.iter().map(python_dumps).collect::<Vec<_>>().join(", ")),
+        Value::Object(o) => format!(
+            "{{{}}}",
+            o.iter()
+                .map(|(k, v)| format!("{}: {}", Value::String(k.clone()), python_dumps(v)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        other => other.to_string(),
+    }
+}
