@@ -111,6 +111,10 @@ struct Tally {
     passing: usize,
     invalid_accepted: usize,
     valid_rejected: usize,
+    /// Schemas whose report says every keyword is enforced, and invalid instances accepted
+    /// among them: the number that must be zero.
+    fully_enforced: usize,
+    enforced_invalid_accepted: usize,
     mask_us: Vec<f64>,
     compile_ms: Vec<f64>,
     /// The slowest single mask and the schema it came from, to find pathological cases.
@@ -140,6 +144,8 @@ fn run(entries: &[Value], tok: &tokenizers::Tokenizer, vocab: &Arc<TokenVocab>, 
         };
         t.compile_ms.push(start.elapsed().as_secs_f64() * 1e3);
         t.compiled += 1;
+        let enforced = grammar.report().fully_enforced();
+        t.fully_enforced += enforced as usize;
         let mut ok = true;
         for test in entry["tests"].as_array().into_iter().flatten() {
             let text = common::python_dumps(&test["data"]);
@@ -170,6 +176,10 @@ fn run(entries: &[Value], tok: &tokenizers::Tokenizer, vocab: &Arc<TokenVocab>, 
                 }
                 (false, true) => {
                     t.invalid_accepted += 1;
+                    t.enforced_invalid_accepted += enforced as usize;
+                    if enforced {
+                        eprintln!("enforced schema {} accepted invalid {}", entry["name"], text);
+                    }
                     ok = false;
                 }
                 _ => {}
@@ -182,6 +192,10 @@ fn run(entries: &[Value], tok: &tokenizers::Tokenizer, vocab: &Arc<TokenVocab>, 
 
 fn summary(name: &str, t: &mut Tally) -> String {
     eprintln!("{name}: slowest mask {:.0} us, in schema {}", t.slowest.0, t.slowest.1);
+    println!(
+        "ENFORCED engine={name} fully_enforced={} invalid_accepted={}",
+        t.fully_enforced, t.enforced_invalid_accepted
+    );
     let mean = t.mask_us.iter().sum::<f64>() / t.mask_us.len().max(1) as f64;
     let max = t.mask_us.iter().cloned().fold(0.0, f64::max);
     format!(
@@ -200,7 +214,7 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let (tok, vocab, eos) = match load_vocab(&args.tokenizer) {
+    let (tok, _, eos) = match load_vocab(&args.tokenizer) {
         Ok(v) => v,
         Err(e) => {
             eprintln!("{e}");
@@ -222,8 +236,10 @@ fn main() {
         .filter_map(|(_, l)| serde_json::from_str(&l).ok())
         .take(args.limit)
         .collect();
-    let mut compact = run(&entries, &tok, &vocab, eos, Whitespace::Compact);
+    // Each run starts from a fresh vocabulary, so it finds no DFAs or masks the other cached.
+    let fresh = || load_vocab(&args.tokenizer).expect("loaded once already").1;
+    let mut compact = run(&entries, &tok, &fresh(), eos, Whitespace::Compact);
     println!("{}", summary("quarry-compact", &mut compact));
-    let mut flexible = run(&entries, &tok, &vocab, eos, Whitespace::Flexible { max_run: 4 });
+    let mut flexible = run(&entries, &tok, &fresh(), eos, Whitespace::Flexible { max_run: 4 });
     println!("{}", summary("quarry", &mut flexible));
 }

@@ -4,6 +4,8 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use crate::dfa::{ByteDfa, DfaLimits};
+use crate::error::GrammarError;
 use crate::trie::TokTrie;
 
 pub type TokenId = u32;
@@ -21,7 +23,14 @@ pub struct TokenVocab {
     /// Token masks of lexeme DFA states, by (lexeme regex, state): shared by every grammar
     /// over this vocabulary, since most schemas reuse the same few lexemes.
     lexeme_masks: Mutex<MaskCache>,
+    /// Lexeme DFAs by regex, shared by every grammar compiled against this vocabulary: real
+    /// schemas use the same few (numbers, formats, plain strings) over and over.
+    dfas: Mutex<HashMap<String, Arc<ByteDfa>>>,
 }
+
+/// Past this many cached DFAs the cache starts over, so a stream of one-off patterns cannot
+/// grow it without bound.
+const MAX_CACHED_DFAS: usize = 4096;
 
 impl TokenVocab {
     /// `bytes[id]` is what token `id` decodes to; special tokens (control tokens such as
@@ -43,6 +52,7 @@ impl TokenVocab {
             trie,
             with_byte: Mutex::new(HashMap::new()),
             lexeme_masks: Mutex::new(HashMap::new()),
+            dfas: Mutex::new(HashMap::new()),
         })
     }
 
@@ -84,6 +94,19 @@ impl TokenVocab {
             .entry(key)
             .or_insert(mask)
             .clone()
+    }
+
+    /// The DFA of `regex`, built on first use.
+    pub fn dfa(&self, regex: &str) -> Result<Arc<ByteDfa>, GrammarError> {
+        if let Some(d) = self.dfas.lock().unwrap_or_else(|e| e.into_inner()).get(regex) {
+            return Ok(d.clone());
+        }
+        let dfa = Arc::new(ByteDfa::from_regex(regex, DfaLimits::default())?);
+        let mut cache = self.dfas.lock().unwrap_or_else(|e| e.into_inner());
+        if cache.len() >= MAX_CACHED_DFAS {
+            cache.clear();
+        }
+        Ok(cache.entry(regex.to_string()).or_insert(dfa).clone())
     }
 
     /// The trie of the tokens containing `byte` (say, a quote: the only way out of a string).

@@ -192,6 +192,27 @@ fn hand_written_instances() {
     );
 }
 
+/// A reference met again while its target is still being compiled (recursion) has no content
+/// yet; an `allOf` around it must keep the reference, not intersect with a placeholder.
+#[test]
+fn all_of_around_a_recursive_reference_keeps_its_constraints() {
+    let schema = json!({"$defs": {"n": {"type": "object", "properties": {
+        "v": {"type": "string"},
+        "c": {"type": "array", "items": {"allOf": [{"$ref": "#/$defs/n"}]}}
+    }, "required": ["v", "c"], "additionalProperties": false}}, "$ref": "#/$defs/n"});
+    let g = JsonGrammar::compile(&schema, &SchemaOptions::default(), Whitespace::Compact, vocab()).unwrap();
+    assert!(g.report().fully_enforced(), "{:?}", g.report());
+    assert!(accepts(&g, r#"{"v":"a","c":[{"v":"b","c":[]}]}"#));
+    assert!(
+        !accepts(&g, r#"{"v":"a","c":[{"v":"b"}]}"#),
+        "the nested object lacks c"
+    );
+    assert!(
+        !accepts(&g, r#"{"v":"a","c":[{"v":"b","c":[],"x":1}]}"#),
+        "no other keys, nested too"
+    );
+}
+
 /// The corpus, sampled: each valid instance is accepted and each invalid one refused; where
 /// the report says every keyword is enforced, no invalid instance may get through.
 #[test]

@@ -64,6 +64,7 @@ pub fn compile_schema(schema: &Value, options: &SchemaOptions) -> Result<(Schema
         nodes: Vec::new(),
         report: CompileReport::default(),
         refs: HashMap::new(),
+        pending: std::collections::HashSet::new(),
         depth: 0,
         merge_depth: 0,
     };
@@ -90,6 +91,9 @@ struct Compiler<'a> {
     report: CompileReport,
     /// Reference target pointer -> node, reserved before the target is compiled.
     refs: HashMap<String, NodeId>,
+    /// Reference targets still being compiled: their node is a placeholder, so nothing may
+    /// be intersected with it yet.
+    pending: std::collections::HashSet<NodeId>,
     depth: usize,
     /// Nesting of `merge` calls: intersecting recursive schemas would otherwise never end.
     merge_depth: usize,
@@ -217,9 +221,11 @@ impl<'a> Compiler<'a> {
             None => {
                 let id = self.push(Node::Any)?;
                 self.refs.insert(fragment.to_string(), id);
+                self.pending.insert(id);
                 self.depth += 1;
                 let node = self.node(resolved, fragment);
                 self.depth -= 1;
+                self.pending.remove(&id);
                 self.nodes[id as usize] = node?;
                 id
             }
@@ -237,6 +243,10 @@ impl<'a> Compiler<'a> {
         let mut rest = obj.clone();
         rest.remove("$ref");
         let siblings = self.node(&Value::Object(rest), pointer)?;
+        if self.is_pending(id) {
+            self.approximate(pointer);
+            return Ok(Node::AnyOf(vec![id]));
+        }
         let target_node = self.nodes[id as usize].clone();
         Ok(self.merge(target_node, siblings, pointer))
     }
@@ -270,6 +280,7 @@ impl<'a> Compiler<'a> {
         if kinds.contains(&"number") && kinds.contains(&"integer") {
             kinds.retain(|k| *k != "integer");
         }
+        let untyped = types.is_empty() && !kinds.is_empty();
         let mut out = Vec::new();
         for kind in kinds {
             out.push(match kind {
@@ -282,6 +293,11 @@ impl<'a> Compiler<'a> {
                 "object" => Node::Object(self.object_rules(obj, pointer)?),
                 other => return Err(bad(pointer, "type", format!("unknown type {other:?}"))),
             });
+        }
+        // No `type` and no keyword of any kind: any value, said once (so that an `allOf` beside
+        // it has nothing to intersect).
+        if untyped && out.iter().all(|n| self.unconstrained(n)) {
+            return Ok(vec![Node::Any]);
         }
         Ok(out)
     }
@@ -326,6 +342,42 @@ impl<'a> Compiler<'a> {
             }
         }
         true
+    }
+
+    /// A kind's node that admits every value of its kind.
+    fn unconstrained(&self, n: &Node) -> bool {
+        let any = |id: NodeId| !self.is_pending(id) && matches!(self.resolve(id), Node::Any);
+        match n {
+            Node::Null | Node::Boolean | Node::Any => true,
+            Node::Number(r) => *r == Default::default(),
+            Node::String(r) => *r == Default::default(),
+            Node::Array(r) => r.prefix.is_empty() && any(r.items) && r.min_items == 0 && r.max_items.is_none(),
+            Node::Object(r) => {
+                r.properties.is_empty()
+                    && r.required.is_empty()
+                    && r.pattern_properties.is_empty()
+                    && any(r.additional)
+                    && r.min_properties == 0
+                    && r.max_properties.is_none()
+                    && r.property_names.is_none()
+            }
+            _ => false,
+        }
+    }
+
+    /// Whether `id` (through single-alternative unions) is a reference target still being
+    /// compiled.
+    fn is_pending(&self, mut id: NodeId) -> bool {
+        for _ in 0..64 {
+            if self.pending.contains(&id) {
+                return true;
+            }
+            match &self.nodes[id as usize] {
+                Node::AnyOf(a) if a.len() == 1 => id = a[0],
+                _ => return false,
+            }
+        }
+        false
     }
 
     /// Follows single-alternative unions (references) to the node they stand for.

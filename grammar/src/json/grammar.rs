@@ -8,7 +8,7 @@ use serde_json::Value;
 
 use super::compile::{compile_schema, SchemaOptions};
 use super::ir::{Node, NodeId, ObjectRules, SchemaGraph, StringRules};
-use super::lexemes::{literal_regex, number_regex, pattern_body, string_body, Whitespace, NOTHING, STRING_CHAR};
+use super::lexemes::{literal_regex, number_regex, pattern_body, string_body, Whitespace};
 use super::report::CompileReport;
 use crate::dfa::{ByteDfa, DfaLimits, StateId};
 use crate::error::GrammarError;
@@ -39,18 +39,19 @@ pub struct KeyAutomaton {
     /// Any string may be a key (additional properties allowed): every live state can still
     /// end as such a key, so which keys stay inside depends on the DFA state alone.
     pub any_key: bool,
-    /// Identifies this key DFA in the vocabulary's shared mask cache.
-    pub cache_key: String,
 }
 
 pub struct JsonGrammar {
     pub(crate) graph: SchemaGraph,
     pub(crate) whitespace: Whitespace,
-    pub(crate) lexemes: Vec<ByteDfa>,
+    pub(crate) lexemes: Vec<Arc<ByteDfa>>,
     /// Per node, the lexeme of a scalar node.
     pub(crate) node_lexeme: Vec<Option<Lexeme>>,
     /// Per node, the keys of an object node.
     pub(crate) keys: Vec<Option<KeyAutomaton>>,
+    /// The plain string body, when some object takes any key: a key's bytes are followed
+    /// through it as well (see `Frame::Key`).
+    pub(crate) any_string: Option<LexId>,
     pub(crate) vocab: Arc<TokenVocab>,
     /// The tokens containing a quote: the only tokens that can leave a string body.
     pub(crate) quote_trie: Arc<TokTrie>,
@@ -72,6 +73,7 @@ impl JsonGrammar {
         let (mut graph, report) = compile_schema(schema, options)?;
         expand_any(&mut graph);
         let mut b = Builder {
+            vocab: &vocab,
             lexemes: Vec::new(),
             regexes: Vec::new(),
             by_regex: HashMap::new(),
@@ -85,20 +87,19 @@ impl JsonGrammar {
                 Node::Integer(r) => Some(Lexeme::Whole(b.lexeme(&number_regex(r, true).0)?)),
                 Node::Number(r) => Some(Lexeme::Whole(b.lexeme(&number_regex(r, false).0)?)),
                 Node::String(r) => Some(Lexeme::StringBody(b.lexeme(&string_body(r).0)?)),
-                Node::Literals(vs) => {
-                    let alts: Vec<String> = vs
-                        .iter()
-                        .map(|v| format!("(?:{})", literal_regex(v, whitespace)))
-                        .collect();
-                    Some(Lexeme::Whole(b.lexeme(&alts.join("|"))?))
-                }
+                Node::Literals(vs) => Some(Lexeme::Whole(b.literals(vs, whitespace)?)),
                 Node::Object(o) => {
-                    keys[id] = Some(key_automaton(o, &graph)?);
+                    keys[id] = Some(key_automaton(o, &graph, &vocab)?);
                     None
                 }
                 _ => None,
             };
         }
+        let any_string = if keys.iter().flatten().any(|k| k.any_key) {
+            Some(b.lexeme(&string_body(&StringRules::default()).0)?)
+        } else {
+            None
+        };
         let inner = b
             .lexemes
             .iter()
@@ -113,6 +114,7 @@ impl JsonGrammar {
             lexemes: b.lexemes,
             node_lexeme,
             keys,
+            any_string,
             vocab,
             report,
         }))
@@ -128,14 +130,6 @@ impl JsonGrammar {
         })
     }
 
-    /// The tokens that stay inside a key of object `node` from `state` (objects with `any_key`).
-    pub(crate) fn key_inner_mask(&self, node: NodeId, state: StateId) -> Arc<[u32]> {
-        let keys = self.keys[node as usize].as_ref().expect("object nodes have keys");
-        self.vocab.lexeme_mask(&keys.cache_key, state, || {
-            crate::regex::dfa_token_mask(&keys.dfa, state, &self.vocab)
-        })
-    }
-
     pub fn report(&self) -> &CompileReport {
         &self.report
     }
@@ -145,24 +139,48 @@ impl JsonGrammar {
     }
 }
 
-struct Builder {
-    lexemes: Vec<ByteDfa>,
+struct Builder<'a> {
+    vocab: &'a TokenVocab,
+    lexemes: Vec<Arc<ByteDfa>>,
     /// The regex of each lexeme, by id.
     regexes: Vec<String>,
     by_regex: HashMap<String, LexId>,
 }
 
-impl Builder {
+impl Builder<'_> {
     fn lexeme(&mut self, regex: &str) -> Result<LexId, GrammarError> {
         if let Some(&id) = self.by_regex.get(regex) {
             return Ok(id);
         }
-        let dfa = ByteDfa::from_regex(regex, DfaLimits::default())?;
+        let dfa = self.vocab.dfa(regex)?;
+        Ok(self.add(regex, dfa))
+    }
+
+    /// The lexeme of `enum`/`const` values. Scalars are exact words, put in a trie directly;
+    /// objects and arrays admit whitespace, so they go through a regex.
+    fn literals(&mut self, values: &[Value], ws: Whitespace) -> Result<LexId, GrammarError> {
+        let regex = values
+            .iter()
+            .map(|v| format!("(?:{})", literal_regex(v, ws)))
+            .collect::<Vec<_>>()
+            .join("|");
+        if let Some(&id) = self.by_regex.get(&regex) {
+            return Ok(id);
+        }
+        if values.iter().any(|v| v.is_object() || v.is_array()) {
+            return self.lexeme(&regex);
+        }
+        let words: Vec<String> = values.iter().map(|v| v.to_string()).collect();
+        let refs: Vec<&[u8]> = words.iter().map(|w| w.as_bytes()).collect();
+        Ok(self.add(&regex, Arc::new(ByteDfa::literals(&refs))))
+    }
+
+    fn add(&mut self, regex: &str, dfa: Arc<ByteDfa>) -> LexId {
         let id = self.lexemes.len() as LexId;
         self.lexemes.push(dfa);
         self.regexes.push(regex.to_string());
         self.by_regex.insert(regex.to_string(), id);
-        Ok(id)
+        id
     }
 }
 
@@ -209,7 +227,7 @@ fn expand_any(graph: &mut SchemaGraph) {
     }
 }
 
-fn key_automaton(o: &ObjectRules, graph: &SchemaGraph) -> Result<KeyAutomaton, GrammarError> {
+fn key_automaton(o: &ObjectRules, graph: &SchemaGraph, vocab: &TokenVocab) -> Result<KeyAutomaton, GrammarError> {
     let mut names: Vec<(String, NodeId)> = o.properties.clone();
     // Required names without a declared schema are still tracked, with the schema an
     // undeclared key would get.
@@ -218,45 +236,42 @@ fn key_automaton(o: &ObjectRules, graph: &SchemaGraph) -> Result<KeyAutomaton, G
             names.push((r.clone(), o.additional));
         }
     }
-    // A key's body: its JSON encoding without the quotes, as a literal.
-    let body = |name: &str| {
-        let quoted = Value::String(name.to_string()).to_string();
-        crate::regex::literal(&quoted[1..quoted.len() - 1])
-    };
-    let mut patterns: Vec<String> = names.iter().map(|(n, _)| body(n)).collect();
+    // A key's body: its JSON encoding without the quotes.
+    let bodies: Vec<String> = names
+        .iter()
+        .map(|(n, _)| {
+            let quoted = Value::String(n.clone()).to_string();
+            quoted[1..quoted.len() - 1].to_string()
+        })
+        .collect();
+    let words: Vec<&[u8]> = bodies.iter().map(|b| b.as_bytes()).collect();
+    let mut parts = vec![Arc::new(ByteDfa::literals(&words))];
     let mut values: Vec<NodeId> = names.iter().map(|(_, v)| *v).collect();
     for (p, node) in &o.pattern_properties {
         if let Ok(body) = pattern_body(p) {
-            patterns.push(body);
+            parts.push(vocab.dfa(&body)?);
             values.push(*node);
         }
     }
-    let open_additional = !matches!(graph.node(o.additional), Node::Never);
-    if open_additional {
-        patterns.push(format!("{STRING_CHAR}*"));
+    let any_key = !matches!(graph.node(o.additional), Node::Never);
+    if any_key {
+        parts.push(vocab.dfa(&string_body(&StringRules::default()).0)?);
         values.push(o.additional);
     }
-    if patterns.is_empty() {
-        // No key at all is possible: a DFA that never matches.
-        patterns.push(NOTHING.into());
-        values.push(o.additional);
-    }
-    let refs: Vec<&str> = patterns.iter().map(|s| s.as_str()).collect();
-    let dfa = ByteDfa::from_regexes(&refs, DfaLimits::default())?;
+    let refs: Vec<&ByteDfa> = parts.iter().map(|p| p.as_ref()).collect();
+    let dfa = ByteDfa::union(&refs, DfaLimits::default().max_states)?;
     let required = o
         .required
         .iter()
         .filter_map(|r| names.iter().position(|(n, _)| n == r))
         .map(|i| i as u32)
         .collect();
-    let cache_key = format!("key\u{0}{}", refs.join("\u{0}"));
     Ok(KeyAutomaton {
-        any_key: open_additional,
-        cache_key,
+        any_key,
         dfa,
         num_props: names.len() as u32,
+        open: values.len() > names.len(),
         values,
         required,
-        open: patterns.len() > names.len() && (open_additional || !o.pattern_properties.is_empty()),
     })
 }

@@ -64,10 +64,13 @@ pub enum Frame {
         count: u32,
         seen: u32,
     },
-    /// Inside a key of the object frame below.
+    /// Inside a key of the object frame below. `body` follows the same bytes through the
+    /// plain string body lexeme when the object takes any key: which tokens stay inside such a
+    /// key depends on that state alone.
     Key {
         node: NodeId,
         state: StateId,
+        body: StateId,
     },
     Array {
         node: NodeId,
@@ -77,18 +80,22 @@ pub enum Frame {
     },
 }
 
-/// Frames with parent links, and the declared properties each object has seen (a persistent
-/// list: `seen` is the head index, 0 the empty list).
+/// The empty set of seen properties.
+pub const NO_PROPS: u32 = u32::MAX;
+
+/// Frames with parent links, and the declared properties each object has seen: bitsets of
+/// the object's word count, never changed once written (adding a property copies the set),
+/// so forked stacks share them.
 pub struct Arena {
     frames: Vec<(Frame, Stack)>,
-    seen: Vec<(u32, u32)>,
+    seen: Vec<u64>,
 }
 
 impl Default for Arena {
     fn default() -> Self {
         Arena {
             frames: vec![(Frame::Bottom, BOTTOM)],
-            seen: vec![(u32::MAX, 0)],
+            seen: Vec::new(),
         }
     }
 }
@@ -121,75 +128,38 @@ impl Arena {
         self.push(parent, frame)
     }
 
-    /// The properties of a seen list, sorted: two lists are the same set whatever their order
-    /// or where in the arena they live.
-    fn seen_set(&self, mut list: u32) -> Vec<u32> {
-        let mut out = Vec::new();
-        while list != 0 {
-            let (p, next) = self.seen[list as usize];
-            out.push(p);
-            list = next;
-        }
-        out.sort_unstable();
-        out
+    fn has_seen(&self, set: u32, prop: u32) -> bool {
+        set != NO_PROPS && self.seen[set as usize + (prop / 64) as usize] >> (prop % 64) & 1 == 1
     }
 
-    /// A stack's content from top to bottom, seen lists by their sets: equal for stacks that
-    /// behave the same on every input.
-    fn content(&self, mut s: Stack) -> Vec<(Frame, Vec<u32>)> {
-        let mut out = Vec::new();
-        while s != BOTTOM {
-            let (frame, parent) = self.frames[s as usize];
-            out.push(match frame {
-                Frame::Object {
-                    node,
-                    phase,
-                    ws,
-                    count,
-                    seen,
-                } => (
-                    Frame::Object {
-                        node,
-                        phase,
-                        ws,
-                        count,
-                        seen: 0,
-                    },
-                    self.seen_set(seen),
-                ),
-                f => (f, Vec::new()),
-            });
-            s = parent;
+    fn seen_count(&self, set: u32, words: usize) -> u32 {
+        if set == NO_PROPS {
+            return 0;
         }
-        out
+        self.seen[set as usize..set as usize + words]
+            .iter()
+            .map(|w| w.count_ones())
+            .sum()
     }
 
-    /// Drops stacks whose content equals an earlier one's. Large `anyOf`s of similar objects
-    /// otherwise multiply into thousands of copies of the same state.
-    pub fn dedup(&self, stacks: &mut Vec<Stack>) {
-        if stacks.len() < 2 {
-            return;
+    fn add_seen(&mut self, set: u32, prop: u32, words: usize) -> u32 {
+        let at = self.seen.len();
+        if set == NO_PROPS {
+            self.seen.resize(at + words, 0);
+        } else {
+            self.seen.extend_from_within(set as usize..set as usize + words);
         }
-        let mut seen: std::collections::HashSet<Vec<(Frame, Vec<u32>)>> =
-            std::collections::HashSet::with_capacity(stacks.len());
-        stacks.retain(|&s| seen.insert(self.content(s)));
+        self.seen[at + (prop / 64) as usize] |= 1 << (prop % 64);
+        at as u32
     }
+}
 
-    fn has_seen(&self, mut list: u32, prop: u32) -> bool {
-        while list != 0 {
-            let (p, next) = self.seen[list as usize];
-            if p == prop {
-                return true;
-            }
-            list = next;
-        }
-        false
-    }
-
-    fn add_seen(&mut self, list: u32, prop: u32) -> u32 {
-        self.seen.push((prop, list));
-        (self.seen.len() - 1) as u32
-    }
+/// Reusable buffers for comparing stacks by content.
+#[derive(Default)]
+pub struct Scratch {
+    words: Vec<u32>,
+    ranges: Vec<(usize, usize)>,
+    keep: Vec<Stack>,
 }
 
 fn is_ws(b: u8) -> bool {
@@ -199,6 +169,101 @@ fn is_ws(b: u8) -> bool {
 impl JsonGrammar {
     pub fn start(&self, arena: &mut Arena) -> Stack {
         arena.push(BOTTOM, Frame::Value { node: self.graph.root })
+    }
+
+    /// Appends a stack's content, top to bottom, to `out`: equal for stacks that behave the
+    /// same on every input, wherever their frames and seen sets live in the arena.
+    pub fn encode(&self, arena: &Arena, mut s: Stack, out: &mut Vec<u32>) {
+        let opt = |p: Option<u32>| p.map_or(u32::MAX, |p| p);
+        while s != BOTTOM {
+            match arena.top(s) {
+                Frame::Bottom => {}
+                Frame::Value { node } => out.extend([1, node]),
+                Frame::Lexeme { lex, state } => out.extend([2, lex, state]),
+                Frame::Str { lex, state } => out.extend([3, lex, state]),
+                Frame::Key { node, state, body } => out.extend([4, node, state, body]),
+                Frame::Array { node, phase, ws, index } => out.extend([5, node, phase as u32, ws as u32, index]),
+                Frame::Object {
+                    node,
+                    phase,
+                    ws,
+                    count,
+                    seen,
+                } => {
+                    let (p, a, b) = match phase {
+                        ObjPhase::Open => (0, 0, 0),
+                        ObjPhase::InKey => (1, 0, 0),
+                        ObjPhase::AfterKey { value, prop } => (2, value, opt(prop)),
+                        ObjPhase::Colon { value, prop } => (3, value, opt(prop)),
+                        ObjPhase::InValue { prop } => (4, 0, opt(prop)),
+                        ObjPhase::AfterValue => (5, 0, 0),
+                        ObjPhase::Comma => (6, 0, 0),
+                    };
+                    out.extend([6, node, p, a, b, ws as u32, count]);
+                    let words = self.seen_words(node);
+                    if seen == NO_PROPS {
+                        out.extend(std::iter::repeat_n(0, 2 * words));
+                    } else {
+                        for &w in &arena.seen[seen as usize..seen as usize + words] {
+                            out.extend([w as u32, (w >> 32) as u32]);
+                        }
+                    }
+                }
+            }
+            s = arena.parent(s);
+        }
+        out.push(0);
+    }
+
+    /// Drops stacks whose content equals an earlier one's. Large `anyOf`s of similar objects
+    /// otherwise multiply into thousands of copies of the same state.
+    pub fn dedup(&self, arena: &Arena, stacks: &mut Vec<Stack>, scratch: &mut Scratch) {
+        if stacks.len() < 2 {
+            return;
+        }
+        let Scratch { words, ranges, keep } = scratch;
+        words.clear();
+        ranges.clear();
+        keep.clear();
+        for &s in stacks.iter() {
+            let start = words.len();
+            self.encode(arena, s, words);
+            ranges.push((start, words.len()));
+        }
+        if stacks.len() <= 8 {
+            for (i, &(a, b)) in ranges.iter().enumerate() {
+                if !ranges[..i].iter().any(|&(c, d)| words[a..b] == words[c..d]) {
+                    keep.push(stacks[i]);
+                }
+            }
+        } else {
+            let mut set = rustc_hash::FxHashSet::default();
+            for (i, &(a, b)) in ranges.iter().enumerate() {
+                if set.insert(&words[a..b]) {
+                    keep.push(stacks[i]);
+                }
+            }
+        }
+        std::mem::swap(stacks, keep);
+    }
+
+    /// Words in the seen-property bitset of object `node`.
+    fn seen_words(&self, node: NodeId) -> usize {
+        self.keys[node as usize]
+            .as_ref()
+            .map_or(0, |k| k.num_props.div_ceil(64) as usize)
+    }
+
+    /// The count past which an object's property count, or an array's item index, no longer
+    /// changes what may follow: counting stops there, so that the states of, say, every item of
+    /// a long array compare equal.
+    fn count_cap(&self, node: NodeId) -> u32 {
+        let cap = match self.graph.node(node) {
+            Node::Object(r) => r.min_properties.max(r.max_properties.unwrap_or(0)),
+            Node::Array(r) => (r.prefix.len() as u64).max(r.min_items).max(r.max_items.unwrap_or(0)),
+            _ => 0,
+        };
+        cap.min(u32::MAX as u64 - 1) as u32
     }
 
     fn max_ws(&self) -> u8 {
@@ -269,7 +334,7 @@ impl JsonGrammar {
                 count,
                 seen,
             } => self.step_object(arena, s, (node, phase, ws, count, seen), b, out, depth),
-            Frame::Key { node, state } => self.step_key(arena, s, node, state, b, out),
+            Frame::Key { node, state, body } => self.step_key(arena, s, (node, state, body), b, out),
             Frame::Array { node, phase, ws, index } => {
                 self.step_array(arena, s, (node, phase, ws, index), b, out, depth)
             }
@@ -292,7 +357,7 @@ impl JsonGrammar {
                         phase: ObjPhase::Open,
                         ws: 0,
                         count: 0,
-                        seen: 0,
+                        seen: NO_PROPS,
                     },
                 ));
             }
@@ -343,7 +408,7 @@ impl JsonGrammar {
                 ..
             } => {
                 let seen = match prop {
-                    Some(i) => arena.add_seen(seen, i),
+                    Some(i) => arena.add_seen(seen, i, self.seen_words(node)),
                     None => seen,
                 };
                 Some(arena.replace(
@@ -352,7 +417,7 @@ impl JsonGrammar {
                         node,
                         phase: ObjPhase::AfterValue,
                         ws: 0,
-                        count: count + 1,
+                        count: (count + 1).min(self.count_cap(node)),
                         seen,
                     },
                 ))
@@ -368,7 +433,7 @@ impl JsonGrammar {
                     node,
                     phase: ArrPhase::AfterValue,
                     ws: 0,
-                    index: index + 1,
+                    index: (index + 1).min(self.count_cap(node)),
                 },
             )),
             _ => None,
@@ -405,7 +470,7 @@ impl JsonGrammar {
         }
         let closable = keys.required.iter().all(|&r| arena.has_seen(seen, r)) && count as u64 >= rules.min_properties;
         let more = rules.max_properties.is_none_or(|m| (count as u64) < m)
-            && (keys.open || (0..keys.num_props).any(|p| !arena.has_seen(seen, p)));
+            && (keys.open || arena.seen_count(seen, self.seen_words(node)) < keys.num_props);
         match phase {
             // A key may open after `{` only if the object may have one at all.
             ObjPhase::Open | ObjPhase::Comma if b == b'"' && (phase == ObjPhase::Comma || more) => {
@@ -421,7 +486,11 @@ impl JsonGrammar {
                             seen,
                         },
                     );
-                    out.push(arena.push(o, Frame::Key { node, state }));
+                    let body = match (keys.any_key, self.any_string) {
+                        (true, Some(lex)) => self.lexemes[lex as usize].start(),
+                        _ => DEAD,
+                    };
+                    out.push(arena.push(o, Frame::Key { node, state, body }));
                 }
             }
             ObjPhase::Open | ObjPhase::AfterValue if b == b'}' && closable => {
@@ -481,7 +550,8 @@ impl JsonGrammar {
                 .any(|&p| p >= keys.num_props || !arena.has_seen(seen, p))
     }
 
-    fn step_key(&self, arena: &mut Arena, s: Stack, node: NodeId, state: StateId, b: u8, out: &mut Vec<Stack>) {
+    fn step_key(&self, arena: &mut Arena, s: Stack, f: (NodeId, StateId, StateId), b: u8, out: &mut Vec<Stack>) {
+        let (node, state, body) = f;
         let keys = self.keys[node as usize].as_ref().expect("object nodes have keys");
         let obj = arena.parent(s);
         let Frame::Object { count, seen, .. } = arena.top(obj) else {
@@ -492,7 +562,18 @@ impl JsonGrammar {
         let next = keys.dfa.next(state, b);
         if next != DEAD || b != b'"' {
             if self.key_viable(arena, node, seen, next) {
-                out.push(arena.replace(s, Frame::Key { node, state: next }));
+                let body = match self.any_string {
+                    Some(lex) if body != DEAD => self.lexemes[lex as usize].next(body, b),
+                    _ => DEAD,
+                };
+                out.push(arena.replace(
+                    s,
+                    Frame::Key {
+                        node,
+                        state: next,
+                        body,
+                    },
+                ));
             }
             return;
         }

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use super::grammar::JsonGrammar;
-use super::machine::{Arena, Frame, Stack};
+use super::machine::{Arena, Frame, Scratch, Stack};
 use crate::bitmask::allow;
 use crate::error::GrammarError;
 use crate::history::History;
@@ -16,6 +16,7 @@ pub struct JsonMatcher {
     /// The live stacks after each accepted token, with the arena size to return to when
     /// rolling back to them.
     history: History<(Vec<Stack>, (usize, usize))>,
+    scratch: Scratch,
 }
 
 impl JsonMatcher {
@@ -27,6 +28,7 @@ impl JsonMatcher {
             grammar,
             arena,
             history: History::new((vec![start], mark)),
+            scratch: Scratch::default(),
         }
     }
 
@@ -63,7 +65,7 @@ impl JsonMatcher {
             for &s in &states {
                 self.grammar.step(&mut self.arena, s, b, &mut next);
             }
-            self.arena.dedup(&mut next);
+            self.grammar.dedup(&self.arena, &mut next, &mut self.scratch);
             std::mem::swap(&mut states, &mut next);
             if states.is_empty() {
                 self.arena.reset_to(before);
@@ -104,7 +106,11 @@ impl JsonMatcher {
         for &s in &in_string {
             match self.arena.top(s) {
                 Frame::Str { lex, state } => or_into(mask, grammar.inner_mask(lex, state)),
-                Frame::Key { node, state } => or_into(mask, &grammar.key_inner_mask(node, state)),
+                Frame::Key { body, .. } => {
+                    if let Some(lex) = grammar.any_string {
+                        or_into(mask, grammar.inner_mask(lex, body))
+                    }
+                }
                 _ => {}
             }
         }
@@ -149,6 +155,7 @@ impl JsonMatcher {
             arena: &mut self.arena,
             states: vec![Vec::new(); trie.max_depth() + 1],
             mask,
+            scratch: &mut self.scratch,
         };
         walk.states[0] = stacks;
         trie.walk(&mut walk);
@@ -168,6 +175,7 @@ struct Walk<'a> {
     arena: &'a mut Arena,
     states: Vec<Vec<Stack>>,
     mask: &'a mut [u32],
+    scratch: &'a mut Scratch,
 }
 
 impl TrieVisitor for Walk<'_> {
@@ -178,7 +186,7 @@ impl TrieVisitor for Walk<'_> {
         for &s in &before[depth - 1] {
             self.grammar.step(self.arena, s, byte, out);
         }
-        self.arena.dedup(out);
+        self.grammar.dedup(self.arena, out, self.scratch);
         !out.is_empty()
     }
 

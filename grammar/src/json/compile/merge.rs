@@ -61,6 +61,13 @@ impl Compiler<'_> {
     fn distribute(&mut self, alts: &[NodeId], other: Node, union_first: bool, pointer: &str) -> Node {
         let mut kept = Vec::new();
         for &x in alts {
+            if self.is_pending(x) {
+                // A reference still being compiled has no content to intersect yet: keep the
+                // reference alone, and say so.
+                self.approximate(pointer);
+                kept.push(Node::AnyOf(vec![x]));
+                continue;
+            }
             let x = self.resolve(x).clone();
             let m = if union_first {
                 self.merge(x, other.clone(), pointer)
@@ -84,6 +91,7 @@ impl Compiler<'_> {
     fn merge_objects(&mut self, mut x: ObjectRules, y: ObjectRules, pointer: &str) -> ObjectRules {
         for (name, id) in y.properties {
             match x.properties.iter().position(|(n, _)| *n == name) {
+                Some(i) if self.is_pending(x.properties[i].1) || self.is_pending(id) => self.approximate(pointer),
                 Some(i) => {
                     let merged = self.merge(
                         self.resolve(x.properties[i].1).clone(),
@@ -103,8 +111,8 @@ impl Compiler<'_> {
             }
         }
         x.pattern_properties.extend(y.pattern_properties);
-        if !matches!(self.resolve(y.additional), Node::Any) {
-            if matches!(self.resolve(x.additional), Node::Any) {
+        if self.is_pending(y.additional) || !matches!(self.resolve(y.additional), Node::Any) {
+            if !self.is_pending(x.additional) && matches!(self.resolve(x.additional), Node::Any) {
                 x.additional = y.additional;
             } else {
                 self.approximate(pointer);
@@ -115,7 +123,7 @@ impl Compiler<'_> {
         x
     }
 
-    fn approximate(&mut self, pointer: &str) {
+    pub(super) fn approximate(&mut self, pointer: &str) {
         if self.report.status_of(pointer, "allOf (merge)").is_none() {
             let how = "parts that could not be intersected keep the first part's constraint";
             self.report

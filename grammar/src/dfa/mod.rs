@@ -11,6 +11,8 @@ use regex_automata::{Anchored, MatchKind};
 
 use crate::error::GrammarError;
 
+mod union;
+
 pub type StateId = u32;
 
 /// The state from which nothing matches; every transition out of it returns to it.
@@ -48,6 +50,7 @@ pub struct ByteDfa {
     /// Per state, whether any byte leads on (a closed string or literal has none).
     has_next: Vec<bool>,
     start: StateId,
+    num_patterns: usize,
 }
 
 impl ByteDfa {
@@ -79,7 +82,7 @@ impl ByteDfa {
         let start = dfa
             .start_state(&start::Config::new().anchored(Anchored::Yes))
             .map_err(|e| bad(&e))?;
-        Self::copy(&dfa, start, limits.max_states).map_err(|reason| GrammarError::TooLarge {
+        Self::copy(&dfa, start, limits.max_states, patterns.len()).map_err(|reason| GrammarError::TooLarge {
             what: format!("regex {pattern:?}"),
             reason,
         })
@@ -89,6 +92,7 @@ impl ByteDfa {
         dfa: &dense::DFA<Vec<u32>>,
         start: regex_automata::util::primitives::StateID,
         max_states: usize,
+        num_patterns: usize,
     ) -> Result<Self, String> {
         let bc = dfa.byte_classes();
         let mut classes = [0u8; 256];
@@ -151,6 +155,7 @@ impl ByteDfa {
             reachable: Vec::new(),
             has_next: Vec::new(),
             start: 1,
+            num_patterns,
         };
         out.prune_dead_ends();
         out.reachable = out.reachable_patterns();
@@ -158,6 +163,33 @@ impl ByteDfa {
             .map(|s| out.row(s as StateId).iter().any(|&t| t != DEAD))
             .collect();
         Ok(out)
+    }
+
+    /// A DFA from its tables; the derived per-state facts are computed here.
+    fn from_parts(
+        classes: [u8; 256],
+        num_classes: usize,
+        trans: Vec<StateId>,
+        matches: Vec<Vec<u32>>,
+        reachable: Vec<Vec<u32>>,
+        start: StateId,
+        num_patterns: usize,
+    ) -> ByteDfa {
+        let mut d = ByteDfa {
+            classes,
+            num_classes,
+            trans,
+            accepting: matches.iter().map(|m| !m.is_empty()).collect(),
+            matches,
+            reachable,
+            has_next: Vec::new(),
+            start,
+            num_patterns,
+        };
+        d.has_next = (0..d.num_states())
+            .map(|s| d.row(s as StateId).iter().any(|&t| t != DEAD))
+            .collect();
+        d
     }
 
     /// Sends every transition into a state that cannot reach acceptance to `DEAD`.
