@@ -7,6 +7,7 @@
 //! - `regex`: the regex constraint and its matcher.
 //! - `json`: JSON Schema compiled to a resolved graph with a per-keyword report.
 //! - `lexeme`: regexes for constrained JSON lexemes (integer ranges, string formats).
+//! - `matcher`: the interface every constraint's matcher offers the engine.
 //! - `bitmask`: the mask layout shared with the runtime.
 
 pub mod bitmask;
@@ -15,11 +16,13 @@ pub mod error;
 mod history;
 pub mod json;
 pub mod lexeme;
+pub mod matcher;
 pub mod regex;
 pub mod trie;
 pub mod vocab;
 
 pub use bitmask::{allowed_tokens, bitmask_words, is_allowed};
 pub use error::GrammarError;
+pub use matcher::Matcher;
 pub use regex::{RegexGrammar, RegexMatcher};
 pub use vocab::{TokenId, TokenVocab};

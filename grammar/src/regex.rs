@@ -8,6 +8,7 @@ use crate::bitmask::{allow, bitmask_words};
 use crate::dfa::{ByteDfa, DfaLimits, StateId, DEAD};
 use crate::error::GrammarError;
 use crate::history::History;
+use crate::matcher::{Matcher, MAX_FORCED_BYTES};
 use crate::trie::TrieVisitor;
 use crate::vocab::{TokenId, TokenVocab};
 
@@ -177,10 +178,31 @@ impl RegexMatcher {
         while let Some(b) = dfa.forced_byte(s) {
             out.push(b);
             s = dfa.next(s, b);
-            if out.len() > 4096 {
+            if out.len() >= MAX_FORCED_BYTES {
                 break;
             }
         }
         out
+    }
+}
+
+impl Matcher for RegexMatcher {
+    fn fill_bitmask(&mut self, mask: &mut [u32]) {
+        RegexMatcher::fill_bitmask(self, mask)
+    }
+    fn accept(&mut self, token: TokenId) -> Result<(), GrammarError> {
+        RegexMatcher::accept(self, token)
+    }
+    fn rollback(&mut self, n: usize) -> Result<(), GrammarError> {
+        RegexMatcher::rollback(self, n)
+    }
+    fn is_finished(&self) -> bool {
+        RegexMatcher::is_finished(self)
+    }
+    fn can_finish(&self) -> bool {
+        RegexMatcher::can_finish(self)
+    }
+    fn forced_bytes(&mut self) -> Vec<u8> {
+        RegexMatcher::forced_bytes(self)
     }
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use common::Rng;
 
-use quarry_grammar::json::{JsonGrammar, JsonMatcher, SchemaOptions, Whitespace};
+use quarry_grammar::json::{JsonGrammar, JsonMatcher, KeywordStatus, SchemaOptions, Whitespace};
 use quarry_grammar::{allowed_tokens, bitmask_words, is_allowed, TokenVocab};
 use serde_json::{json, Value};
 
@@ -50,6 +50,7 @@ fn hard_cases() -> Vec<Value> {
         json!({"type": "object", "patternProperties": {"^x-": {"type": "integer"}}, "additionalProperties": {"type": "string", "format": "date"}, "maxProperties": 2}),
         json!({"type": "object", "properties": {"email": {"type": "string", "format": "email"}, "n": {"type": "integer", "exclusiveMinimum": -3, "maximum": 3}}, "required": ["email", "n"], "additionalProperties": false}),
         json!({"enum": [1, "x", null, {"a": [true]}, [1, 2]]}),
+        json!({"type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string"}}, "patternProperties": {"^[a-z]{1,3}$": {"type": ["boolean", "integer"]}}, "additionalProperties": false, "required": ["id"]}),
     ]
 }
 
@@ -213,6 +214,31 @@ fn all_of_around_a_recursive_reference_keeps_its_constraints() {
     );
 }
 
+/// `patternProperties` apply beside `properties`: a declared name a pattern also matches is
+/// held to both schemas.
+#[test]
+fn a_declared_name_that_a_pattern_matches_satisfies_both() {
+    let schema = &hard_cases()[8];
+    let g = JsonGrammar::compile(schema, &SchemaOptions::default(), Whitespace::Compact, vocab()).unwrap();
+    assert!(g.report().fully_enforced(), "{:?}", g.report());
+    assert!(accepts(&g, r#"{"id":1,"ab":true,"cd":2}"#));
+    assert!(
+        !accepts(&g, r#"{"id":true}"#),
+        "id is an integer, whatever the pattern allows"
+    );
+    assert!(!accepts(&g, r#"{"id":1,"ab":"x"}"#), "ab matches the pattern only");
+    let overlapping = json!({"patternProperties": {"^a": {"type": "integer"}, "b$": {"type": "string"}}});
+    let g = JsonGrammar::compile(&overlapping, &SchemaOptions::default(), Whitespace::Compact, vocab()).unwrap();
+    assert!(
+        matches!(
+            g.report().status_of("", "patternProperties"),
+            Some(KeywordStatus::Approximated(_))
+        ),
+        "{:?}",
+        g.report()
+    );
+}
+
 /// The corpus, sampled: each valid instance is accepted and each invalid one refused; where
 /// the report says every keyword is enforced, no invalid instance may get through.
 #[test]
@@ -263,4 +289,112 @@ fn maskbench_sample_instances() {
         enforced_leaks, 0,
         "invalid instances accepted by schemas reported as fully enforced"
     );
+}
+
+/// Random walks through the matchers of a fixed corpus sample: wherever the report says every
+/// keyword is enforced, whatever the mask lets through validates.
+#[test]
+fn random_walks_over_a_corpus_sample_validate() {
+    let Some(corpus) = common::corpus() else { return };
+    let vocab = vocab();
+    let options = SchemaOptions {
+        strict: false,
+        ..Default::default()
+    };
+    let mut rng = Rng(0x9E3779B97F4A7C15);
+    let (mut checked, mut walks) = (0, 0);
+    for (i, entry) in corpus.enumerate() {
+        if i % 40 != 7 {
+            continue;
+        }
+        let schema = &entry["schema"];
+        let Ok(validator) = jsonschema::validator_for(schema) else {
+            continue;
+        };
+        let Ok(g) = JsonGrammar::compile(schema, &options, Whitespace::Flexible { max_run: 1 }, vocab.clone()) else {
+            continue;
+        };
+        if !g.report().fully_enforced() {
+            continue;
+        }
+        checked += 1;
+        for _ in 0..3 {
+            let mut m = JsonMatcher::new(g.clone());
+            let Some(text) = random_output(&mut m, &vocab, &mut rng) else {
+                continue;
+            };
+            let value: Value = match serde_json::from_str(&text) {
+                Ok(v) => v,
+                Err(e) if e.to_string().starts_with("number out of range") => continue,
+                Err(e) => panic!("{}: {text:?} is not JSON: {e}", entry["name"]),
+            };
+            assert!(
+                validator.is_valid(&value),
+                "{}: {text} does not validate",
+                entry["name"]
+            );
+            walks += 1;
+        }
+    }
+    eprintln!("{checked} fully enforced schemas, {walks} finished walks");
+    assert!(checked >= 80 && walks >= 150, "{checked} schemas, {walks} walks");
+}
+
+/// Greedy longest-match over the test vocabulary: a stand-in tokenizer.
+fn greedy_tokenize(vocab: &TokenVocab, text: &str) -> Vec<u32> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::new();
+    let mut at = 0;
+    while at < bytes.len() {
+        let (id, len) = (1..vocab.vocab_size() as u32)
+            .map(|t| (t, vocab.token_bytes(t)))
+            .filter(|(_, b)| !b.is_empty() && bytes[at..].starts_with(b))
+            .map(|(t, b)| (t, b.len()))
+            .max_by_key(|&(_, l)| l)
+            .expect("every byte is a token");
+        out.push(id);
+        at += len;
+    }
+    out
+}
+
+#[test]
+fn forced_bytes_and_tokens_jump_over_what_the_schema_decides() {
+    use quarry_grammar::Matcher;
+    let vocab = vocab();
+    let schema = json!({"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"], "additionalProperties": false});
+    let compile = |s: &Value, ws| JsonGrammar::compile(s, &SchemaOptions::default(), ws, vocab.clone()).unwrap();
+    let mut m = JsonMatcher::new(compile(&schema, Whitespace::Compact));
+    assert_eq!(m.forced_bytes(), br#"{"name":""#);
+    let mut before = vec![0u32; bitmask_words(vocab.vocab_size())];
+    m.fill_bitmask(&mut before);
+    let tokenize = |t: &str| greedy_tokenize(&vocab, t);
+    let forced = m.forced_tokens(&tokenize);
+    let spelled: Vec<&[u8]> = forced.iter().map(|&t| vocab.token_bytes(t)).collect();
+    assert_eq!(
+        spelled,
+        [&b"{\""[..], b"name", b"\":"],
+        "the last token is left to the model"
+    );
+    let mut after = before.clone();
+    m.fill_bitmask(&mut after);
+    assert_eq!(
+        before, after,
+        "asking for forced tokens leaves the matcher where it was"
+    );
+    for &t in &forced {
+        m.accept(t).unwrap();
+    }
+    assert_eq!(m.forced_bytes(), b"\"", "the value's opening quote is still forced");
+    for b in br#""Ada""# {
+        m.accept(byte_token(*b)).unwrap();
+    }
+    assert_eq!(m.forced_bytes(), b"}");
+    m.accept(byte_token(b'}')).unwrap();
+    assert!(m.forced_bytes().is_empty(), "complete: EOS is the model's choice");
+
+    let mut flexible = JsonMatcher::new(compile(&schema, Whitespace::Flexible { max_run: 2 }));
+    assert_eq!(flexible.forced_bytes(), b"{", "whitespace may follow the brace");
+    let mut constant = JsonMatcher::new(compile(&json!({"const": "abc"}), Whitespace::Compact));
+    assert_eq!(constant.forced_bytes(), br#""abc""#);
 }

@@ -244,6 +244,11 @@ impl ByteDfa {
         }
     }
 
+    /// The live states one byte away from `s`.
+    pub fn successors(&self, s: StateId) -> impl Iterator<Item = StateId> + '_ {
+        self.row(s).iter().copied().filter(|&t| t != DEAD)
+    }
+
     /// Whether some byte continues from `s`.
     pub fn has_next(&self, s: StateId) -> bool {
         self.has_next[s as usize]

@@ -380,6 +380,17 @@ impl<'a> Compiler<'a> {
         false
     }
 
+    /// The node a chain of single-alternative unions (references) ends at.
+    fn target(&self, mut id: NodeId) -> NodeId {
+        for _ in 0..64 {
+            match &self.nodes[id as usize] {
+                Node::AnyOf(a) if a.len() == 1 => id = a[0],
+                _ => break,
+            }
+        }
+        id
+    }
+
     /// Follows single-alternative unions (references) to the node they stand for.
     fn resolve(&self, mut id: NodeId) -> &Node {
         for _ in 0..64 {

@@ -39,6 +39,12 @@ pub struct KeyAutomaton {
     /// Any string may be a key (additional properties allowed): every live state can still
     /// end as such a key, so which keys stay inside depends on the DFA state alone.
     pub any_key: bool,
+    /// Per state, whether every state reachable from it can still end as a pattern property
+    /// or other key: then which tokens stay inside the key does not depend on the properties
+    /// already seen, and the DFA's own inner mask (`inner`) is exact.
+    pub seen_free: Vec<bool>,
+    /// Per state, the tokens the key DFA takes whole without ending, for `seen_free` states.
+    pub inner: Vec<OnceLock<Arc<[u32]>>>,
 }
 
 pub struct JsonGrammar {
@@ -118,6 +124,11 @@ impl JsonGrammar {
             vocab,
             report,
         }))
+    }
+
+    /// The tokens the key DFA of object `node` takes whole from `state` (a `seen_free` state).
+    pub(crate) fn key_inner_mask<'a>(&'a self, keys: &'a KeyAutomaton, state: StateId) -> &'a [u32] {
+        keys.inner[state as usize].get_or_init(|| crate::regex::dfa_token_mask(&keys.dfa, state, &self.vocab).into())
     }
 
     /// The tokens lexeme `lex` takes whole from `state` without ending.
@@ -266,12 +277,38 @@ fn key_automaton(o: &ObjectRules, graph: &SchemaGraph, vocab: &TokenVocab) -> Re
         .filter_map(|r| names.iter().position(|(n, _)| n == r))
         .map(|i| i as u32)
         .collect();
+    let num_props = names.len() as u32;
     Ok(KeyAutomaton {
+        seen_free: seen_free(&dfa, num_props),
+        inner: (0..dfa.num_states()).map(|_| OnceLock::new()).collect(),
         any_key,
         dfa,
-        num_props: names.len() as u32,
+        num_props,
         open: values.len() > names.len(),
         values,
         required,
     })
+}
+
+/// Per state of a key DFA, whether every state reachable from it (itself included) can still
+/// reach a pattern beyond the first `num_props` (the declared names).
+fn seen_free(dfa: &ByteDfa, num_props: u32) -> Vec<bool> {
+    let n = dfa.num_states();
+    let mut free: Vec<bool> = (0..n)
+        .map(|s| dfa.reachable(s as StateId).iter().any(|&p| p >= num_props))
+        .collect();
+    free[crate::dfa::DEAD as usize] = true;
+    // Successors mostly have higher ids, so a backward sweep settles most states at once.
+    loop {
+        let mut changed = false;
+        for s in (1..n).rev() {
+            if free[s] && dfa.successors(s as StateId).any(|t| !free[t as usize]) {
+                free[s] = false;
+                changed = true;
+            }
+        }
+        if !changed {
+            return free;
+        }
+    }
 }

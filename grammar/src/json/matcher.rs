@@ -7,6 +7,7 @@ use super::machine::{Arena, Frame, Scratch, Stack};
 use crate::bitmask::allow;
 use crate::error::GrammarError;
 use crate::history::History;
+use crate::matcher::{Matcher, MAX_FORCED_BYTES};
 use crate::trie::{TokTrie, TrieVisitor};
 use crate::vocab::TokenId;
 
@@ -96,19 +97,24 @@ impl JsonMatcher {
         }
         let grammar = self.grammar.clone();
         let current = self.current().to_vec();
-        // Stacks inside a string body, or inside a key of an object that takes any key.
+        // Stacks inside a string body, or inside a key whose inner tokens do not depend on the
+        // properties already seen.
         let shortcut = |arena: &Arena, s: Stack| match arena.top(s) {
             Frame::Str { .. } => true,
-            Frame::Key { node, .. } => grammar.keys[node as usize].as_ref().is_some_and(|k| k.any_key),
+            Frame::Key { node, state, .. } => grammar.keys[node as usize]
+                .as_ref()
+                .is_some_and(|k| k.any_key || k.seen_free[state as usize]),
             _ => false,
         };
         let (in_string, other): (Vec<Stack>, Vec<Stack>) = current.iter().partition(|&&s| shortcut(&self.arena, s));
         for &s in &in_string {
             match self.arena.top(s) {
                 Frame::Str { lex, state } => or_into(mask, grammar.inner_mask(lex, state)),
-                Frame::Key { body, .. } => {
-                    if let Some(lex) = grammar.any_string {
-                        or_into(mask, grammar.inner_mask(lex, body))
+                Frame::Key { node, state, body } => {
+                    let keys = grammar.keys[node as usize].as_ref().expect("object nodes have keys");
+                    match grammar.any_string {
+                        Some(lex) if keys.any_key => or_into(mask, grammar.inner_mask(lex, body)),
+                        _ => or_into(mask, grammar.key_inner_mask(keys, state)),
                     }
                 }
                 _ => {}
@@ -120,6 +126,42 @@ impl JsonMatcher {
         if !other.is_empty() {
             self.walk(grammar.vocab.trie(), other, mask);
         }
+    }
+
+    /// The bytes the schema alone decides from here: while exactly one byte can follow and
+    /// the value cannot end, that byte.
+    pub fn forced_bytes(&mut self) -> Vec<u8> {
+        let mut out = Vec::new();
+        if self.history.is_finished() {
+            return out;
+        }
+        let mark = self.arena.mark();
+        let mut states = self.current().to_vec();
+        let (mut next, mut only) = (Vec::new(), Vec::new());
+        while out.len() < MAX_FORCED_BYTES && !states.iter().any(|&s| self.grammar.can_finish(&self.arena, s)) {
+            let mut forced = None;
+            for b in 0..=255u8 {
+                next.clear();
+                for &s in &states {
+                    self.grammar.step(&mut self.arena, s, b, &mut next);
+                }
+                if next.is_empty() {
+                    continue;
+                }
+                if forced.is_some() {
+                    forced = None;
+                    break;
+                }
+                forced = Some(b);
+                std::mem::swap(&mut only, &mut next);
+            }
+            let Some(b) = forced else { break };
+            out.push(b);
+            self.grammar.dedup(&self.arena, &mut only, &mut self.scratch);
+            std::mem::swap(&mut states, &mut only);
+        }
+        self.arena.reset_to(mark);
+        out
     }
 
     /// `fill_bitmask` without the string shortcut: every stack against the whole trie. The
@@ -194,5 +236,26 @@ impl TrieVisitor for Walk<'_> {
         for &t in tokens {
             allow(self.mask, t);
         }
+    }
+}
+
+impl Matcher for JsonMatcher {
+    fn fill_bitmask(&mut self, mask: &mut [u32]) {
+        JsonMatcher::fill_bitmask(self, mask)
+    }
+    fn accept(&mut self, token: TokenId) -> Result<(), GrammarError> {
+        JsonMatcher::accept(self, token)
+    }
+    fn rollback(&mut self, n: usize) -> Result<(), GrammarError> {
+        JsonMatcher::rollback(self, n)
+    }
+    fn is_finished(&self) -> bool {
+        JsonMatcher::is_finished(self)
+    }
+    fn can_finish(&self) -> bool {
+        JsonMatcher::can_finish(self)
+    }
+    fn forced_bytes(&mut self) -> Vec<u8> {
+        JsonMatcher::forced_bytes(self)
     }
 }

@@ -7,6 +7,7 @@ use super::super::ir::{ArrayRules, Node, NodeId, NumberRules, ObjectRules, Strin
 use super::super::lexemes::{number_regex, pattern_body, string_body};
 use super::super::report::KeywordStatus;
 use super::{bad, escape, Compiler};
+use crate::dfa::{ByteDfa, DfaLimits, StateId, DEAD};
 use crate::error::GrammarError;
 use crate::lexeme::format_exactness;
 
@@ -252,7 +253,72 @@ impl Compiler<'_> {
                 self.report.set(pointer, "patternProperties", status);
             }
         }
+        self.overlapping_patterns(&mut r, pointer)?;
         Ok(r)
+    }
+
+    /// A key matched by a declared name and by patterns must satisfy every one of their
+    /// schemas: the declared property's schema becomes the intersection. A key matched by two
+    /// patterns alone would need an intersection per combination; it is held to the first
+    /// pattern's schema, and the report says so.
+    fn overlapping_patterns(&mut self, r: &mut ObjectRules, pointer: &str) -> Result<(), GrammarError> {
+        if r.pattern_properties.is_empty() {
+            return Ok(());
+        }
+        let dfas: Vec<Option<ByteDfa>> = r
+            .pattern_properties
+            .iter()
+            .map(|(p, _)| {
+                let body = pattern_body(p).ok()?;
+                ByteDfa::from_regex(&body, DfaLimits::default()).ok()
+            })
+            .collect();
+        // Many names often share one schema with the pattern (the same `$ref`): each distinct
+        // pair is intersected once, and a schema with itself is itself.
+        let mut merged_pairs: std::collections::HashMap<(NodeId, NodeId), NodeId> = Default::default();
+        for i in 0..r.properties.len() {
+            let quoted = Value::String(r.properties[i].0.clone()).to_string();
+            let body = &quoted.as_bytes()[1..quoted.len() - 1];
+            for (j, dfa) in dfas.iter().enumerate() {
+                let Some(dfa) = dfa else { continue };
+                let end = dfa.run(dfa.start(), body);
+                if end == DEAD || !dfa.is_accepting(end) {
+                    continue;
+                }
+                let (declared, pattern) = (r.properties[i].1, r.pattern_properties[j].1);
+                let pair = (self.target(declared), self.target(pattern));
+                if pair.0 == pair.1 {
+                    continue;
+                }
+                if let Some(&m) = merged_pairs.get(&pair) {
+                    r.properties[i].1 = m;
+                    continue;
+                }
+                if self.is_pending(declared) || self.is_pending(pattern) {
+                    self.approximate(pointer);
+                    continue;
+                }
+                let merged = self.merge(self.resolve(declared).clone(), self.resolve(pattern).clone(), pointer);
+                r.properties[i].1 = self.push(merged)?;
+                merged_pairs.insert(pair, r.properties[i].1);
+            }
+        }
+        let live: Vec<&ByteDfa> = dfas.iter().flatten().collect();
+        let overlap = live.len() >= 2
+            && ByteDfa::union(&live, DfaLimits::default().max_states).map_or(true, |u| {
+                (0..u.num_states() as StateId).any(|s| u.matches(s).len() >= 2)
+            });
+        if overlap
+            && matches!(
+                self.report.status_of(pointer, "patternProperties"),
+                Some(KeywordStatus::Enforced) | None
+            )
+        {
+            let how = "a key that several patterns match is held to the first one's schema only";
+            self.report
+                .set(pointer, "patternProperties", KeywordStatus::Approximated(how.into()));
+        }
+        Ok(())
     }
 
     pub(super) fn enforced(&mut self, pointer: &str, keyword: &str) {

@@ -1,0 +1,45 @@
+//! What every constraint's matcher offers the engine, whatever the constraint: one request's
+//! position, its token mask, and the text the constraint alone decides.
+
+use crate::error::GrammarError;
+use crate::vocab::TokenId;
+
+/// Longest run of forced bytes looked for at once.
+pub const MAX_FORCED_BYTES: usize = 1024;
+
+pub trait Matcher: Send {
+    /// Sets the bits of every token allowed next (EOS where the output may end); clears the
+    /// rest.
+    fn fill_bitmask(&mut self, mask: &mut [u32]);
+    fn accept(&mut self, token: TokenId) -> Result<(), GrammarError>;
+    /// Undoes the last `n` accepted tokens (an accepted EOS counts as one).
+    fn rollback(&mut self, n: usize) -> Result<(), GrammarError>;
+    /// EOS has been accepted.
+    fn is_finished(&self) -> bool;
+    /// The output so far is complete as it is (EOS would be accepted).
+    fn can_finish(&self) -> bool;
+    /// The bytes the constraint alone decides from here, up to the first choice (or the
+    /// first place the output could end).
+    fn forced_bytes(&mut self) -> Vec<u8>;
+
+    /// Tokens to append without sampling (jump-forward decoding): the forced text as the
+    /// tokenizer would spell it on its own, less its last token, which might have merged with
+    /// whatever the model writes next, and cut where the matcher would refuse a token. The
+    /// matcher is left where it was; the caller accepts the tokens it uses.
+    fn forced_tokens(&mut self, tokenize: &dyn Fn(&str) -> Vec<TokenId>) -> Vec<TokenId> {
+        let bytes = self.forced_bytes();
+        let text = match std::str::from_utf8(&bytes) {
+            Ok(t) => t,
+            Err(e) => std::str::from_utf8(&bytes[..e.valid_up_to()]).expect("valid up to here"),
+        };
+        if text.is_empty() {
+            return Vec::new();
+        }
+        let mut tokens = tokenize(text);
+        tokens.pop();
+        let accepted = tokens.iter().take_while(|&&t| self.accept(t).is_ok()).count();
+        self.rollback(accepted).expect("just accepted");
+        tokens.truncate(accepted);
+        tokens
+    }
+}
