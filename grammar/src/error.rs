@@ -17,6 +17,8 @@ pub enum GrammarError {
         keyword: String,
         reason: String,
     },
+    #[error("grammar line {line}: {reason}")]
+    Grammar { line: usize, reason: String },
     #[error("token {token} is not allowed here")]
     TokenRejected { token: u32 },
     #[error("the output is already complete")]

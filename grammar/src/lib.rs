@@ -5,12 +5,14 @@
 //! - `vocab`, `trie`: the tokenizer's byte vocabulary and its pre-order byte trie.
 //! - `dfa`: byte-level DFAs (built by regex-automata, copied into a compact pruned table).
 //! - `regex`: the regex constraint and its matcher.
+//! - `cfg`: context-free grammars in a GBNF subset, and their matcher.
 //! - `json`: JSON Schema compiled to a resolved graph with a per-keyword report.
 //! - `lexeme`: regexes for constrained JSON lexemes (integer ranges, string formats).
 //! - `matcher`: the interface every constraint's matcher offers the engine.
 //! - `bitmask`: the mask layout shared with the runtime.
 
 pub mod bitmask;
+pub mod cfg;
 pub mod dfa;
 pub mod error;
 mod history;
@@ -22,6 +24,7 @@ pub mod trie;
 pub mod vocab;
 
 pub use bitmask::{allowed_tokens, bitmask_words, is_allowed};
+pub use cfg::{CfgGrammar, CfgMatcher};
 pub use error::GrammarError;
 pub use matcher::Matcher;
 pub use regex::{RegexGrammar, RegexMatcher};
