@@ -13,6 +13,7 @@
 
 pub mod bitmask;
 pub mod cfg;
+mod dedup;
 pub mod dfa;
 pub mod error;
 mod history;

@@ -2,6 +2,7 @@
 //! rule's NFA or inside a terminal; below it, the positions the enclosing rules return to.
 
 use super::{CfgGrammar, Edge};
+use crate::dedup::{dedup_stacks, Scratch};
 use crate::dfa::{StateId, DEAD};
 
 pub type Stack = u32;
@@ -33,8 +34,7 @@ pub enum Frame {
 pub struct Arena {
     frames: Vec<(Frame, Stack)>,
     visited: Vec<(u32, u32, Stack)>,
-    words: Vec<u32>,
-    ranges: Vec<(usize, usize)>,
+    scratch: Scratch,
 }
 
 impl Arena {
@@ -73,31 +73,17 @@ impl Arena {
 
     /// Drops stacks whose frames equal an earlier stack's.
     pub fn dedup(&mut self, stacks: &mut Vec<Stack>) {
-        if stacks.len() < 2 {
-            return;
-        }
-        self.words.clear();
-        self.ranges.clear();
-        for &s in stacks.iter() {
-            let start = self.words.len();
-            let mut t = s;
+        let frames = &self.frames;
+        dedup_stacks(stacks, &mut self.scratch, |mut t, words| {
             while t != BOTTOM {
-                match self.top(t) {
-                    Frame::At { rule, node } => self.words.extend([1, rule, node]),
-                    Frame::Term { rule, term, state, to } => self.words.extend([2, rule, term, state, to]),
+                let (frame, parent) = frames[t as usize];
+                match frame {
+                    Frame::At { rule, node } => words.extend([1, rule, node]),
+                    Frame::Term { rule, term, state, to } => words.extend([2, rule, term, state, to]),
                     Frame::Bottom => {}
                 }
-                t = self.parent(t);
+                t = parent;
             }
-            self.ranges.push((start, self.words.len()));
-        }
-        let mut set = rustc_hash::FxHashSet::default();
-        let (words, ranges) = (&self.words, &self.ranges);
-        let mut i = 0;
-        stacks.retain(|_| {
-            let (a, b) = ranges[i];
-            i += 1;
-            set.insert(&words[a..b])
         });
     }
 }

@@ -5,6 +5,7 @@
 use super::grammar::{JsonGrammar, LexId, Lexeme};
 use super::ir::{Node, NodeId};
 use super::lexemes::Whitespace;
+use crate::dedup::{dedup_stacks, Scratch};
 use crate::dfa::{StateId, DEAD};
 
 /// Index of a stack's top frame in the arena; `BOTTOM` is the empty stack (value complete).
@@ -154,14 +155,6 @@ impl Arena {
     }
 }
 
-/// Reusable buffers for comparing stacks by content.
-#[derive(Default)]
-pub struct Scratch {
-    words: Vec<u32>,
-    ranges: Vec<(usize, usize)>,
-    keep: Vec<Stack>,
-}
-
 fn is_ws(b: u8) -> bool {
     matches!(b, b' ' | b'\t' | b'\n' | b'\r')
 }
@@ -218,33 +211,7 @@ impl JsonGrammar {
     /// Drops stacks whose content equals an earlier one's. Large `anyOf`s of similar objects
     /// otherwise multiply into thousands of copies of the same state.
     pub fn dedup(&self, arena: &Arena, stacks: &mut Vec<Stack>, scratch: &mut Scratch) {
-        if stacks.len() < 2 {
-            return;
-        }
-        let Scratch { words, ranges, keep } = scratch;
-        words.clear();
-        ranges.clear();
-        keep.clear();
-        for &s in stacks.iter() {
-            let start = words.len();
-            self.encode(arena, s, words);
-            ranges.push((start, words.len()));
-        }
-        if stacks.len() <= 8 {
-            for (i, &(a, b)) in ranges.iter().enumerate() {
-                if !ranges[..i].iter().any(|&(c, d)| words[a..b] == words[c..d]) {
-                    keep.push(stacks[i]);
-                }
-            }
-        } else {
-            let mut set = rustc_hash::FxHashSet::default();
-            for (i, &(a, b)) in ranges.iter().enumerate() {
-                if set.insert(&words[a..b]) {
-                    keep.push(stacks[i]);
-                }
-            }
-        }
-        std::mem::swap(stacks, keep);
+        dedup_stacks(stacks, scratch, |s, words| self.encode(arena, s, words));
     }
 
     /// Words in the seen-property bitset of object `node`.

@@ -3,8 +3,9 @@
 use std::sync::Arc;
 
 use super::grammar::JsonGrammar;
-use super::machine::{Arena, Frame, Scratch, Stack};
+use super::machine::{Arena, Frame, Stack};
 use crate::bitmask::allow;
+use crate::dedup::Scratch;
 use crate::error::GrammarError;
 use crate::history::History;
 use crate::matcher::{Matcher, MAX_FORCED_BYTES};
