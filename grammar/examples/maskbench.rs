@@ -3,7 +3,7 @@
 //! scripts/peers/maskbench_peer.py so the SUMMARY lines compare directly.
 //!
 //!   cargo run -p quarry-grammar --release --example maskbench -- CORPUS.jsonl.gz \
-//!       --tokenizer FIXTURE.json [--limit N] [--every N]
+//!       --tokenizer FIXTURE.json [--limit N] [--every N] [--only NAME]
 //!
 //! Fixtures come from scripts/grammar-fixtures. Instances are written as Python's json.dumps
 //! writes them (", " and ": " separators, non-ASCII kept) and tokenized canonically; before
@@ -28,6 +28,8 @@ struct Args {
     tokenizer: String,
     limit: usize,
     every: usize,
+    /// Only the schema with this name (to look at one pathological case).
+    only: Option<String>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -37,6 +39,7 @@ fn parse_args() -> Result<Args, String> {
         tokenizer: String::new(),
         limit: usize::MAX,
         every: 1,
+        only: None,
     };
     while let Some(a) = it.next() {
         let mut value = |name: &str| it.next().ok_or(format!("{name} needs a value"));
@@ -44,12 +47,15 @@ fn parse_args() -> Result<Args, String> {
             "--tokenizer" => args.tokenizer = value("--tokenizer")?,
             "--limit" => args.limit = value("--limit")?.parse().map_err(|e| format!("--limit: {e}"))?,
             "--every" => args.every = value("--every")?.parse().map_err(|e| format!("--every: {e}"))?,
+            "--only" => args.only = Some(value("--only")?),
             _ if args.corpus.is_empty() => args.corpus = a,
             other => return Err(format!("unexpected argument {other}")),
         }
     }
     if args.corpus.is_empty() || args.tokenizer.is_empty() {
-        return Err("usage: maskbench CORPUS.jsonl.gz --tokenizer FILE.json [--limit N] [--every N]".into());
+        return Err(
+            "usage: maskbench CORPUS.jsonl.gz --tokenizer FILE.json [--limit N] [--every N] [--only NAME]".into(),
+        );
     }
     Ok(args)
 }
@@ -118,7 +124,7 @@ struct Tally {
     mask_us: Vec<f64>,
     compile_ms: Vec<f64>,
     /// The slowest single mask and the schema it came from, to find pathological cases.
-    slowest: (f64, String),
+    slowest: (f64, String, String),
 }
 
 fn percentile(xs: &mut [f64], q: f64) -> f64 {
@@ -156,13 +162,14 @@ fn run(entries: &[Value], tok: &tokenizers::Tokenizer, vocab: &Arc<TokenVocab>, 
             ids.push(eos);
             let mut m = JsonMatcher::new(grammar.clone());
             let mut accepted = true;
-            for &id in &ids {
+            for (step, &id) in ids.iter().enumerate() {
                 let start = Instant::now();
                 m.fill_bitmask(&mut mask);
                 let us = start.elapsed().as_secs_f64() * 1e6;
                 t.mask_us.push(us);
                 if us > t.slowest.0 {
-                    t.slowest = (us, entry["name"].as_str().unwrap_or("?").to_string());
+                    let before = tok.decode(&ids[..step], false).unwrap_or_default();
+                    t.slowest = (us, entry["name"].as_str().unwrap_or("?").to_string(), before);
                 }
                 if !is_allowed(&mask, id) || m.accept(id).is_err() {
                     accepted = false;
@@ -191,7 +198,16 @@ fn run(entries: &[Value], tok: &tokenizers::Tokenizer, vocab: &Arc<TokenVocab>, 
 }
 
 fn summary(name: &str, t: &mut Tally) -> String {
-    eprintln!("{name}: slowest mask {:.0} us, in schema {}", t.slowest.0, t.slowest.1);
+    let (us, schema, before) = &t.slowest;
+    let tail: String = before
+        .chars()
+        .rev()
+        .take(60)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+        .collect();
+    eprintln!("{name}: slowest mask {us:.0} us, in schema {schema}, after …{tail:?}");
     println!(
         "ENFORCED engine={name} fully_enforced={} invalid_accepted={}",
         t.fully_enforced, t.enforced_invalid_accepted
@@ -233,7 +249,8 @@ fn main() {
         .map_while(Result::ok)
         .enumerate()
         .filter(|(i, _)| i % args.every == 0)
-        .filter_map(|(_, l)| serde_json::from_str(&l).ok())
+        .filter_map(|(_, l)| serde_json::from_str::<Value>(&l).ok())
+        .filter(|e| args.only.as_ref().is_none_or(|n| e["name"].as_str() == Some(n)))
         .take(args.limit)
         .collect();
     // Each run starts from a fresh vocabulary, so it finds no DFAs or masks the other cached.

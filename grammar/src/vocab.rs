@@ -25,12 +25,22 @@ pub struct TokenVocab {
     lexeme_masks: Mutex<MaskCache>,
     /// Lexeme DFAs by regex, shared by every grammar compiled against this vocabulary: real
     /// schemas use the same few (numbers, formats, plain strings) over and over.
-    dfas: Mutex<HashMap<String, Arc<ByteDfa>>>,
+    dfas: Mutex<DfaCache>,
 }
 
-/// Past this many cached DFAs the cache starts over, so a stream of one-off patterns cannot
-/// grow it without bound.
-const MAX_CACHED_DFAS: usize = 4096;
+#[derive(Default)]
+struct DfaCache {
+    by_regex: HashMap<String, Arc<ByteDfa>>,
+    bytes: usize,
+}
+
+/// Past this many bytes of cached DFAs the cache starts over, so a stream of one-off patterns
+/// cannot grow it without bound.
+const MAX_CACHED_DFA_BYTES: usize = 256 << 20;
+
+/// Past this many bytes of cached lexeme masks that cache starts over too (a grammar keeps the
+/// masks it already holds). A mask of Qwen's 151k vocabulary is 19 KB, so this is ~13k masks.
+const MAX_CACHED_MASK_BYTES: usize = 256 << 20;
 
 impl TokenVocab {
     /// `bytes[id]` is what token `id` decodes to; special tokens (control tokens such as
@@ -52,7 +62,7 @@ impl TokenVocab {
             trie,
             with_byte: Mutex::new(HashMap::new()),
             lexeme_masks: Mutex::new(HashMap::new()),
-            dfas: Mutex::new(HashMap::new()),
+            dfas: Mutex::new(DfaCache::default()),
         })
     }
 
@@ -88,25 +98,30 @@ impl TokenVocab {
         }
         // Computed outside the lock: other threads' masks need not wait for this walk.
         let mask: Arc<[u32]> = compute().into();
-        self.lexeme_masks
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .entry(key)
-            .or_insert(mask)
-            .clone()
+        let mut cache = self.lexeme_masks.lock().unwrap_or_else(|e| e.into_inner());
+        if (cache.len() + 1) * std::mem::size_of_val(&*mask) > MAX_CACHED_MASK_BYTES {
+            cache.clear();
+        }
+        cache.entry(key).or_insert(mask).clone()
     }
 
     /// The DFA of `regex`, built on first use.
     pub fn dfa(&self, regex: &str) -> Result<Arc<ByteDfa>, GrammarError> {
-        if let Some(d) = self.dfas.lock().unwrap_or_else(|e| e.into_inner()).get(regex) {
+        if let Some(d) = self.dfas.lock().unwrap_or_else(|e| e.into_inner()).by_regex.get(regex) {
             return Ok(d.clone());
         }
         let dfa = Arc::new(ByteDfa::from_regex(regex, DfaLimits::default())?);
         let mut cache = self.dfas.lock().unwrap_or_else(|e| e.into_inner());
-        if cache.len() >= MAX_CACHED_DFAS {
-            cache.clear();
+        let size = dfa.heap_bytes() + regex.len();
+        if cache.bytes + size > MAX_CACHED_DFA_BYTES {
+            *cache = DfaCache::default();
         }
-        Ok(cache.entry(regex.to_string()).or_insert(dfa).clone())
+        if let Some(d) = cache.by_regex.get(regex) {
+            return Ok(d.clone());
+        }
+        cache.bytes += size;
+        cache.by_regex.insert(regex.to_string(), dfa.clone());
+        Ok(dfa)
     }
 
     /// The trie of the tokens containing `byte` (say, a quote: the only way out of a string).

@@ -51,6 +51,13 @@ fn hard_cases() -> Vec<Value> {
         json!({"type": "object", "properties": {"email": {"type": "string", "format": "email"}, "n": {"type": "integer", "exclusiveMinimum": -3, "maximum": 3}}, "required": ["email", "n"], "additionalProperties": false}),
         json!({"enum": [1, "x", null, {"a": [true]}, [1, 2]]}),
         json!({"type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string"}}, "patternProperties": {"^[a-z]{1,3}$": {"type": ["boolean", "integer"]}}, "additionalProperties": false, "required": ["id"]}),
+        json!({"type": "array", "items": {"anyOf": [
+            {"type": "number", "exclusiveMinimum": -1.25, "maximum": 0.5},
+            {"type": "integer", "minimum": -40, "maximum": 90, "multipleOf": 15},
+            {"type": "number", "minimum": 1000.05, "multipleOf": 3},
+            {"type": "number", "multipleOf": 1, "maximum": -7},
+            {"type": "string", "pattern": "^[0-9]{4}$"}, {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}$"}
+        ]}, "maxItems": 4}),
     ]
 }
 
@@ -191,6 +198,45 @@ fn hand_written_instances() {
         !is_allowed(&mask, byte_token(b'n')) && !is_allowed(&mask, byte_token(b'a')),
         "name and age are taken"
     );
+}
+
+#[test]
+fn decimal_bounds_and_whole_steps() {
+    let g = JsonGrammar::compile(
+        &hard_cases()[9],
+        &SchemaOptions::default(),
+        Whitespace::Compact,
+        vocab(),
+    )
+    .unwrap();
+    assert!(g.report().fully_enforced(), "{:?}", g.report());
+    for ok in [
+        "[0.5]",
+        "[-1.2499]",
+        "[0]",
+        "[-0.0]",
+        "[0.50000]",
+        "[-30,90,0]",
+        "[-8]",
+        "[1002,\"2024\"]",
+        "[\"2024-01\"]",
+    ] {
+        assert!(accepts(&g, ok), "{ok}");
+    }
+    for bad in [
+        "[0.51]",
+        "[-1.25]",
+        "[-6]",
+        "[91]",
+        "[1000.05]",
+        "[1001]",
+        "[\"202\"]",
+        "[1e-5]",
+        "[9007199254740994]",
+        "[-7.5]",
+    ] {
+        assert!(!accepts(&g, bad), "{bad}");
+    }
 }
 
 /// A reference met again while its target is still being compiled (recursion) has no content

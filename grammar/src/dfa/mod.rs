@@ -11,7 +11,7 @@ use regex_automata::{Anchored, MatchKind};
 
 use crate::error::GrammarError;
 
-mod union;
+mod assemble;
 
 pub type StateId = u32;
 
@@ -145,16 +145,28 @@ impl ByteDfa {
             }
             i += 1;
         }
-        let accepting = matches.iter().map(|m| !m.is_empty()).collect();
+        Ok(Self::pruned(classes, num_classes, trans, matches, 1, num_patterns))
+    }
+
+    /// A DFA from its tables, with transitions into states that cannot reach acceptance sent
+    /// to `DEAD` and the derived per-state facts computed.
+    fn pruned(
+        classes: [u8; 256],
+        num_classes: usize,
+        trans: Vec<StateId>,
+        matches: Vec<Vec<u32>>,
+        start: StateId,
+        num_patterns: usize,
+    ) -> ByteDfa {
         let mut out = ByteDfa {
             classes,
             num_classes,
             trans,
-            accepting,
+            accepting: matches.iter().map(|m| !m.is_empty()).collect(),
             matches,
             reachable: Vec::new(),
             has_next: Vec::new(),
-            start: 1,
+            start,
             num_patterns,
         };
         out.prune_dead_ends();
@@ -162,7 +174,7 @@ impl ByteDfa {
         out.has_next = (0..out.num_states())
             .map(|s| out.row(s as StateId).iter().any(|&t| t != DEAD))
             .collect();
-        Ok(out)
+        out
     }
 
     /// A DFA from its tables; the derived per-state facts are computed here.
@@ -290,6 +302,17 @@ impl ByteDfa {
 
     pub fn is_accepting(&self, s: StateId) -> bool {
         self.accepting[s as usize]
+    }
+
+    /// Roughly the heap memory this DFA holds, for caches that bound their size in bytes.
+    pub fn heap_bytes(&self) -> usize {
+        let lists: usize = self
+            .matches
+            .iter()
+            .chain(&self.reachable)
+            .map(|v| 24 + 4 * v.len())
+            .sum();
+        4 * self.trans.len() + 2 * self.accepting.len() + lists
     }
 
     pub fn num_states(&self) -> usize {

@@ -8,7 +8,7 @@ use serde_json::Value;
 
 use super::compile::{compile_schema, SchemaOptions};
 use super::ir::{Node, NodeId, ObjectRules, SchemaGraph, StringRules};
-use super::lexemes::{literal_regex, number_regex, pattern_body, string_body, Whitespace};
+use super::lexemes::{literal_regex, number_lexeme, pattern_body, string_body, NumberLexeme, Whitespace};
 use super::report::CompileReport;
 use crate::dfa::{ByteDfa, DfaLimits, StateId};
 use crate::error::GrammarError;
@@ -51,7 +51,8 @@ pub struct JsonGrammar {
     pub(crate) graph: SchemaGraph,
     pub(crate) whitespace: Whitespace,
     pub(crate) lexemes: Vec<Arc<ByteDfa>>,
-    /// Per node, the lexeme of a scalar node.
+    /// Per node, the lexeme of a scalar node; for an `AnyOf`, the union of its string
+    /// alternatives (when it has several), which then stand for all of them.
     pub(crate) node_lexeme: Vec<Option<Lexeme>>,
     /// Per node, the keys of an object node.
     pub(crate) keys: Vec<Option<KeyAutomaton>>,
@@ -90,14 +91,15 @@ impl JsonGrammar {
             node_lexeme[id] = match &graph.nodes[id] {
                 Node::Null => Some(Lexeme::Whole(b.lexeme("null")?)),
                 Node::Boolean => Some(Lexeme::Whole(b.lexeme("true|false")?)),
-                Node::Integer(r) => Some(Lexeme::Whole(b.lexeme(&number_regex(r, true).0)?)),
-                Node::Number(r) => Some(Lexeme::Whole(b.lexeme(&number_regex(r, false).0)?)),
+                Node::Integer(r) => Some(Lexeme::Whole(b.number(&number_lexeme(r, true).0)?)),
+                Node::Number(r) => Some(Lexeme::Whole(b.number(&number_lexeme(r, false).0)?)),
                 Node::String(r) => Some(Lexeme::StringBody(b.lexeme(&string_body(r).0)?)),
                 Node::Literals(vs) => Some(Lexeme::Whole(b.literals(vs, whitespace)?)),
                 Node::Object(o) => {
                     keys[id] = Some(key_automaton(o, &graph, &vocab)?);
                     None
                 }
+                Node::AnyOf(alts) => b.string_union(alts, &graph)?,
                 _ => None,
             };
         }
@@ -167,6 +169,29 @@ impl Builder<'_> {
         Ok(self.add(regex, dfa))
     }
 
+    /// A number lexeme: one regex's DFA, or the product of several with the remainder DFA.
+    fn number(&mut self, n: &NumberLexeme) -> Result<LexId, GrammarError> {
+        if let ([regex], None) = (n.regexes.as_slice(), n.multiple_of) {
+            return self.lexeme(regex);
+        }
+        // NUL keeps these keys apart from any regex's (see `string_union`).
+        let key = format!("\0{:?}", n);
+        if let Some(&id) = self.by_regex.get(&key) {
+            return Ok(id);
+        }
+        let mut parts = n
+            .regexes
+            .iter()
+            .map(|r| self.vocab.dfa(r))
+            .collect::<Result<Vec<_>, _>>()?;
+        if let Some(k) = n.multiple_of {
+            parts.push(Arc::new(ByteDfa::multiples_of(k)));
+        }
+        let refs: Vec<&ByteDfa> = parts.iter().map(|p| p.as_ref()).collect();
+        let dfa = ByteDfa::intersection(&refs, DfaLimits::default().max_states)?;
+        Ok(self.add(&key, Arc::new(dfa)))
+    }
+
     /// The lexeme of `enum`/`const` values. Scalars are exact words, put in a trie directly;
     /// objects and arrays admit whitespace, so they go through a regex.
     fn literals(&mut self, values: &[Value], ws: Whitespace) -> Result<LexId, GrammarError> {
@@ -184,6 +209,37 @@ impl Builder<'_> {
         let words: Vec<String> = values.iter().map(|v| v.to_string()).collect();
         let refs: Vec<&[u8]> = words.iter().map(|w| w.as_bytes()).collect();
         Ok(self.add(&regex, Arc::new(ByteDfa::literals(&refs))))
+    }
+
+    /// One string body for the string alternatives of an `anyOf`: a string takes one walk of
+    /// their union instead of one per alternative (seven date patterns cost seven walks of a
+    /// 151k vocabulary otherwise). Exact: the alternatives' union is what `anyOf` admits.
+    fn string_union(&mut self, alts: &[NodeId], graph: &SchemaGraph) -> Result<Option<Lexeme>, GrammarError> {
+        let bodies: Vec<String> = alts
+            .iter()
+            .filter_map(|&a| match graph.node(a) {
+                Node::String(r) => Some(string_body(r).0),
+                _ => None,
+            })
+            .collect();
+        if bodies.len() < 2 {
+            return Ok(None);
+        }
+        // A NUL no generated regex contains keeps this product DFA's states apart from those of
+        // a regex-automata DFA of the same text in the vocabulary's mask cache.
+        let key = "\0".to_string() + &bodies.iter().map(|b| format!("(?:{b})")).collect::<Vec<_>>().join("|");
+        if let Some(&id) = self.by_regex.get(&key) {
+            return Ok(Some(Lexeme::StringBody(id)));
+        }
+        let parts = bodies
+            .iter()
+            .map(|b| self.vocab.dfa(b))
+            .collect::<Result<Vec<_>, _>>()?;
+        let refs: Vec<&ByteDfa> = parts.iter().map(|p| p.as_ref()).collect();
+        // Past the state limit the alternatives are simply matched one by one.
+        Ok(ByteDfa::union(&refs, DfaLimits::default().max_states)
+            .ok()
+            .map(|dfa| Lexeme::StringBody(self.add(&key, Arc::new(dfa)))))
     }
 
     fn add(&mut self, regex: &str, dfa: Arc<ByteDfa>) -> LexId {

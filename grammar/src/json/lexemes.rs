@@ -5,6 +5,7 @@ use serde_json::Value;
 
 use super::ir::{NumberRules, StringRules};
 use crate::dfa::{ByteDfa, DfaLimits, StateId, DEAD};
+use crate::lexeme::decimal_range::{at_least, at_most};
 use crate::lexeme::{format_regex, int_range_regex, integer_bounds};
 use crate::regex::literal;
 
@@ -176,35 +177,69 @@ fn ecma_to_rust(p: &str) -> Result<String, String> {
     Ok(out)
 }
 
-/// The number lexeme of `rules`, and whether its bounds are left unenforced.
-pub fn number_regex(rules: &NumberRules, integer: bool) -> (String, Vec<&'static str>) {
+/// Largest `multipleOf` enforced: the DFA has a state per remainder.
+pub const MAX_MULTIPLE: f64 = 100_000.0;
+
+/// 2^53 - 1, the largest integer below which every integer is a double.
+const MAX_SAFE: i128 = (1 << 53) - 1;
+
+/// A number lexeme: the numbers every regex matches (a lower and an upper bound are two
+/// regexes), that are also multiples of `multiple_of`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NumberLexeme {
+    pub regexes: Vec<String>,
+    pub multiple_of: Option<u32>,
+}
+
+/// The number lexeme of `rules`, and what of them it leaves unenforced.
+pub fn number_lexeme(rules: &NumberRules, integer: bool) -> (NumberLexeme, Vec<&'static str>) {
     let mut loose = Vec::new();
-    let bounded = rules.minimum.is_some() || rules.maximum.is_some();
-    if integer {
-        if rules.multiple_of.is_some() {
+    // An integral step is a remainder DFA over the digits; a fractional one is left out (a
+    // float step such as 0.01 is also where validators disagree, dividing in binary).
+    let multiple_of = match rules.multiple_of {
+        // A step of 1 says nothing about an integer, but makes a number one.
+        Some(m) if m.fract() == 0.0 && (1.0..=MAX_MULTIPLE).contains(&m) => (m > 1.0 || !integer).then_some(m as u32),
+        Some(_) => {
             loose.push("multipleOf");
+            None
         }
-        if bounded {
-            let (lo, hi) = integer_bounds(
-                rules.minimum,
-                rules.exclusive_minimum,
-                rules.maximum,
-                rules.exclusive_maximum,
-            );
-            return match int_range_regex(lo, hi) {
-                Some(r) => (r, loose),
-                None => (NOTHING.into(), loose),
-            };
+        None => None,
+    };
+    let mut regexes = Vec::new();
+    // Multiples stay within the integers a double holds exactly, where every validator agrees
+    // (one dividing in floating point finds 3^41 no multiple of 3).
+    let safe = |b: Option<i128>, f: fn(i128, i128) -> i128, limit: i128| match multiple_of {
+        Some(_) => Some(b.map_or(limit, |b| f(b, limit))),
+        None => b,
+    };
+    if integer {
+        let (lo, hi) = integer_bounds(
+            rules.minimum,
+            rules.exclusive_minimum,
+            rules.maximum,
+            rules.exclusive_maximum,
+        );
+        let (lo, hi) = (safe(lo, i128::max, -MAX_SAFE), safe(hi, i128::min, MAX_SAFE));
+        regexes.push(int_range_regex(lo, hi).unwrap_or_else(|| NOTHING.into()));
+    } else {
+        if multiple_of.is_some() {
+            regexes.push(int_range_regex(Some(-MAX_SAFE), Some(MAX_SAFE)).unwrap_or_default());
         }
-        return (INTEGER.into(), loose);
+        let sides = [
+            rules.minimum.map(|b| at_least(b, rules.exclusive_minimum)),
+            rules.maximum.map(|b| at_most(b, rules.exclusive_maximum)),
+        ];
+        for side in sides.into_iter().flatten() {
+            match side {
+                Some(re) => regexes.push(re),
+                None => loose.push("minimum/maximum on numbers"),
+            }
+        }
+        if regexes.is_empty() {
+            regexes.push(NUMBER.into());
+        }
     }
-    if rules.multiple_of.is_some() {
-        loose.push("multipleOf");
-    }
-    if bounded {
-        loose.push("minimum/maximum on numbers");
-    }
-    (NUMBER.into(), loose)
+    (NumberLexeme { regexes, multiple_of }, loose)
 }
 
 /// One literal value (`enum`, `const`) spelled as JSON, with the whitespace policy between
@@ -313,7 +348,7 @@ mod tests {
 
     #[test]
     fn numbers_and_literals() {
-        let (re, loose) = number_regex(
+        let (lex, loose) = number_lexeme(
             &NumberRules {
                 minimum: Some(1.0),
                 maximum: Some(12.0),
@@ -322,16 +357,27 @@ mod tests {
             true,
         );
         assert!(loose.is_empty());
-        let re = full(&re);
+        let re = full(&lex.regexes[0]);
         assert!(re.is_match("1") && re.is_match("12") && !re.is_match("13") && !re.is_match("0"));
-        let (_, loose) = number_regex(
+        let bounded = NumberRules {
+            minimum: Some(0.5),
+            maximum: Some(1e300),
+            multiple_of: Some(0.5),
+            ..Default::default()
+        };
+        let (lex, loose) = number_lexeme(&bounded, false);
+        assert_eq!(loose, vec!["multipleOf", "minimum/maximum on numbers"]);
+        assert_eq!(lex.regexes.len(), 1);
+        assert!(full(&lex.regexes[0]).is_match("0.5") && !full(&lex.regexes[0]).is_match("0.49"));
+        let (lex, loose) = number_lexeme(
             &NumberRules {
-                minimum: Some(0.0),
+                multiple_of: Some(7.0),
                 ..Default::default()
             },
-            false,
+            true,
         );
-        assert_eq!(loose, vec!["minimum/maximum on numbers"]);
+        assert!(loose.is_empty());
+        assert_eq!(lex.multiple_of, Some(7));
 
         let flexible = Whitespace::Flexible { max_run: 2 };
         let re = full(&literal_regex(&json!({"a": [1, "x"], "b": null}), flexible));

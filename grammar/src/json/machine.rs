@@ -311,7 +311,17 @@ impl JsonGrammar {
     fn start_value(&self, arena: &mut Arena, s: Stack, node: NodeId, b: u8, out: &mut Vec<Stack>, depth: usize) {
         match self.graph.node(node) {
             Node::AnyOf(alts) => {
+                let strings = self.node_lexeme[node as usize];
+                if let Some(Lexeme::StringBody(lex)) = strings {
+                    let state = self.lexemes[lex as usize].start();
+                    if b == b'"' && state != DEAD {
+                        out.push(arena.replace(s, Frame::Str { lex, state }));
+                    }
+                }
                 for &alt in alts {
+                    if strings.is_some() && matches!(self.graph.node(alt), Node::String(_)) {
+                        continue;
+                    }
                     let t = arena.replace(s, Frame::Value { node: alt });
                     self.step_at(arena, t, b, out, depth + 1);
                 }

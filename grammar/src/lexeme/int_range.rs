@@ -31,7 +31,7 @@ pub fn int_range_regex(lo: Option<i128>, hi: Option<i128>) -> Option<String> {
 }
 
 /// Regex for the naturals in `[lo, hi]` (`hi = None`: unbounded), canonical spellings.
-fn natural_range(lo: u128, hi: Option<u128>) -> String {
+pub(crate) fn natural_range(lo: u128, hi: Option<u128>) -> String {
     let mut alts = Vec::new();
     let lo_digits = digits(lo);
     match hi {

@@ -1,6 +1,8 @@
-//! Regexes for JSON lexemes under schema constraints: integers in a range, string formats.
+//! Regexes for JSON lexemes under schema constraints: integers and decimals in a range, string
+//! formats.
 //! Each becomes a byte DFA; the JSON matcher steps through them.
 
+pub mod decimal_range;
 pub mod format;
 pub mod int_range;
 

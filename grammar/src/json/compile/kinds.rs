@@ -4,7 +4,7 @@
 use serde_json::{Map, Value};
 
 use super::super::ir::{ArrayRules, Node, NodeId, NumberRules, ObjectRules, StringFormat, StringRules};
-use super::super::lexemes::{number_regex, pattern_body, string_body};
+use super::super::lexemes::{number_lexeme, pattern_body, string_body, MAX_MULTIPLE};
 use super::super::report::KeywordStatus;
 use super::{bad, escape, Compiler};
 use crate::dfa::{ByteDfa, DfaLimits, StateId, DEAD};
@@ -68,9 +68,10 @@ impl Compiler<'_> {
                 return Err(bad(pointer, "multipleOf", "must be greater than 0"));
             }
             r.multiple_of = Some(m);
+            self.report.add(pointer, "multipleOf", KeywordStatus::Enforced);
         }
         // What the number lexeme leaves out, as its builder says.
-        for loose in number_regex(&r, integer).1 {
+        for loose in number_lexeme(&r, integer).1 {
             let keywords: &[&str] = match loose {
                 "multipleOf" => &["multipleOf"],
                 _ => &["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"],
@@ -78,8 +79,10 @@ impl Compiler<'_> {
             for k in keywords {
                 if obj.contains_key(*k) {
                     let status = match loose {
-                        "multipleOf" => KeywordStatus::Rejected("not enforced yet".into()),
-                        _ => KeywordStatus::Approximated("bounds on non-integer numbers are not enforced yet".into()),
+                        "multipleOf" => {
+                            KeywordStatus::Rejected(format!("only whole steps up to {MAX_MULTIPLE} are enforced"))
+                        }
+                        _ => KeywordStatus::Approximated("a bound beyond 1e38 or not finite is not enforced".into()),
                     };
                     self.report.set(pointer, k, status);
                 }

@@ -58,20 +58,7 @@ impl ByteDfa {
     /// The DFA of every pattern of every part, numbered in order: part 0's patterns first, then
     /// part 1's, and so on.
     pub fn union(parts: &[&ByteDfa], max_states: usize) -> Result<ByteDfa, GrammarError> {
-        // A byte's class is the tuple of its classes in the parts.
-        let mut classes = [0u8; 256];
-        let mut by_tuple: FxHashMap<Vec<u8>, u8> = FxHashMap::default();
-        let mut reps = Vec::new();
-        for b in 0..=255u8 {
-            let tuple: Vec<u8> = parts.iter().map(|p| p.classes[b as usize]).collect();
-            let n = by_tuple.len();
-            let c = *by_tuple.entry(tuple).or_insert_with(|| {
-                reps.push(b);
-                n as u8
-            });
-            classes[b as usize] = c;
-        }
-        let num_classes = reps.len();
+        let p = Product::build(parts, max_states, |t| t.iter().any(|&s| s != DEAD))?;
         let offsets: Vec<u32> = parts
             .iter()
             .scan(0, |acc, p| {
@@ -87,37 +74,128 @@ impl ByteDfa {
             }
             out
         };
+        // Each part is pruned, so a tuple with a live part is live, and a tuple reaches a
+        // pattern exactly when its part's state does.
+        let matches = p.tuples.iter().map(|t| collect(t, ByteDfa::matches)).collect();
+        let reachable = p.tuples.iter().map(|t| collect(t, ByteDfa::reachable)).collect();
+        let num_patterns = parts.iter().map(|p| p.num_patterns).sum();
+        Ok(ByteDfa::from_parts(
+            p.classes,
+            p.num_classes,
+            p.trans,
+            matches,
+            reachable,
+            p.start,
+            num_patterns,
+        ))
+    }
+
+    /// The DFA of the inputs every part accepts, as one pattern (a bounded number that must
+    /// also be a multiple of something, say).
+    pub fn intersection(parts: &[&ByteDfa], max_states: usize) -> Result<ByteDfa, GrammarError> {
+        let p = Product::build(parts, max_states, |t| t.iter().all(|&s| s != DEAD))?;
+        let matches = p
+            .tuples
+            .iter()
+            .map(|t| {
+                let all = !t.is_empty() && parts.iter().zip(t).all(|(p, &s)| s != DEAD && p.is_accepting(s));
+                if all {
+                    vec![0]
+                } else {
+                    Vec::new()
+                }
+            })
+            .collect();
+        Ok(ByteDfa::pruned(p.classes, p.num_classes, p.trans, matches, p.start, 1))
+    }
+
+    /// The unsigned decimal spellings (`[0-9]+`, leading zeros allowed: the number syntax is
+    /// another part's job) of the multiples of `k`, with an optional `-` in front: one state per
+    /// remainder. `k` must be at least 1.
+    pub fn multiples_of(k: u32) -> ByteDfa {
+        let k = k.max(1) as usize;
+        // Class 0: other bytes; 1: `-`; 2 + d: digit d.
+        let mut classes = [0u8; 256];
+        classes[b'-' as usize] = 1;
+        for d in 0..10u8 {
+            classes[(b'0' + d) as usize] = 2 + d;
+        }
+        let num_classes = 12;
+        // Rows: 0 dead, 1 start, 2 after `-`, 3 + r remainder r.
+        let rows = 3 + k;
+        let mut trans = vec![DEAD; rows * num_classes];
+        let rem = |r: usize| (3 + r) as StateId;
+        trans[num_classes + 1] = 2;
+        for d in 0..10usize {
+            trans[num_classes + 2 + d] = rem(d % k);
+            trans[2 * num_classes + 2 + d] = rem(d % k);
+            for r in 0..k {
+                trans[(3 + r) * num_classes + 2 + d] = rem((r * 10 + d) % k);
+            }
+        }
+        let mut matches = vec![Vec::new(); rows];
+        matches[3] = vec![0];
+        ByteDfa::pruned(classes, num_classes, trans, matches, 1, 1)
+    }
+}
+
+/// The product of several DFAs, as far as `live` tuples of their states reach.
+struct Product {
+    classes: [u8; 256],
+    num_classes: usize,
+    trans: Vec<StateId>,
+    /// The parts' states of each product state; row 0 (dead) is all `DEAD`.
+    tuples: Vec<Vec<StateId>>,
+    start: StateId,
+}
+
+impl Product {
+    fn build(parts: &[&ByteDfa], max_states: usize, live: impl Fn(&[StateId]) -> bool) -> Result<Self, GrammarError> {
+        // A byte's class is the tuple of its classes in the parts.
+        let mut classes = [0u8; 256];
+        let mut by_tuple: FxHashMap<Vec<u8>, u8> = FxHashMap::default();
+        let mut reps = Vec::new();
+        for b in 0..=255u8 {
+            let tuple: Vec<u8> = parts.iter().map(|p| p.classes[b as usize]).collect();
+            let n = by_tuple.len();
+            let c = *by_tuple.entry(tuple).or_insert_with(|| {
+                reps.push(b);
+                n as u8
+            });
+            classes[b as usize] = c;
+        }
+        let num_classes = reps.len();
         let start: Vec<StateId> = parts.iter().map(|p| p.start).collect();
         let mut index: FxHashMap<Vec<StateId>, StateId> = FxHashMap::default();
-        let mut order: Vec<Vec<StateId>> = vec![vec![DEAD; parts.len()]];
+        let mut tuples: Vec<Vec<StateId>> = vec![vec![DEAD; parts.len()]];
         let mut trans = vec![DEAD; num_classes];
-        let start_id = if start.iter().all(|&s| s == DEAD) {
+        let start_id = if !live(&start) {
             DEAD
         } else {
             index.insert(start.clone(), 1);
-            order.push(start);
+            tuples.push(start);
             trans.extend(std::iter::repeat_n(DEAD, num_classes));
             1
         };
         let mut i = 1;
-        while i < order.len() {
+        while i < tuples.len() {
             for (c, &b) in reps.iter().enumerate() {
-                let to: Vec<StateId> = parts.iter().zip(&order[i]).map(|(p, &s)| p.next(s, b)).collect();
-                if to.iter().all(|&s| s == DEAD) {
+                let to: Vec<StateId> = parts.iter().zip(&tuples[i]).map(|(p, &s)| p.next(s, b)).collect();
+                if !live(&to) {
                     continue;
                 }
                 let id = match index.get(&to) {
                     Some(&id) => id,
                     None => {
-                        if order.len() >= max_states {
+                        if tuples.len() >= max_states {
                             return Err(GrammarError::TooLarge {
-                                what: "union of key patterns".into(),
+                                what: "product of automata".into(),
                                 reason: format!("more than {max_states} DFA states"),
                             });
                         }
-                        let id = order.len() as StateId;
+                        let id = tuples.len() as StateId;
                         index.insert(to.clone(), id);
-                        order.push(to);
+                        tuples.push(to);
                         trans.extend(std::iter::repeat_n(DEAD, num_classes));
                         id
                     }
@@ -126,20 +204,13 @@ impl ByteDfa {
             }
             i += 1;
         }
-        // Each part is pruned, so a tuple with a live part is live, and a tuple reaches a
-        // pattern exactly when its part's state does.
-        let matches = order.iter().map(|t| collect(t, ByteDfa::matches)).collect();
-        let reachable = order.iter().map(|t| collect(t, ByteDfa::reachable)).collect();
-        let num_patterns = parts.iter().map(|p| p.num_patterns).sum();
-        Ok(ByteDfa::from_parts(
+        Ok(Product {
             classes,
             num_classes,
             trans,
-            matches,
-            reachable,
-            start_id,
-            num_patterns,
-        ))
+            tuples,
+            start: start_id,
+        })
     }
 }
 
@@ -164,6 +235,29 @@ mod tests {
         assert_eq!(d.reachable(d.start()), &[0, 1, 2, 3]);
         assert!(!d.has_next(run(&d, "age")));
         assert_eq!(ByteDfa::literals(&[]).start(), DEAD);
+    }
+
+    #[test]
+    fn bounded_multiples_are_the_intersection() {
+        let range = ByteDfa::from_regex(
+            &crate::lexeme::int_range_regex(Some(-50), Some(60)).unwrap(),
+            DfaLimits::default(),
+        )
+        .unwrap();
+        let seven = ByteDfa::multiples_of(7);
+        let both = ByteDfa::intersection(&[&range, &seven], 10_000).unwrap();
+        for n in -200i64..=200 {
+            let text = n.to_string();
+            let want = (-50..=60).contains(&n) && n % 7 == 0;
+            assert_eq!(both.is_accepting(run(&both, &text)), want, "{n}");
+            // Pruned: a prefix stays live exactly when some match still extends it.
+            let s = run(&both, &text[..text.len() - 1]);
+            assert_eq!(s != DEAD, both.reachable(s) == [0], "{n}");
+        }
+        assert_eq!(run(&both, "61"), DEAD, "no multiple of 7 in range starts with 61");
+        assert_eq!(run(&both, "-0"), DEAD);
+        let empty = ByteDfa::intersection(&[&ByteDfa::literals(&[b"5"]), &seven], 100).unwrap();
+        assert_eq!(empty.start(), DEAD);
     }
 
     #[test]
