@@ -9,6 +9,7 @@
 //! - `json`: JSON Schema compiled to a resolved graph with a per-keyword report.
 //! - `lexeme`: regexes for constrained JSON lexemes (integer ranges, string formats).
 //! - `matcher`: the interface every constraint's matcher offers the engine.
+//! - `stacks`: the matcher core of the grammars run as stack sets (JSON Schema, CFG).
 //! - `bitmask`: the mask layout shared with the runtime.
 
 pub mod bitmask;
@@ -21,6 +22,7 @@ pub mod json;
 pub mod lexeme;
 pub mod matcher;
 pub mod regex;
+mod stacks;
 pub mod trie;
 pub mod vocab;
 

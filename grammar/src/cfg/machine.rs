@@ -5,7 +5,7 @@ use super::{CfgGrammar, Edge};
 use crate::dedup::{dedup_stacks, Scratch};
 use crate::dfa::{StateId, DEAD};
 
-pub type Stack = u32;
+pub use crate::stacks::Stack;
 pub const BOTTOM: Stack = 0;
 
 /// Guards the eager expansion of calls (left recursion is refused at compile time; this
@@ -34,7 +34,6 @@ pub enum Frame {
 pub struct Arena {
     frames: Vec<(Frame, Stack)>,
     visited: Vec<(u32, u32, Stack)>,
-    scratch: Scratch,
 }
 
 impl Arena {
@@ -72,9 +71,9 @@ impl Arena {
     }
 
     /// Drops stacks whose frames equal an earlier stack's.
-    pub fn dedup(&mut self, stacks: &mut Vec<Stack>) {
+    pub fn dedup(&self, stacks: &mut Vec<Stack>, scratch: &mut Scratch) {
         let frames = &self.frames;
-        dedup_stacks(stacks, &mut self.scratch, |mut t, words| {
+        dedup_stacks(stacks, scratch, |mut t, words| {
             while t != BOTTOM {
                 let (frame, parent) = frames[t as usize];
                 match frame {

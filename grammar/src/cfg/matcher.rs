@@ -2,172 +2,77 @@
 
 use std::sync::Arc;
 
-use super::machine::{Arena, Stack};
+use super::machine::Arena;
 use super::CfgGrammar;
-use crate::bitmask::allow;
+use crate::dedup::Scratch;
 use crate::error::GrammarError;
-use crate::history::History;
-use crate::matcher::{Matcher, MAX_FORCED_BYTES};
-use crate::trie::TrieVisitor;
-use crate::vocab::TokenId;
+use crate::matcher::Matcher;
+use crate::stacks::{Stack, StackMachine, Stacks};
+use crate::vocab::{TokenId, TokenVocab};
 
-pub struct CfgMatcher {
-    grammar: Arc<CfgGrammar>,
-    arena: Arena,
-    /// The live stacks after each accepted token, with the arena size to return to.
-    history: History<(Vec<Stack>, usize)>,
-}
+pub struct CfgMatcher(Stacks<CfgGrammar>);
 
 impl CfgMatcher {
     pub fn new(grammar: Arc<CfgGrammar>) -> Self {
-        let mut arena = Arena::new();
-        let start = grammar.start(&mut arena);
-        let mark = arena.mark();
-        CfgMatcher {
-            grammar,
-            arena,
-            history: History::new((vec![start], mark)),
-        }
+        CfgMatcher(Stacks::new(grammar))
     }
+}
 
-    fn current(&self) -> &[Stack] {
-        &self.history.current().0
+impl StackMachine for CfgGrammar {
+    type Arena = Arena;
+    type Mark = usize;
+    fn new_arena(&self) -> Arena {
+        Arena::new()
     }
-
-    /// Every stack in `states` after `bytes`; empty when some byte leaves none.
-    fn run(&mut self, mut states: Vec<Stack>, bytes: &[u8]) -> Vec<Stack> {
-        let mut next = Vec::new();
-        for &b in bytes {
-            next.clear();
-            for &s in &states {
-                self.grammar.step(&mut self.arena, s, b, &mut next);
-            }
-            self.arena.dedup(&mut next);
-            std::mem::swap(&mut states, &mut next);
-            if states.is_empty() {
-                break;
-            }
-        }
-        states
+    fn mark(arena: &Arena) -> usize {
+        arena.mark()
+    }
+    fn reset_to(arena: &mut Arena, mark: usize) {
+        arena.reset_to(mark)
+    }
+    fn vocab(&self) -> &Arc<TokenVocab> {
+        &self.vocab
+    }
+    fn start(&self, arena: &mut Arena) -> Stack {
+        CfgGrammar::start(self, arena)
+    }
+    fn step(&self, arena: &mut Arena, s: Stack, b: u8, out: &mut Vec<Stack>) {
+        CfgGrammar::step(self, arena, s, b, out)
+    }
+    fn dedup(&self, arena: &Arena, stacks: &mut Vec<Stack>, scratch: &mut Scratch) {
+        arena.dedup(stacks, scratch)
+    }
+    fn can_finish(&self, arena: &Arena, s: Stack) -> bool {
+        CfgGrammar::can_finish(self, arena, s)
     }
 }
 
 impl Matcher for CfgMatcher {
     fn fill_bitmask(&mut self, mask: &mut [u32]) {
-        mask.fill(0);
-        if self.history.is_finished() {
-            return;
+        if self.0.begin_mask(mask) {
+            let grammar = self.0.grammar.clone();
+            let current = self.0.current().to_vec();
+            self.0.walk(grammar.vocab.trie(), current, mask);
         }
-        if self.can_finish() {
-            for &e in self.grammar.vocab.eos_tokens() {
-                allow(mask, e);
-            }
-        }
-        let grammar = self.grammar.clone();
-        let trie = grammar.vocab.trie();
-        let mark = self.arena.mark();
-        let mut walk = Walk {
-            grammar: &grammar,
-            arena: &mut self.arena,
-            states: vec![Vec::new(); trie.max_depth() + 1],
-            mask,
-        };
-        walk.states[0] = self.history.current().0.clone();
-        trie.walk(&mut walk);
-        self.arena.reset_to(mark);
     }
 
     fn accept(&mut self, token: TokenId) -> Result<(), GrammarError> {
-        if self.history.is_finished() {
-            return Err(GrammarError::AlreadyFinished);
-        }
-        let vocab = self.grammar.vocab.clone();
-        if vocab.is_eos(token) && self.can_finish() {
-            self.history.finish();
-            return Ok(());
-        }
-        let bytes = vocab.token_bytes(token);
-        if vocab.is_special(token) || bytes.is_empty() {
-            return Err(GrammarError::TokenRejected { token });
-        }
-        let before = self.arena.mark();
-        let states = self.run(self.current().to_vec(), bytes);
-        if states.is_empty() {
-            self.arena.reset_to(before);
-            return Err(GrammarError::TokenRejected { token });
-        }
-        let mark = self.arena.mark();
-        self.history.push((states, mark));
-        Ok(())
+        self.0.accept(token)
     }
 
     fn rollback(&mut self, n: usize) -> Result<(), GrammarError> {
-        self.history.rollback(n)?;
-        let mark = self.history.current().1;
-        self.arena.reset_to(mark);
-        Ok(())
+        self.0.rollback(n)
     }
 
     fn is_finished(&self) -> bool {
-        self.history.is_finished()
+        self.0.is_finished()
     }
 
     fn can_finish(&self) -> bool {
-        !self.history.is_finished() && self.current().iter().any(|&s| self.grammar.can_finish(&self.arena, s))
+        self.0.can_finish()
     }
 
     fn forced_bytes(&mut self) -> Vec<u8> {
-        let mut out = Vec::new();
-        if self.history.is_finished() {
-            return out;
-        }
-        let mark = self.arena.mark();
-        let mut states = self.current().to_vec();
-        while out.len() < MAX_FORCED_BYTES && !states.iter().any(|&s| self.grammar.can_finish(&self.arena, s)) {
-            let mut forced = None;
-            for b in 0..=255u8 {
-                let next = self.run(states.clone(), &[b]);
-                if next.is_empty() {
-                    continue;
-                }
-                if forced.is_some() {
-                    forced = None;
-                    break;
-                }
-                forced = Some((b, next));
-            }
-            let Some((b, next)) = forced else { break };
-            out.push(b);
-            states = next;
-        }
-        self.arena.reset_to(mark);
-        out
-    }
-}
-
-/// Steps every live stack along the trie path; a byte that leaves none prunes the subtree.
-struct Walk<'a> {
-    grammar: &'a CfgGrammar,
-    arena: &'a mut Arena,
-    states: Vec<Vec<Stack>>,
-    mask: &'a mut [u32],
-}
-
-impl TrieVisitor for Walk<'_> {
-    fn enter(&mut self, depth: usize, byte: u8) -> bool {
-        let (before, after) = self.states.split_at_mut(depth);
-        let out = &mut after[0];
-        out.clear();
-        for &s in &before[depth - 1] {
-            self.grammar.step(self.arena, s, byte, out);
-        }
-        self.arena.dedup(out);
-        !out.is_empty()
-    }
-
-    fn tokens(&mut self, tokens: &[TokenId]) {
-        for &t in tokens {
-            allow(self.mask, t);
-        }
+        self.0.forced_bytes()
     }
 }

@@ -9,7 +9,7 @@ use crate::dedup::{dedup_stacks, Scratch};
 use crate::dfa::{StateId, DEAD};
 
 /// Index of a stack's top frame in the arena; `BOTTOM` is the empty stack (value complete).
-pub type Stack = u32;
+pub use crate::stacks::Stack;
 pub const BOTTOM: Stack = 0;
 
 /// Guards against `anyOf` aliases that refer to each other without ever consuming a byte.
