@@ -138,7 +138,7 @@ impl<'a> Generator<'a> {
         };
         // On error the requests still running give their blocks back too.
         for a in active.drain(..) {
-            self.pool.release(a.blocks);
+            self.pool.free(a.blocks);
         }
         result.map(|()| done.into_iter().map(|c| c.expect("every request finished")).collect())
     }
@@ -225,7 +225,7 @@ impl<'a> Generator<'a> {
             let finished = self.accept(a, &sampled, context_length, on_token)?;
             if finished {
                 let a = active.remove(i);
-                self.pool.release(a.blocks);
+                self.pool.free(a.blocks);
                 done[a.request] = Some(a.completion);
             } else {
                 i += 1;

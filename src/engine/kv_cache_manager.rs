@@ -1,0 +1,265 @@
+//! Which KV blocks each request holds (vLLM's KV cache manager): prefix-cache lookup for new
+//! requests, slots for each step's new tokens, caching of blocks as they fill, and freeing.
+//!
+//! A full block is known by a chained hash: its parent block's hash, its tokens and the
+//! cache's extra key (the model, so two models never share a cache entry). Equal hashes mean
+//! equal prefixes, so the block's keys and values can be reused as they are.
+
+use std::collections::HashMap;
+use std::hash::{DefaultHasher, Hash, Hasher};
+
+use super::block_pool::{BlockHash, BlockId, BlockPool};
+
+pub type RequestId = u64;
+
+/// Tokens looked up in the prefix cache, and how many were found there.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefixCacheStats {
+    pub queried_tokens: u64,
+    pub hit_tokens: u64,
+}
+
+impl PrefixCacheStats {
+    pub fn hit_rate(&self) -> f64 {
+        if self.queried_tokens == 0 {
+            0.0
+        } else {
+            self.hit_tokens as f64 / self.queried_tokens as f64
+        }
+    }
+}
+
+#[derive(Default)]
+struct Table {
+    blocks: Vec<BlockId>,
+    /// Hashes of the leading full blocks already entered in the pool's cache.
+    hashes: Vec<BlockHash>,
+}
+
+pub struct KvCacheManager {
+    pool: BlockPool,
+    block_size: usize,
+    extra_key: u64,
+    caching: bool,
+    tables: HashMap<RequestId, Table>,
+    stats: PrefixCacheStats,
+}
+
+impl KvCacheManager {
+    /// `extra_key` separates caches that must not mix (say, a hash of the model's name);
+    /// `caching` turns automatic prefix caching on.
+    pub fn new(pool: BlockPool, block_size: usize, extra_key: u64, caching: bool) -> Self {
+        KvCacheManager {
+            pool,
+            block_size,
+            extra_key,
+            caching,
+            tables: HashMap::new(),
+            stats: PrefixCacheStats::default(),
+        }
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    pub fn stats(&self) -> PrefixCacheStats {
+        self.stats
+    }
+
+    /// Fraction of the blocks some request holds.
+    pub fn usage(&self) -> f64 {
+        1.0 - self.pool.num_free() as f64 / self.pool.total().max(1) as f64
+    }
+
+    /// The chained hashes of the full blocks of `tokens`.
+    pub fn block_hashes(&self, tokens: &[u32]) -> Vec<BlockHash> {
+        self.block_hashes_from(None, tokens)
+    }
+
+    /// The chained hashes of the full blocks of `tokens`, which follow the block of hash
+    /// `parent` (`None`: they start the sequence).
+    fn block_hashes_from(&self, parent: Option<BlockHash>, tokens: &[u32]) -> Vec<BlockHash> {
+        let mut parent = parent.unwrap_or(self.extra_key as BlockHash);
+        tokens
+            .chunks_exact(self.block_size)
+            .map(|block| {
+                // Two independently seeded 64-bit hashes make the 128.
+                let half = |seed: u8| {
+                    let mut h = DefaultHasher::new();
+                    (seed, parent, block, self.extra_key).hash(&mut h);
+                    h.finish() as BlockHash
+                };
+                parent = (half(1) << 64) | half(2);
+                parent
+            })
+            .collect()
+    }
+
+    /// The longest run of cached blocks that starts `tokens`, and the tokens they hold. At
+    /// least the last token is always left to compute: its logits are needed.
+    pub fn get_computed_blocks(&mut self, tokens: &[u32]) -> (Vec<BlockId>, usize) {
+        if !self.caching || tokens.is_empty() {
+            return (Vec::new(), 0);
+        }
+        let usable = (tokens.len() - 1) / self.block_size;
+        let blocks: Vec<BlockId> = self
+            .block_hashes(&tokens[..usable * self.block_size])
+            .into_iter()
+            .map_while(|h| self.pool.cached_block(h))
+            .collect();
+        let hit = blocks.len() * self.block_size;
+        self.stats.queried_tokens += tokens.len() as u64;
+        self.stats.hit_tokens += hit as u64;
+        (blocks, hit)
+    }
+
+    /// Grows request `id`'s block table to hold `total_tokens` tokens; on its first call the
+    /// table starts with `computed` (from `get_computed_blocks`). False, with nothing changed,
+    /// when the pool has too few free blocks.
+    pub fn allocate_slots(&mut self, id: RequestId, total_tokens: usize, computed: &[BlockId]) -> bool {
+        let held = self.tables.get(&id).map_or(0, |t| t.blocks.len());
+        let start = if held == 0 { computed } else { &[] };
+        let needed = total_tokens
+            .div_ceil(self.block_size)
+            .saturating_sub(held + start.len());
+        // Cached blocks nobody holds sit in the free queue: taking them uses it up too.
+        let revived = start.iter().filter(|&&b| self.pool.ref_count(b) == 0).count();
+        if needed + revived > self.pool.num_free() {
+            return false;
+        }
+        self.pool.touch(start);
+        let fresh = self.pool.allocate(needed).expect("checked above");
+        let table = self.tables.entry(id).or_default();
+        table.blocks.extend_from_slice(start);
+        table.blocks.extend(fresh);
+        true
+    }
+
+    /// Enters the blocks of request `id` that `tokens` (its first `computed` tokens have keys
+    /// and values in the cache) fills completely into the prefix cache.
+    pub fn cache_blocks(&mut self, id: RequestId, tokens: &[u32], computed: usize) {
+        if !self.caching {
+            return;
+        }
+        let Some(table) = self.tables.get(&id) else {
+            return;
+        };
+        let full = (computed.min(tokens.len()) / self.block_size).min(table.blocks.len());
+        if full <= table.hashes.len() {
+            return;
+        }
+        // Each hash chains on the one before: the new ones continue from the last known.
+        let known = table.hashes.len();
+        let hashes = self.block_hashes_from(
+            table.hashes.last().copied(),
+            &tokens[known * self.block_size..full * self.block_size],
+        );
+        let table = self.tables.get_mut(&id).expect("looked up above");
+        for (i, &h) in hashes.iter().enumerate() {
+            self.pool.cache(table.blocks[known + i], h);
+        }
+        table.hashes.extend(hashes);
+    }
+
+    /// Request `id`'s blocks, in order.
+    pub fn block_table(&self, id: RequestId) -> &[BlockId] {
+        self.tables.get(&id).map_or(&[], |t| t.blocks.as_slice())
+    }
+
+    /// Gives back every block of request `id` (finished, aborted or preempted); cached blocks
+    /// stay reusable until evicted.
+    pub fn free(&mut self, id: RequestId) {
+        if let Some(t) = self.tables.remove(&id) {
+            self.pool.free(t.blocks.into_iter().rev());
+        }
+    }
+
+    pub fn num_free_blocks(&self) -> usize {
+        self.pool.num_free()
+    }
+
+    /// Blocks needed for `tokens` tokens.
+    pub fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.block_size)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn manager(blocks: usize) -> KvCacheManager {
+        KvCacheManager::new(BlockPool::new(blocks), 4, 7, true)
+    }
+
+    #[test]
+    fn a_shared_prefix_is_found_and_shared() {
+        let mut m = manager(8);
+        let prompt: Vec<u32> = (0..10).collect();
+        let (hit, n) = m.get_computed_blocks(&prompt);
+        assert_eq!((hit.len(), n), (0, 0));
+        assert!(m.allocate_slots(1, 10, &hit));
+        assert_eq!(m.block_table(1).len(), 3);
+        m.cache_blocks(1, &prompt, 10);
+        assert_eq!(m.pool().num_cached(), 2, "two full blocks");
+
+        // Same first 8 tokens: two blocks reused, held by both requests.
+        let other: Vec<u32> = (0..8).chain([99, 98, 97]).collect();
+        let (hit, n) = m.get_computed_blocks(&other);
+        assert_eq!(n, 8);
+        assert_eq!(hit, m.block_table(1)[..2]);
+        assert!(m.allocate_slots(2, 11, &hit));
+        assert_eq!(m.block_table(2)[..2], m.block_table(1)[..2]);
+        assert_eq!(m.pool().ref_count(hit[0]), 2);
+        assert_eq!(m.num_free_blocks(), 8 - 3 - 1);
+
+        // A prompt that is exactly cached still leaves its last token to compute.
+        let (_, n) = m.get_computed_blocks(&prompt[..8]);
+        assert_eq!(n, 4);
+
+        m.free(1);
+        m.free(2);
+        assert_eq!(m.num_free_blocks(), 8);
+        // Freed, but still cached: a third request finds the prefix.
+        let (hit, n) = m.get_computed_blocks(&prompt);
+        assert_eq!(n, 8);
+        assert!(m.allocate_slots(3, 10, &hit));
+        assert_eq!(m.num_free_blocks(), 5);
+        m.free(3);
+        assert_eq!(m.stats().hit_tokens, 8 + 4 + 8);
+    }
+
+    #[test]
+    fn other_extra_keys_never_share() {
+        let a = manager(2);
+        let b = KvCacheManager::new(BlockPool::new(2), 4, 8, true);
+        let tokens: Vec<u32> = (0..8).collect();
+        assert_ne!(a.block_hashes(&tokens), b.block_hashes(&tokens));
+        assert_ne!(a.block_hashes(&tokens)[1], a.block_hashes(&[9, 9, 9, 9, 4, 5, 6, 7])[1]);
+    }
+
+    #[test]
+    fn a_failed_allocation_changes_nothing() {
+        let mut m = manager(3);
+        let prompt: Vec<u32> = (0..8).collect();
+        assert!(m.allocate_slots(1, 8, &[]));
+        m.cache_blocks(1, &prompt, 8);
+        m.free(1);
+        let (hit, _) = m.get_computed_blocks(&(0..9).collect::<Vec<u32>>());
+        assert_eq!(hit.len(), 2);
+        // Two cached blocks revived plus two fresh: four, from a pool of three.
+        assert!(!m.allocate_slots(2, 16, &hit));
+        assert_eq!(m.num_free_blocks(), 3);
+        assert_eq!(m.block_table(2), &[] as &[BlockId]);
+        assert_eq!(m.pool().num_cached(), 2);
+        assert!(m.allocate_slots(2, 12, &hit));
+        assert_eq!(m.num_free_blocks(), 0);
+        m.free(2);
+        assert_eq!(m.num_free_blocks(), 3);
+    }
+}

@@ -1,0 +1,75 @@
+//! One request as the scheduler sees it: its tokens, how many of them have keys and values in
+//! the cache, and where it is in its life.
+
+use super::kv_cache_manager::RequestId;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestStatus {
+    Waiting,
+    Running,
+    /// Was running, lost its blocks to a more deserving request; waits to be recomputed.
+    Preempted,
+    Finished,
+}
+
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub id: RequestId,
+    pub prompt: Vec<u32>,
+    pub output: Vec<u32>,
+    /// Lower runs first under the priority policy (as in vLLM).
+    pub priority: i32,
+    /// Order of arrival: breaks priority ties, and is the FCFS order.
+    pub arrival: u64,
+    /// Tokens whose keys and values are in the cache.
+    pub num_computed: usize,
+    /// Prompt tokens found in the prefix cache when the request was (last) scheduled.
+    pub num_cached: usize,
+    pub num_preemptions: usize,
+    pub status: RequestStatus,
+}
+
+impl Request {
+    pub fn new(id: RequestId, prompt: Vec<u32>, priority: i32, arrival: u64) -> Self {
+        Request {
+            id,
+            prompt,
+            output: Vec::new(),
+            priority,
+            arrival,
+            num_computed: 0,
+            num_cached: 0,
+            num_preemptions: 0,
+            status: RequestStatus::Waiting,
+        }
+    }
+
+    pub fn num_tokens(&self) -> usize {
+        self.prompt.len() + self.output.len()
+    }
+
+    /// Token `i` of prompt-then-output.
+    pub fn token(&self, i: usize) -> u32 {
+        if i < self.prompt.len() {
+            self.prompt[i]
+        } else {
+            self.output[i - self.prompt.len()]
+        }
+    }
+
+    /// Tokens `range` of prompt-then-output.
+    pub fn tokens(&self, range: std::ops::Range<usize>) -> Vec<u32> {
+        range.map(|i| self.token(i)).collect()
+    }
+
+    /// Every token, prompt then output.
+    pub fn all_tokens(&self) -> Vec<u32> {
+        self.tokens(0..self.num_tokens())
+    }
+
+    /// Still prefilling: this step's tokens end before the last known one, so no token is
+    /// sampled after them.
+    pub fn is_prefill_chunk(&self, num_new: usize) -> bool {
+        self.num_computed + num_new < self.num_tokens()
+    }
+}

@@ -1,0 +1,461 @@
+//! Decides, each step, which requests run and with how many tokens (vLLM's scheduler):
+//! running requests first (a decode token each, or the rest of a chunked prompt), then waiting
+//! ones, within a token budget and a cap on sequences. A prompt longer than what is left of
+//! the budget is split into chunks over several steps, so it never stalls the others' decoding.
+//! When blocks run out, the running request that deserves them least is preempted: its blocks
+//! are freed and it waits to be recomputed (its tokens so far are kept, so it resumes with the
+//! same output).
+
+use std::collections::HashMap;
+
+use super::kv_cache_manager::{KvCacheManager, RequestId};
+use super::request::{Request, RequestStatus};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Policy {
+    /// First come, first served.
+    Fcfs,
+    /// Lowest `priority` value first, then arrival.
+    Priority,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct SchedulerConfig {
+    /// Tokens in one forward pass, over every request.
+    pub max_num_batched_tokens: usize,
+    pub max_num_seqs: usize,
+    pub policy: Policy,
+    /// Tokens one request may hold in the cache (the model's context, at most).
+    pub max_model_len: usize,
+}
+
+/// One request's share of a step: tokens `start..start + num_tokens` of its prompt-then-output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Scheduled {
+    pub id: RequestId,
+    pub start: usize,
+    pub num_tokens: usize,
+    /// The step ends at the last known token, so the next one is sampled.
+    pub samples: bool,
+}
+
+#[derive(Debug, Default)]
+pub struct SchedulerOutput {
+    pub scheduled: Vec<Scheduled>,
+    /// Requests that lost their blocks this step.
+    pub preempted: Vec<RequestId>,
+}
+
+impl SchedulerOutput {
+    pub fn num_tokens(&self) -> usize {
+        self.scheduled.iter().map(|s| s.num_tokens).sum()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AdmitError {
+    #[error("prompt of {tokens} tokens does not fit: at most {limit} tokens (model context and KV cache)")]
+    InputTooLong { tokens: usize, limit: usize },
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("request id {0} is already in use")]
+    DuplicateId(RequestId),
+}
+
+pub struct Scheduler {
+    config: SchedulerConfig,
+    kv: KvCacheManager,
+    requests: HashMap<RequestId, Request>,
+    /// In the order they will be considered (see `pick_waiting`).
+    waiting: Vec<RequestId>,
+    running: Vec<RequestId>,
+    next_arrival: u64,
+    num_preemptions: usize,
+}
+
+impl Scheduler {
+    pub fn new(config: SchedulerConfig, kv: KvCacheManager) -> Self {
+        Scheduler {
+            config,
+            kv,
+            requests: HashMap::new(),
+            waiting: Vec::new(),
+            running: Vec::new(),
+            next_arrival: 0,
+            num_preemptions: 0,
+        }
+    }
+
+    /// The most tokens a request can ever hold: the model's context, and the whole cache.
+    pub fn token_limit(&self) -> usize {
+        self.config
+            .max_model_len
+            .min(self.kv.pool().total() * self.kv.block_size())
+    }
+
+    /// Queues a request, or refuses it up front when its prompt could never run.
+    pub fn add(&mut self, id: RequestId, prompt: Vec<u32>, priority: i32) -> Result<(), AdmitError> {
+        if prompt.is_empty() {
+            return Err(AdmitError::EmptyPrompt);
+        }
+        let limit = self.token_limit();
+        // The prompt and one sampled token must fit.
+        if prompt.len() >= limit {
+            return Err(AdmitError::InputTooLong {
+                tokens: prompt.len(),
+                limit: limit.saturating_sub(1),
+            });
+        }
+        if self.requests.contains_key(&id) {
+            return Err(AdmitError::DuplicateId(id));
+        }
+        let r = Request::new(id, prompt, priority, self.next_arrival);
+        self.next_arrival += 1;
+        self.requests.insert(id, r);
+        self.waiting.push(id);
+        Ok(())
+    }
+
+    pub fn request(&self, id: RequestId) -> Option<&Request> {
+        self.requests.get(&id)
+    }
+
+    pub fn kv(&self) -> &KvCacheManager {
+        &self.kv
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn num_preemptions(&self) -> usize {
+        self.num_preemptions
+    }
+
+    pub fn has_unfinished(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    /// Plans one step.
+    pub fn schedule(&mut self) -> SchedulerOutput {
+        let mut out = SchedulerOutput::default();
+        let mut budget = self.config.max_num_batched_tokens;
+        for id in self.running.clone() {
+            if budget == 0 {
+                break;
+            }
+            // Preempted earlier in this loop, to make room for another.
+            if !self.running.contains(&id) {
+                continue;
+            }
+            let r = &self.requests[&id];
+            let num_new = (r.num_tokens() - r.num_computed).min(budget);
+            let total = r.num_computed + num_new;
+            let mut scheduled = true;
+            while !self.kv.allocate_slots(id, total, &[]) {
+                let victim = self.victim();
+                // A victim scheduled earlier in this step gives its tokens back.
+                budget += out
+                    .scheduled
+                    .iter()
+                    .filter(|s| s.id == victim)
+                    .map(|s| s.num_tokens)
+                    .sum::<usize>();
+                self.preempt(victim, &mut out);
+                if victim == id {
+                    scheduled = false;
+                    break;
+                }
+            }
+            if scheduled {
+                self.push(id, num_new, &mut out);
+                budget -= num_new;
+            }
+        }
+        // New requests only when nobody had to give way this step.
+        if !out.preempted.is_empty() {
+            return out;
+        }
+        while budget > 0 && self.running.len() < self.config.max_num_seqs {
+            let Some(at) = self.pick_waiting() else { break };
+            let id = self.waiting[at];
+            let tokens = self.requests[&id].all_tokens();
+            let (hit, cached) = self.kv.get_computed_blocks(&tokens);
+            let num_new = (tokens.len() - cached).min(budget);
+            if !self.kv.allocate_slots(id, cached + num_new, &hit) {
+                break;
+            }
+            self.waiting.remove(at);
+            self.running.push(id);
+            let r = self.requests.get_mut(&id).expect("waiting requests exist");
+            r.status = RequestStatus::Running;
+            r.num_computed = cached;
+            r.num_cached = cached;
+            self.push(id, num_new, &mut out);
+            budget -= num_new;
+        }
+        out
+    }
+
+    fn push(&self, id: RequestId, num_tokens: usize, out: &mut SchedulerOutput) {
+        let r = &self.requests[&id];
+        out.scheduled.push(Scheduled {
+            id,
+            start: r.num_computed,
+            num_tokens,
+            samples: !r.is_prefill_chunk(num_tokens),
+        });
+    }
+
+    /// The waiting request to consider next.
+    fn pick_waiting(&self) -> Option<usize> {
+        match self.config.policy {
+            Policy::Fcfs => (!self.waiting.is_empty()).then_some(0),
+            Policy::Priority => (0..self.waiting.len()).min_by_key(|&i| {
+                let r = &self.requests[&self.waiting[i]];
+                (r.priority, r.arrival)
+            }),
+        }
+    }
+
+    /// The running request that deserves its blocks least: the latest arrival (FCFS), or the
+    /// lowest priority, latest among equals.
+    fn victim(&self) -> RequestId {
+        let key = |id: &RequestId| {
+            let r = &self.requests[id];
+            match self.config.policy {
+                Policy::Fcfs => (0, r.arrival),
+                Policy::Priority => (r.priority, r.arrival),
+            }
+        };
+        *self
+            .running
+            .iter()
+            .max_by_key(|id| key(id))
+            .expect("a running request needs blocks")
+    }
+
+    fn preempt(&mut self, id: RequestId, out: &mut SchedulerOutput) {
+        self.kv.free(id);
+        self.running.retain(|&r| r != id);
+        out.scheduled.retain(|s| s.id != id);
+        let r = self.requests.get_mut(&id).expect("running requests exist");
+        r.status = RequestStatus::Preempted;
+        r.num_computed = 0;
+        r.num_preemptions += 1;
+        self.num_preemptions += 1;
+        // Back to the front: under FCFS it is the earliest waiting request again.
+        self.waiting.insert(0, id);
+        out.preempted.push(id);
+    }
+
+    /// After the forward pass: `s`'s tokens are in the cache, and `sampled` (when it sampled)
+    /// joins its output. Full blocks become reusable prefixes.
+    pub fn update(&mut self, s: &Scheduled, sampled: Option<u32>) {
+        let Some(r) = self.requests.get_mut(&s.id) else { return };
+        if r.status != RequestStatus::Running {
+            return;
+        }
+        r.num_computed = s.start + s.num_tokens;
+        if let Some(t) = sampled {
+            r.output.push(t);
+        }
+        let tokens = r.all_tokens();
+        let computed = r.num_computed;
+        self.kv.cache_blocks(s.id, &tokens, computed);
+    }
+
+    /// Removes a request wherever it is (finished, aborted, refused) and frees its blocks; its
+    /// final state is returned.
+    pub fn finish(&mut self, id: RequestId) -> Option<Request> {
+        self.kv.free(id);
+        self.running.retain(|&r| r != id);
+        self.waiting.retain(|&r| r != id);
+        let mut r = self.requests.remove(&id)?;
+        r.status = RequestStatus::Finished;
+        Some(r)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::BlockPool;
+
+    /// A stand-in model: the next token is a hash of every token before it, so any mistake in
+    /// which tokens were computed changes the output.
+    fn next_token(tokens: &[u32]) -> u32 {
+        tokens.iter().fold(17u32, |h, &t| h.wrapping_mul(31).wrapping_add(t)) % 1000
+    }
+
+    #[derive(Clone)]
+    struct Job {
+        id: RequestId,
+        prompt: Vec<u32>,
+        max_tokens: usize,
+        priority: i32,
+        arrival_step: usize,
+        abort_at_step: Option<usize>,
+    }
+
+    /// Runs `jobs` to the end; returns each job's output (None when aborted) and the
+    /// scheduler, for its counters. Every step checks the budget and the block accounting.
+    fn run(jobs: &[Job], config: SchedulerConfig, blocks: usize) -> (Vec<Option<Vec<u32>>>, Scheduler) {
+        let kv = KvCacheManager::new(BlockPool::new(blocks), 4, 0, true);
+        let mut s = Scheduler::new(config, kv);
+        let mut outputs: Vec<Option<Vec<u32>>> = vec![None; jobs.len()];
+        let mut step = 0;
+        while step <= jobs.iter().map(|j| j.arrival_step).max().unwrap_or(0) || s.has_unfinished() {
+            for (i, j) in jobs.iter().enumerate() {
+                if j.arrival_step == step {
+                    s.add(j.id, j.prompt.clone(), j.priority).unwrap();
+                }
+                if j.abort_at_step == Some(step) && s.finish(j.id).is_some() {
+                    outputs[i] = None;
+                }
+            }
+            let plan = s.schedule();
+            assert!(plan.num_tokens() <= config.max_num_batched_tokens);
+            assert!(plan.scheduled.len() <= config.max_num_seqs);
+            for sch in &plan.scheduled {
+                let r = s.request(sch.id).unwrap();
+                assert!(s.kv().block_table(sch.id).len() * 4 >= sch.start + sch.num_tokens);
+                let sampled = sch.samples.then(|| next_token(&r.all_tokens()));
+                s.update(sch, sampled);
+                let r = s.request(sch.id).unwrap();
+                let j = jobs.iter().position(|j| j.id == sch.id).unwrap();
+                if r.output.len() >= jobs[j].max_tokens || r.num_tokens() >= s.token_limit() {
+                    outputs[j] = Some(s.finish(sch.id).unwrap().output);
+                }
+            }
+            step += 1;
+            assert!(step < 100_000, "no progress");
+        }
+        assert_eq!(s.kv().num_free_blocks(), blocks, "every block back in the pool");
+        (outputs, s)
+    }
+
+    fn config(budget: usize, seqs: usize, policy: Policy) -> SchedulerConfig {
+        SchedulerConfig {
+            max_num_batched_tokens: budget,
+            max_num_seqs: seqs,
+            policy,
+            max_model_len: 4096,
+        }
+    }
+
+    fn jobs(n: usize, seed: u64) -> Vec<Job> {
+        let mut x = seed;
+        let mut rand = move |m: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % m
+        };
+        let shared: Vec<u32> = (0..24).map(|i| 500 + i).collect();
+        (0..n)
+            .map(|i| {
+                let mut prompt: Vec<u32> = if rand(2) == 0 { shared.clone() } else { Vec::new() };
+                prompt.extend((0..1 + rand(30)).map(|_| rand(1000) as u32));
+                Job {
+                    id: 100 + i as RequestId,
+                    prompt,
+                    max_tokens: 1 + rand(20) as usize,
+                    priority: rand(3) as i32,
+                    arrival_step: rand(10) as usize,
+                    abort_at_step: None,
+                }
+            })
+            .collect()
+    }
+
+    fn alone(jobs: &[Job]) -> Vec<Option<Vec<u32>>> {
+        jobs.iter()
+            .map(|j| {
+                let solo = Job {
+                    arrival_step: 0,
+                    abort_at_step: None,
+                    ..j.clone()
+                };
+                run(std::slice::from_ref(&solo), config(4096, 1, Policy::Fcfs), 64)
+                    .0
+                    .remove(0)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn batching_chunking_and_preemption_never_change_outputs() {
+        let mut preemptions = 0;
+        for seed in 1..6u64 {
+            let jobs = jobs(12, seed * 7919);
+            let reference = alone(&jobs);
+            for (cfg, blocks) in [
+                (config(4096, 64, Policy::Fcfs), 256),
+                (config(7, 64, Policy::Fcfs), 256),
+                (config(64, 3, Policy::Priority), 256),
+                (config(4096, 64, Policy::Fcfs), 20),
+                (config(5, 64, Policy::Priority), 20),
+            ] {
+                let (out, s) = run(&jobs, cfg, blocks);
+                assert_eq!(out, reference, "seed {seed}, {cfg:?}, {blocks} blocks");
+                if blocks == 20 {
+                    preemptions += s.num_preemptions();
+                }
+            }
+        }
+        assert!(preemptions > 10, "the 20-block pools preempt ({preemptions} times)");
+    }
+
+    #[test]
+    fn aborts_anywhere_leak_nothing() {
+        for seed in 1..20u64 {
+            let mut jobs = jobs(10, seed * 104729);
+            for (i, j) in jobs.iter_mut().enumerate() {
+                if i % 3 == 0 {
+                    j.abort_at_step = Some(j.arrival_step + i % 7);
+                }
+            }
+            // `run` asserts the pool is whole at the end.
+            let (out, _) = run(&jobs, config(6, 4, Policy::Priority), 20);
+            for (j, o) in jobs.iter().zip(&out) {
+                assert!(o.is_some() || j.abort_at_step.is_some(), "job {} never finished", j.id);
+            }
+        }
+    }
+
+    #[test]
+    fn a_second_request_reuses_the_cached_prefix() {
+        let kv = KvCacheManager::new(BlockPool::new(32), 4, 0, true);
+        let mut s = Scheduler::new(config(4096, 8, Policy::Fcfs), kv);
+        let prompt: Vec<u32> = (0..21).collect();
+        s.add(1, prompt.clone(), 0).unwrap();
+        let plan = s.schedule();
+        for sch in &plan.scheduled {
+            s.update(sch, Some(7));
+        }
+        s.finish(1);
+        s.add(2, prompt, 0).unwrap();
+        let plan = s.schedule();
+        assert_eq!(plan.scheduled[0].start, 20, "five full blocks reused");
+        assert_eq!(plan.scheduled[0].num_tokens, 1);
+        assert_eq!(s.request(2).unwrap().num_cached, 20);
+    }
+
+    #[test]
+    fn oversized_prompts_are_refused_up_front() {
+        let kv = KvCacheManager::new(BlockPool::new(4), 4, 0, true);
+        let mut s = Scheduler::new(config(64, 8, Policy::Fcfs), kv);
+        assert_eq!(
+            s.add(1, vec![1; 16], 0),
+            Err(AdmitError::InputTooLong { tokens: 16, limit: 15 })
+        );
+        assert_eq!(s.add(1, vec![], 0), Err(AdmitError::EmptyPrompt));
+        assert!(s.add(1, vec![1; 15], 0).is_ok());
+        assert_eq!(s.add(1, vec![1], 0), Err(AdmitError::DuplicateId(1)));
+    }
+}
