@@ -5,7 +5,9 @@ mod common;
 use std::io::Write;
 use std::process::Command;
 
-use quarry::engine::{GenerateError, GenerateRequest, Generator};
+use std::sync::Arc;
+
+use quarry::engine::{AddError, AdmitError, EngineConfig, EngineCore, EngineRequest};
 use quarry::runtime::cpu::{CpuBackend, CpuOptions};
 use quarry::runtime::RuntimeError;
 use quarry::sampling::SamplingParams;
@@ -74,36 +76,45 @@ fn missing_corrupt_truncated_and_foreign_models_are_typed_errors() {
 
 #[test]
 fn prompt_longer_than_the_context_is_rejected_up_front() {
-    let Some((mut backend, tok)) = common::load(1024) else {
+    let Some((backend, tok)) = common::load(1024) else {
         return;
     };
-    let mut generator = Generator::new(&mut backend, &tok);
-    let request = GenerateRequest {
-        prompt: vec![100; 1024],
-        params: SamplingParams::greedy(4),
-        arrival_step: 0,
+    let mut engine = EngineCore::new(Box::new(backend), Arc::new(tok), EngineConfig::default());
+    let request = |id, prompt: Vec<u32>, params| EngineRequest {
+        id,
+        prompt,
+        params,
+        priority: 0,
+        constraint: None,
     };
-    match generator.run(&[request], |_, _, _| {}) {
-        Err(GenerateError::PromptTooLong {
+    match engine.add_request(request(1, vec![100; 1024], SamplingParams::greedy(4))) {
+        Err(AddError::Admit(AdmitError::InputTooLong {
             tokens: 1024,
-            limit: 1024,
-            ..
-        }) => {}
-        other => panic!("{:?}", other.map(|c| c.len())),
+            limit: 1023,
+        })) => {}
+        other => panic!("{other:?}"),
     }
-    let bad = GenerateRequest {
-        prompt: vec![100; 4],
-        params: SamplingParams {
-            top_p: 0.0,
-            ..SamplingParams::greedy(4)
-        },
-        arrival_step: 0,
+    let bad = SamplingParams {
+        top_p: 0.0,
+        ..SamplingParams::greedy(4)
     };
     assert!(matches!(
-        generator.run(&[bad], |_, _, _| {}),
-        Err(GenerateError::BadParams { .. })
+        engine.add_request(request(2, vec![100; 4], bad)),
+        Err(AddError::BadParams(_))
     ));
-    assert_eq!(generator.pool().num_free(), generator.pool().total());
+    assert!(matches!(
+        engine.add_request(request(3, vec![], SamplingParams::greedy(4))),
+        Err(AddError::Admit(AdmitError::EmptyPrompt))
+    ));
+    // Refused requests leave nothing behind; a good one still runs.
+    assert!(!engine.has_unfinished());
+    engine
+        .add_request(request(4, vec![100; 4], SamplingParams::greedy(3)))
+        .unwrap();
+    let done = engine.run_until_idle(|_| {}).unwrap();
+    assert_eq!(done.len(), 1);
+    let kv = engine.scheduler().kv();
+    assert_eq!(kv.num_free_blocks(), kv.pool().total());
 }
 
 fn quarry(args: &[&str]) -> (bool, String) {
@@ -127,7 +138,7 @@ fn cli_reports_bad_models_and_long_prompts_without_panicking() {
     if common::model_path().is_some() {
         let long = "word ".repeat(9000);
         let (ok, err) = quarry(&["generate", "--prompt", &long, "--max-tokens", "2"]);
-        assert!(!ok && err.contains("leaves no room to generate"), "{err}");
+        assert!(!ok && err.contains("does not fit"), "{err}");
         let (ok, err) = quarry(&["generate", "--prompt", "hi", "--top-p", "1.5"]);
         assert!(!ok && err.contains("top_p"), "{err}");
         let (ok, err) = quarry(&["generate", "--prompt", "hi", "--temperature", "-1"]);

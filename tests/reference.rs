@@ -3,7 +3,9 @@
 
 mod common;
 
-use quarry::engine::{GenerateRequest, Generator};
+use std::sync::Arc;
+
+use quarry::engine::{EngineConfig, EngineCore, EngineRequest};
 use quarry::sampling::SamplingParams;
 use quarry::tokenizer::ChatMessage;
 
@@ -123,25 +125,25 @@ fn teacher_forced_logprobs_and_decisive_choices_match_llama_cpp() {
 #[test]
 fn greedy_continuations_match_llama_cpp_token_for_token() {
     let golden = common::golden();
-    let Some((mut backend, tok)) = common::load(4096) else {
+    let Some((backend, tok)) = common::load(4096) else {
         return;
     };
-    let mut generator = Generator::new(&mut backend, &tok);
+    let mut engine = EngineCore::new(Box::new(backend), Arc::new(tok), EngineConfig::default());
     let mut full_matches = Vec::new();
-    for p in &golden.prompts {
-        let request = GenerateRequest {
+    for (i, p) in golden.prompts.iter().enumerate() {
+        let request = EngineRequest {
+            id: i as u64,
             prompt: p.prompt_tokens.clone(),
             params: SamplingParams {
                 logprobs: Some(5),
                 ignore_eos: true,
                 ..SamplingParams::greedy(golden.gen_tokens)
             },
-            arrival_step: 0,
+            priority: 0,
+            constraint: None,
         };
-        let c = generator
-            .run(std::slice::from_ref(&request), |_, _, _| {})
-            .unwrap()
-            .remove(0);
+        engine.add_request(request).unwrap();
+        let c = engine.run_until_idle(|_| {}).unwrap().remove(0);
         // Up to the reference's first near-tie, the continuations must be identical.
         let decisive = p
             .top_logprobs
@@ -173,7 +175,8 @@ fn greedy_continuations_match_llama_cpp_token_for_token() {
         "only {full_matches:?} match all {} tokens",
         golden.gen_tokens
     );
-    assert_eq!(generator.pool().num_free(), generator.pool().total());
+    let kv = engine.scheduler().kv();
+    assert_eq!(kv.num_free_blocks(), kv.pool().total());
 }
 
 fn sha256(path: &std::path::Path) -> String {

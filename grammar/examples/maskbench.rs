@@ -11,7 +11,6 @@
 //! end. A schema passes when it compiles and every instance behaves. Both whitespace policies
 //! are run; the flexible one (which admits json.dumps' separators) prints last.
 
-use std::collections::HashMap;
 use std::io::BufRead;
 use std::sync::Arc;
 use std::time::Instant;
@@ -60,24 +59,6 @@ fn parse_args() -> Result<Args, String> {
     Ok(args)
 }
 
-/// GPT-2's byte-level spelling (printable bytes stand for themselves, the rest for U+0100...),
-/// reversed: tokenizers keeps its own copy of this table private.
-fn byte_decoder() -> HashMap<char, u8> {
-    let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
-    let mut map = HashMap::new();
-    let mut extra = 0u32;
-    for b in 0..=255u8 {
-        let c = if printable(b) {
-            char::from(b)
-        } else {
-            extra += 1;
-            char::from_u32(255 + extra).expect("valid code point")
-        };
-        map.insert(c, b);
-    }
-    map
-}
-
 fn load_vocab(path: &str) -> Result<(tokenizers::Tokenizer, Arc<TokenVocab>, u32), String> {
     let tok = tokenizers::Tokenizer::from_file(path).map_err(|e| format!("{path}: {e}"))?;
     let eos_name = std::fs::read_to_string(std::path::Path::new(path).with_extension("eos"))
@@ -86,27 +67,19 @@ fn load_vocab(path: &str) -> Result<(tokenizers::Tokenizer, Arc<TokenVocab>, u32
         .token_to_id(eos_name.trim())
         .ok_or("EOS token not in the vocabulary")?;
     let size = tok.get_vocab_size(true);
-    let decoder = byte_decoder();
     let special: Vec<u32> = tok
         .get_added_tokens_decoder()
         .iter()
         .filter(|(_, t)| t.special)
         .map(|(&id, _)| id)
         .collect();
-    let mut bytes = vec![Vec::new(); size];
+    let mut spellings: Vec<Option<String>> = vec![None; size];
     for (text, id) in tok.get_vocab(true) {
-        if special.contains(&id) {
-            continue;
-        }
-        if let Some(b) = text
-            .chars()
-            .map(|c| decoder.get(&c).copied())
-            .collect::<Option<Vec<u8>>>()
-        {
-            bytes[id as usize] = b;
+        if !special.contains(&id) {
+            spellings[id as usize] = Some(text);
         }
     }
-    let vocab = TokenVocab::new(bytes, &special, &[eos]);
+    let vocab = TokenVocab::from_byte_level(&spellings, &special, &[eos]);
     Ok((tok, vocab, eos))
 }
 

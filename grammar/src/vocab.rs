@@ -66,6 +66,27 @@ impl TokenVocab {
         })
     }
 
+    /// A vocabulary in byte-level BPE spelling (GPT-2's table: printable bytes stand for
+    /// themselves, the others for U+0100 onwards in byte order), one spelling per token id. A
+    /// spelling outside the table (`None`, or an unknown character) gets no bytes: never allowed.
+    pub fn from_byte_level<S: AsRef<str>>(spellings: &[Option<S>], special: &[TokenId], eos: &[TokenId]) -> Arc<Self> {
+        let decode = byte_level_decoder();
+        let bytes = spellings
+            .iter()
+            .map(|s| {
+                s.as_ref()
+                    .and_then(|s| {
+                        s.as_ref()
+                            .chars()
+                            .map(|c| decode.get(&c).copied())
+                            .collect::<Option<Vec<u8>>>()
+                    })
+                    .unwrap_or_default()
+            })
+            .collect();
+        Self::new(bytes, special, eos)
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.bytes.len()
     }
@@ -136,4 +157,21 @@ impl TokenVocab {
             })
             .clone()
     }
+}
+
+/// GPT-2's byte-level alphabet, reversed.
+fn byte_level_decoder() -> HashMap<char, u8> {
+    let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+    let mut extra = 0u32;
+    (0..=255u8)
+        .map(|b| {
+            let c = if printable(b) {
+                char::from(b)
+            } else {
+                extra += 1;
+                char::from_u32(255 + extra).expect("valid code point")
+            };
+            (c, b)
+        })
+        .collect()
 }

@@ -4,7 +4,7 @@
 use clap::{Args, Subcommand};
 
 use super::ModelArgs;
-use crate::engine::{GenerateRequest, Generator};
+use crate::engine::EngineRequest;
 use crate::sampling::SamplingParams;
 
 #[derive(Subcommand)]
@@ -43,26 +43,30 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
 
 fn single(args: SingleArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.output_len >= 2, "--output-len must be at least 2");
-    let (mut backend, tokenizer) = args.model.load()?;
-    let device = crate::runtime::Backend::device_name(&backend);
+    let (mut engine, tokenizer) = args.model.engine()?;
+    let device = engine.backend().device_name();
     let prompt = bench_prompt(args.input_len, tokenizer.vocab_size());
-    let request = GenerateRequest {
-        prompt,
-        params: SamplingParams {
-            max_tokens: args.output_len,
-            ignore_eos: true,
-            ..SamplingParams::greedy(args.output_len)
-        },
-        arrival_step: 0,
-    };
     let mut prefill = Vec::new();
     let mut decode = Vec::new();
-    let mut generator = Generator::new(&mut backend, &tokenizer);
     for rep in 0..=args.repeats {
-        let c = generator.run(std::slice::from_ref(&request), |_, _, _| {})?.remove(0);
+        engine.add_request(EngineRequest {
+            id: rep as u64,
+            // Each repeat differs in its first token, so none finds the others' prefix cached.
+            prompt: std::iter::once(rep as u32 + 1)
+                .chain(prompt[1..].iter().copied())
+                .collect(),
+            params: SamplingParams {
+                ignore_eos: true,
+                ..SamplingParams::greedy(args.output_len)
+            },
+            priority: 0,
+            constraint: None,
+        })?;
+        let c = engine.run_until_idle(|_| {})?.remove(0);
+        let m = &c.metrics;
         if rep > 0 {
-            prefill.push(args.input_len as f64 / c.timings.prefill.as_secs_f64());
-            decode.push((c.tokens.len() - 1) as f64 / c.timings.decode.as_secs_f64());
+            prefill.push(args.input_len as f64 / m.ttft.as_secs_f64());
+            decode.push((c.tokens.len() - 1) as f64 / m.e2e.saturating_sub(m.ttft).as_secs_f64());
         }
     }
     let (p, d) = (median(&mut prefill), median(&mut decode));

@@ -4,9 +4,11 @@ mod bench;
 mod generate;
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use clap::{Args, Parser, Subcommand};
 
+use crate::engine::{EngineConfig, EngineCore};
 use crate::runtime::cpu::{CpuBackend, CpuOptions};
 use crate::tokenizer::Tokenizer;
 
@@ -61,6 +63,28 @@ impl ModelArgs {
         let backend = CpuBackend::load(&path, &options)?;
         Ok((backend, tokenizer))
     }
+}
+
+impl ModelArgs {
+    /// The model and tokenizer behind an engine with the default configuration.
+    fn engine(&self) -> anyhow::Result<(EngineCore, Arc<Tokenizer>)> {
+        let (backend, tokenizer) = self.load()?;
+        let tokenizer = Arc::new(tokenizer);
+        let path = self.model.clone().unwrap_or_else(crate::model_path::default_model_path);
+        let config = EngineConfig {
+            cache_key: cache_key(&path),
+            ..Default::default()
+        };
+        Ok((EngineCore::new(Box::new(backend), tokenizer.clone(), config), tokenizer))
+    }
+}
+
+/// Keeps prefix caches of different model files apart.
+fn cache_key(path: &std::path::Path) -> u64 {
+    use std::hash::{DefaultHasher, Hash, Hasher};
+    let mut h = DefaultHasher::new();
+    path.file_name().hash(&mut h);
+    h.finish()
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {

@@ -13,6 +13,15 @@ pub struct Detokenizer {
 }
 
 impl Detokenizer {
+    /// Tokens pushed so far.
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+
     /// Adds one token; returns the newly completed text, possibly empty.
     pub fn push(&mut self, tokenizer: &Tokenizer, token: u32) -> Result<String, TokenizerError> {
         self.ids.push(token);

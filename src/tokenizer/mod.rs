@@ -48,6 +48,8 @@ pub struct Tokenizer {
     bos_id: Option<u32>,
     add_bos: bool,
     end_of_generation: Vec<u32>,
+    /// Control tokens (turn markers and the like): never text a grammar can produce.
+    control_ids: Vec<u32>,
     chat_template: Option<ChatTemplate>,
 }
 
@@ -97,6 +99,7 @@ impl Tokenizer {
             bos_id,
             add_bos,
             end_of_generation,
+            control_ids: vocab.control_ids,
             chat_template,
         })
     }
@@ -137,6 +140,10 @@ impl Tokenizer {
 
     pub fn end_of_generation_ids(&self) -> &[u32] {
         &self.end_of_generation
+    }
+
+    pub fn control_ids(&self) -> &[u32] {
+        &self.control_ids
     }
 
     /// The vocabulary entry of `id` in its byte-level spelling (`Ġ` for a space).

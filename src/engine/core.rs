@@ -1,0 +1,431 @@
+//! The engine step (shared/design.md): schedule, run the model on one flattened batch,
+//! constrain and sample the requests that reached their last known token, update, emit. The
+//! grammar masks of the step are filled on worker threads while the forward pass runs.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use quarry_grammar::{bitmask_words, is_allowed, Matcher};
+
+use super::detokenizer::Detokenizer;
+use super::kv_cache_manager::{KvCacheManager, RequestId};
+use super::scheduler::{AdmitError, Scheduled, Scheduler, SchedulerConfig};
+use super::stop::{StopScan, StopStrings};
+use super::structured::CompiledConstraint;
+use super::BlockPool;
+use crate::runtime::{Backend, ForwardBatch, RuntimeError};
+use crate::sampling::{SampledToken, Sampler, SamplingParamError, SamplingParams};
+use crate::tokenizer::Tokenizer;
+
+/// What a client asks of the engine.
+pub struct EngineRequest {
+    pub id: RequestId,
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    /// Lower runs first under the priority policy.
+    pub priority: i32,
+    pub constraint: Option<CompiledConstraint>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-generation token, a stop token or string, or the constraint completed.
+    Stop,
+    /// `max_tokens` reached, or the context is full: the output may be cut short.
+    Length,
+    /// The client went away or asked to stop.
+    Aborted,
+    /// The grammar refused a token its own mask allowed: a bug, reported rather than hidden.
+    Internal,
+}
+
+/// Per-request times and counts, reported with the last output.
+#[derive(Debug, Clone, Default)]
+pub struct RequestMetrics {
+    pub queue: Duration,
+    pub ttft: Duration,
+    /// Time between consecutive tokens, one entry per token after the first.
+    pub itl: Vec<Duration>,
+    pub e2e: Duration,
+    pub prompt_tokens: usize,
+    pub cached_tokens: usize,
+    pub output_tokens: usize,
+    pub preemptions: usize,
+}
+
+/// What one step produced for one request.
+#[derive(Debug, Clone)]
+pub struct RequestOutput {
+    pub id: RequestId,
+    pub tokens: Vec<SampledToken>,
+    /// New text, held back while it may still become a stop string.
+    pub text: String,
+    pub finished: Option<FinishReason>,
+    pub stop_string: Option<String>,
+    /// With the last output.
+    pub metrics: Option<RequestMetrics>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AddError {
+    #[error(transparent)]
+    Admit(#[from] AdmitError),
+    #[error(transparent)]
+    BadParams(#[from] SamplingParamError),
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct EngineConfig {
+    pub scheduler: SchedulerConfig,
+    pub prefix_caching: bool,
+    /// Separates prefix caches of different models (a hash of the model file's name).
+    pub cache_key: u64,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            scheduler: SchedulerConfig {
+                max_num_batched_tokens: 2048,
+                max_num_seqs: 128,
+                policy: super::scheduler::Policy::Fcfs,
+                // Clamped to the model's context.
+                max_model_len: usize::MAX,
+            },
+            prefix_caching: true,
+            cache_key: 0,
+        }
+    }
+}
+
+struct State {
+    sampler: Sampler,
+    matcher: Option<Box<dyn Matcher + Send>>,
+    detokenizer: Detokenizer,
+    stops: StopStrings,
+    arrived: Instant,
+    scheduled_at: Option<Instant>,
+    last_token_at: Option<Instant>,
+    metrics: RequestMetrics,
+}
+
+/// A finished request, as `run_until_idle` collects it.
+#[derive(Debug, Clone)]
+pub struct Completion {
+    pub id: RequestId,
+    pub tokens: Vec<u32>,
+    pub sampled: Vec<SampledToken>,
+    pub text: String,
+    pub finish: FinishReason,
+    pub stop_string: Option<String>,
+    pub metrics: RequestMetrics,
+}
+
+/// Gathers streamed outputs into completions.
+#[derive(Default)]
+pub struct Completions {
+    open: HashMap<RequestId, Completion>,
+    /// In the order they finished.
+    pub done: Vec<Completion>,
+}
+
+impl Completions {
+    pub fn push(&mut self, out: &RequestOutput) {
+        let c = self.open.entry(out.id).or_insert_with(|| Completion {
+            id: out.id,
+            tokens: Vec::new(),
+            sampled: Vec::new(),
+            text: String::new(),
+            finish: FinishReason::Length,
+            stop_string: None,
+            metrics: RequestMetrics::default(),
+        });
+        c.tokens.extend(out.tokens.iter().map(|t| t.token));
+        c.sampled.extend(out.tokens.iter().cloned());
+        c.text.push_str(&out.text);
+        if let Some(f) = out.finished {
+            let mut c = self.open.remove(&out.id).expect("just inserted");
+            c.finish = f;
+            c.stop_string = out.stop_string.clone();
+            c.metrics = out.metrics.clone().unwrap_or_default();
+            self.done.push(c);
+        }
+    }
+}
+
+pub struct EngineCore {
+    backend: Box<dyn Backend>,
+    tokenizer: Arc<Tokenizer>,
+    scheduler: Scheduler,
+    states: HashMap<RequestId, State>,
+    /// Forward passes run, and tokens they computed.
+    steps: u64,
+}
+
+impl EngineCore {
+    pub fn new(backend: Box<dyn Backend>, tokenizer: Arc<Tokenizer>, config: EngineConfig) -> Self {
+        let pool = BlockPool::new(backend.kv_layout().num_blocks);
+        Self::with_pool(backend, tokenizer, config, pool)
+    }
+
+    /// With a given pool of the backend's blocks (tests scatter the free order).
+    pub fn with_pool(
+        backend: Box<dyn Backend>,
+        tokenizer: Arc<Tokenizer>,
+        config: EngineConfig,
+        pool: BlockPool,
+    ) -> Self {
+        let layout = backend.kv_layout();
+        let kv = KvCacheManager::new(pool, layout.block_size, config.cache_key, config.prefix_caching);
+        let scheduler_config = SchedulerConfig {
+            max_model_len: config.scheduler.max_model_len.min(backend.config().context_length),
+            ..config.scheduler
+        };
+        EngineCore {
+            backend,
+            tokenizer,
+            scheduler: Scheduler::new(scheduler_config, kv),
+            states: HashMap::new(),
+            steps: 0,
+        }
+    }
+
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.scheduler
+    }
+
+    pub fn backend(&self) -> &dyn Backend {
+        &*self.backend
+    }
+
+    /// Gives the backend back (its cache contents are then meaningless to anyone else).
+    pub fn into_backend(self) -> Box<dyn Backend> {
+        self.backend
+    }
+
+    /// Steps until every request has finished, passing each output to `on_output`; returns
+    /// the completions by request id.
+    pub fn run_until_idle(
+        &mut self,
+        mut on_output: impl FnMut(&RequestOutput),
+    ) -> Result<Vec<Completion>, RuntimeError> {
+        let mut all = Completions::default();
+        while self.has_unfinished() {
+            for out in self.step()? {
+                on_output(&out);
+                all.push(&out);
+            }
+        }
+        let mut done = all.done;
+        done.sort_by_key(|c| c.id);
+        Ok(done)
+    }
+
+    pub fn has_unfinished(&self) -> bool {
+        self.scheduler.has_unfinished()
+    }
+
+    pub fn add_request(&mut self, r: EngineRequest) -> Result<(), AddError> {
+        r.params.validate(self.backend.config().vocab_size)?;
+        let sampler = Sampler::new(r.params.clone(), &r.prompt);
+        let prompt_tokens = r.prompt.len();
+        self.scheduler.add(r.id, r.prompt, r.priority)?;
+        self.states.insert(
+            r.id,
+            State {
+                stops: StopStrings::new(r.params.stop.clone()),
+                sampler,
+                matcher: r.constraint.map(|c| c.matcher()),
+                detokenizer: Detokenizer::default(),
+                arrived: Instant::now(),
+                scheduled_at: None,
+                last_token_at: None,
+                metrics: RequestMetrics {
+                    prompt_tokens,
+                    ..Default::default()
+                },
+            },
+        );
+        Ok(())
+    }
+
+    /// Drops a request wherever it is; its blocks go back to the pool at once.
+    pub fn abort(&mut self, id: RequestId) -> Option<RequestOutput> {
+        let r = self.scheduler.finish(id)?;
+        let state = self.states.remove(&id)?;
+        Some(self.final_output(id, state, r.num_preemptions, FinishReason::Aborted, String::new(), None))
+    }
+
+    /// One engine step; outputs of the requests that produced tokens or finished.
+    pub fn step(&mut self) -> Result<Vec<RequestOutput>, RuntimeError> {
+        let plan = self.scheduler.schedule();
+        if plan.scheduled.is_empty() {
+            return Ok(Vec::new());
+        }
+        let now = Instant::now();
+        let block_size = self.scheduler.kv().block_size();
+        let mut batch = ForwardBatch::default();
+        let mut sampling: Vec<Scheduled> = Vec::new();
+        for s in &plan.scheduled {
+            let r = self.scheduler.request(s.id).expect("scheduled requests exist");
+            let tokens = r.tokens(s.start..s.start + s.num_tokens);
+            batch.push_sequence(&tokens, s.start, self.scheduler.kv().block_table(s.id), block_size);
+            if s.samples {
+                batch
+                    .logits_rows
+                    .push(*batch.query_start.last().expect("just pushed") - 1);
+                sampling.push(*s);
+            }
+            let state = self.states.get_mut(&s.id).expect("every request has a state");
+            if state.scheduled_at.is_none() {
+                state.scheduled_at = Some(now);
+                state.metrics.queue = now - state.arrived;
+                state.metrics.cached_tokens = r.num_cached;
+            }
+        }
+
+        // The masks depend only on the tokens accepted so far: fill them while the model runs.
+        let words = bitmask_words(self.backend.config().vocab_size);
+        let mut masks: Vec<Option<Vec<u32>>> = vec![None; sampling.len()];
+        let mut matchers: Vec<(usize, &mut Box<dyn Matcher + Send>)> = Vec::new();
+        {
+            let mut by_id: HashMap<RequestId, usize> = HashMap::new();
+            for (i, s) in sampling.iter().enumerate() {
+                by_id.insert(s.id, i);
+            }
+            for (id, state) in self.states.iter_mut() {
+                if let (Some(&i), Some(m)) = (by_id.get(id), state.matcher.as_mut()) {
+                    matchers.push((i, m));
+                }
+            }
+        }
+        let backend = &mut self.backend;
+        let (logits, filled) = rayon::join(
+            || backend.forward(&batch),
+            || {
+                use rayon::prelude::*;
+                matchers
+                    .into_par_iter()
+                    .map(|(i, m)| {
+                        let mut mask = vec![0u32; words];
+                        m.fill_bitmask(&mut mask);
+                        (i, mask)
+                    })
+                    .collect::<Vec<_>>()
+            },
+        );
+        let logits = logits?;
+        for (i, mask) in filled {
+            masks[i] = Some(mask);
+        }
+        self.steps += 1;
+
+        let mut outputs = Vec::new();
+        for s in &plan.scheduled {
+            if !s.samples {
+                self.scheduler.update(s, None);
+            }
+        }
+        for (row, (s, mask)) in sampling.iter().zip(masks).enumerate() {
+            let mut scores = logits.row(row).to_vec();
+            if let Some(mask) = &mask {
+                for (t, v) in scores.iter_mut().enumerate() {
+                    if !is_allowed(mask, t as u32) {
+                        *v = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            let state = self.states.get_mut(&s.id).expect("every request has a state");
+            let sampled = state.sampler.sample(&scores);
+            self.scheduler.update(s, Some(sampled.token));
+            if let Some(out) = self.accept(s.id, sampled) {
+                outputs.push(out);
+            }
+        }
+        Ok(outputs)
+    }
+
+    /// Records a sampled token; finishes the request when it is done.
+    fn accept(&mut self, id: RequestId, sampled: SampledToken) -> Option<RequestOutput> {
+        let token = sampled.token;
+        let limit = self.scheduler.token_limit();
+        let r = self.scheduler.request(id)?;
+        let (num_tokens, output_len, preemptions) = (r.num_tokens(), r.output.len(), r.num_preemptions);
+        let state = self.states.get_mut(&id)?;
+        let now = Instant::now();
+        match state.last_token_at {
+            None => state.metrics.ttft = now - state.arrived,
+            Some(t) => state.metrics.itl.push(now - t),
+        }
+        state.last_token_at = Some(now);
+        let params = state.sampler.params();
+        let eog = self.tokenizer.end_of_generation_ids().contains(&token);
+        let mut finish = None;
+        if let Some(m) = state.matcher.as_mut() {
+            // The mask allowed it, so the matcher takes it; EOS is allowed only where the
+            // constraint is complete.
+            if m.accept(token).is_err() {
+                finish = Some(FinishReason::Internal);
+            } else if m.is_finished() {
+                finish = Some(FinishReason::Stop);
+            }
+        } else if (eog && !params.ignore_eos) || params.stop_token_ids.contains(&token) {
+            finish = Some(FinishReason::Stop);
+        }
+        let delta = state.detokenizer.push(&self.tokenizer, token).unwrap_or_default();
+        let mut stop_string = None;
+        let mut text = match state.stops.push(&delta) {
+            StopScan::Continue(t) => t,
+            StopScan::Stopped(t, stop) => {
+                stop_string = Some(stop);
+                finish = Some(FinishReason::Stop);
+                t
+            }
+        };
+        if finish.is_none() && (output_len >= params.max_tokens || num_tokens >= limit) {
+            finish = Some(FinishReason::Length);
+        }
+        let Some(reason) = finish else {
+            return Some(RequestOutput {
+                id,
+                tokens: vec![sampled],
+                text,
+                finished: None,
+                stop_string: None,
+                metrics: None,
+            });
+        };
+        if stop_string.is_none() {
+            text.push_str(&state.stops.flush());
+        }
+        let state = self.states.remove(&id)?;
+        self.scheduler.finish(id);
+        let mut out = self.final_output(id, state, preemptions, reason, text, stop_string);
+        out.tokens = vec![sampled];
+        Some(out)
+    }
+
+    fn final_output(
+        &self,
+        id: RequestId,
+        state: State,
+        preemptions: usize,
+        reason: FinishReason,
+        text: String,
+        stop_string: Option<String>,
+    ) -> RequestOutput {
+        let mut metrics = state.metrics;
+        metrics.e2e = state.arrived.elapsed();
+        metrics.output_tokens = state.detokenizer.len();
+        metrics.preemptions = preemptions;
+        RequestOutput {
+            id,
+            tokens: Vec::new(),
+            text,
+            finished: Some(reason),
+            stop_string,
+            metrics: Some(metrics),
+        }
+    }
+}
