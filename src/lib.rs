@@ -3,6 +3,7 @@
 
 pub mod cli;
 pub mod engine;
+pub mod extract;
 pub mod model_path;
 pub mod runtime;
 pub mod sampling;

@@ -1,6 +1,7 @@
 //! The `quarry` command line: one subcommand per job, each a thin layer over the library.
 
 mod bench;
+mod extract;
 mod generate;
 
 use std::path::PathBuf;
@@ -27,6 +28,8 @@ pub struct Cli {
 enum Command {
     /// Generate text from a prompt, streaming tokens to stdout.
     Generate(generate::GenerateArgs),
+    /// Extract one JSON object matching a schema from a document.
+    Extract(extract::ExtractArgs),
     /// Measure the engine's speed.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -90,6 +93,7 @@ fn cache_key(path: &std::path::Path) -> u64 {
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Generate(args) => generate::run(args),
+        Command::Extract(args) => extract::run(args),
         Command::Bench(cmd) => bench::run(cmd),
     }
 }

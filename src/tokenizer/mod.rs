@@ -123,6 +123,15 @@ impl Tokenizer {
         Ok(ids)
     }
 
+    /// Token ids of a piece of a longer text: as `encode`, without BOS.
+    pub fn encode_fragment(&self, text: &str, parse_special: bool) -> Result<Vec<u32>, TokenizerError> {
+        let tok = if parse_special { &self.with_special } else { &self.plain };
+        let enc = tok
+            .encode(text, false)
+            .map_err(|e| TokenizerError::Encode(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, TokenizerError> {
         self.with_special
             .decode(ids, skip_special)

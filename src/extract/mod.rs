@@ -1,0 +1,36 @@
+//! Extraction requests: the prompt that tells the model the schema and the task (the grammar
+//! then guarantees the shape), and the outcome of one extraction.
+
+use serde_json::Value;
+
+use crate::tokenizer::{ChatMessage, Tokenizer, TokenizerError};
+
+/// The chat prompt of one extraction: the schema and the instructions as the system turn, the
+/// document as the user turn (its text can never open a turn of its own: special-token text
+/// in it stays plain text).
+pub fn prompt(
+    tokenizer: &Tokenizer,
+    schema: &Value,
+    document: &str,
+    instructions: Option<&str>,
+) -> Result<Vec<u32>, TokenizerError> {
+    let mut system = String::from(
+        "Extract the data from the user's document as one JSON object matching this JSON Schema. \
+         Copy values from the document; use null where the schema allows it and the document says nothing.\n",
+    );
+    system.push_str(&schema.to_string());
+    if let Some(extra) = instructions {
+        system.push_str("\n\n");
+        system.push_str(extra);
+    }
+    // The template marks the turns; the document goes in with its special-token text escaped.
+    let messages = [ChatMessage::new("system", &system), ChatMessage::new("user", "\u{0}")];
+    let rendered = tokenizer.chat_prompt(&messages)?;
+    let (before, after) = rendered
+        .split_once('\u{0}')
+        .expect("the placeholder is in the rendering");
+    let mut ids = tokenizer.encode(before, true)?;
+    ids.extend(tokenizer.encode_fragment(document, false)?);
+    ids.extend(tokenizer.encode_fragment(after, true)?);
+    Ok(ids)
+}
