@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
+use std::ops::Range;
 
 use super::block_pool::{BlockHash, BlockId, BlockPool};
 
@@ -140,25 +141,24 @@ impl KvCacheManager {
         true
     }
 
-    /// Enters the blocks of request `id` that `tokens` (its first `computed` tokens have keys
-    /// and values in the cache) fills completely into the prefix cache.
-    pub fn cache_blocks(&mut self, id: RequestId, tokens: &[u32], computed: usize) {
+    /// Enters the blocks of request `id` that its first `computed` tokens fill completely into
+    /// the prefix cache. `tokens(range)` gives the request's tokens in `range`; it is called
+    /// only when a block has newly filled (this runs for every request after every step).
+    pub fn cache_blocks(&mut self, id: RequestId, computed: usize, tokens: impl FnOnce(Range<usize>) -> Vec<u32>) {
         if !self.caching {
             return;
         }
         let Some(table) = self.tables.get(&id) else {
             return;
         };
-        let full = (computed.min(tokens.len()) / self.block_size).min(table.blocks.len());
+        let full = (computed / self.block_size).min(table.blocks.len());
         if full <= table.hashes.len() {
             return;
         }
         // Each hash chains on the one before: the new ones continue from the last known.
         let known = table.hashes.len();
-        let hashes = self.block_hashes_from(
-            table.hashes.last().copied(),
-            &tokens[known * self.block_size..full * self.block_size],
-        );
+        let new = tokens(known * self.block_size..full * self.block_size);
+        let hashes = self.block_hashes_from(table.hashes.last().copied(), &new);
         let table = self.tables.get_mut(&id).expect("looked up above");
         for (i, &h) in hashes.iter().enumerate() {
             self.pool.cache(table.blocks[known + i], h);
@@ -205,7 +205,7 @@ mod tests {
         assert_eq!((hit.len(), n), (0, 0));
         assert!(m.allocate_slots(1, 10, &hit));
         assert_eq!(m.block_table(1).len(), 3);
-        m.cache_blocks(1, &prompt, 10);
+        m.cache_blocks(1, 10, |r| prompt[r].to_vec());
         assert_eq!(m.pool().num_cached(), 2, "two full blocks");
 
         // Same first 8 tokens: two blocks reused, held by both requests.
@@ -248,7 +248,7 @@ mod tests {
         let mut m = manager(3);
         let prompt: Vec<u32> = (0..8).collect();
         assert!(m.allocate_slots(1, 8, &[]));
-        m.cache_blocks(1, &prompt, 8);
+        m.cache_blocks(1, 8, |r| prompt[r].to_vec());
         m.free(1);
         let (hit, _) = m.get_computed_blocks(&(0..9).collect::<Vec<u32>>());
         assert_eq!(hit.len(), 2);

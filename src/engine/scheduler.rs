@@ -264,9 +264,8 @@ impl Scheduler {
         if let Some(t) = sampled {
             r.output.push(t);
         }
-        let tokens = r.all_tokens();
         let computed = r.num_computed;
-        self.kv.cache_blocks(s.id, &tokens, computed);
+        self.kv.cache_blocks(s.id, computed, |range| r.tokens(range));
     }
 
     /// Removes a request wherever it is (finished, aborted, refused) and frees its blocks; its

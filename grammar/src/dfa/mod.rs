@@ -158,23 +158,11 @@ impl ByteDfa {
         start: StateId,
         num_patterns: usize,
     ) -> ByteDfa {
-        let mut out = ByteDfa {
-            classes,
-            num_classes,
-            trans,
-            accepting: matches.iter().map(|m| !m.is_empty()).collect(),
-            matches,
-            reachable: Vec::new(),
-            has_next: Vec::new(),
-            start,
-            num_patterns,
-        };
-        out.prune_dead_ends();
-        out.reachable = out.reachable_patterns();
-        out.has_next = (0..out.num_states())
-            .map(|s| out.row(s as StateId).iter().any(|&t| t != DEAD))
-            .collect();
-        out
+        let mut d = Self::from_parts(classes, num_classes, trans, matches, Vec::new(), start, num_patterns);
+        d.prune_dead_ends();
+        d.reachable = d.reachable_patterns();
+        d.has_next = d.states_with_next();
+        d
     }
 
     /// A DFA from its tables; the derived per-state facts are computed here.
@@ -198,10 +186,15 @@ impl ByteDfa {
             start,
             num_patterns,
         };
-        d.has_next = (0..d.num_states())
-            .map(|s| d.row(s as StateId).iter().any(|&t| t != DEAD))
-            .collect();
+        d.has_next = d.states_with_next();
         d
+    }
+
+    /// Per state, whether any byte leads on.
+    fn states_with_next(&self) -> Vec<bool> {
+        (0..self.num_states())
+            .map(|s| self.row(s as StateId).iter().any(|&t| t != DEAD))
+            .collect()
     }
 
     /// Sends every transition into a state that cannot reach acceptance to `DEAD`.
