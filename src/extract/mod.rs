@@ -26,9 +26,9 @@ pub fn prompt(
     // The template marks the turns; the document goes in with its special-token text escaped.
     let messages = [ChatMessage::new("system", &system), ChatMessage::new("user", "\u{0}")];
     let rendered = tokenizer.chat_prompt(&messages)?;
-    let (before, after) = rendered
-        .split_once('\u{0}')
-        .expect("the placeholder is in the rendering");
+    let (before, after) = rendered.split_once('\u{0}').ok_or_else(|| {
+        TokenizerError::ChatTemplate("the template dropped the user message; cannot place the document".into())
+    })?;
     let mut ids = tokenizer.encode(before, true)?;
     ids.extend(tokenizer.encode_fragment(document, false)?);
     ids.extend(tokenizer.encode_fragment(after, true)?);
