@@ -76,6 +76,11 @@ fn constrained_outputs_validate_and_bad_schemas_are_typed_errors() {
 
     let done = engine.run_until_idle(|_| {}).unwrap();
     assert_eq!(done.len(), cases.len() + 1);
+    // Required keys in a fixed order are the grammar's to write: they are appended unsampled.
+    let forced: usize = done.iter().map(|c| c.metrics.forced_tokens).sum();
+    let total: usize = done.iter().map(|c| c.tokens.len()).sum();
+    eprintln!("jump-forward: {forced} of {total} output tokens forced");
+    assert!(forced > 0, "no token was forced");
     for c in &done {
         if c.id == free {
             assert!(!c.tokens.is_empty());

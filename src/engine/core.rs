@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use quarry_grammar::{bitmask_words, is_allowed, Matcher};
 
+use super::client::EngineStats;
 use super::detokenizer::Detokenizer;
 use super::kv_cache_manager::{KvCacheManager, RequestId};
 use super::scheduler::{AdmitError, Scheduled, Scheduler, SchedulerConfig};
@@ -51,6 +52,8 @@ pub struct RequestMetrics {
     pub prompt_tokens: usize,
     pub cached_tokens: usize,
     pub output_tokens: usize,
+    /// Output tokens the grammar decided alone, appended without sampling (jump-forward).
+    pub forced_tokens: usize,
     pub preemptions: usize,
 }
 
@@ -79,6 +82,8 @@ pub enum AddError {
 pub struct EngineConfig {
     pub scheduler: SchedulerConfig,
     pub prefix_caching: bool,
+    /// Append the tokens a constraint forces without sampling them (jump-forward decoding).
+    pub jump_forward: bool,
     /// Separates prefix caches of different models (a hash of the model file's name).
     pub cache_key: u64,
 }
@@ -94,6 +99,7 @@ impl Default for EngineConfig {
                 max_model_len: usize::MAX,
             },
             prefix_caching: true,
+            jump_forward: true,
             cache_key: 0,
         }
     }
@@ -159,8 +165,9 @@ pub struct EngineCore {
     tokenizer: Arc<Tokenizer>,
     scheduler: Scheduler,
     states: HashMap<RequestId, State>,
-    /// Forward passes run, and tokens they computed.
+    /// Forward passes run.
     steps: u64,
+    jump_forward: bool,
 }
 
 impl EngineCore {
@@ -188,6 +195,7 @@ impl EngineCore {
             scheduler: Scheduler::new(scheduler_config, kv),
             states: HashMap::new(),
             steps: 0,
+            jump_forward: config.jump_forward,
         }
     }
 
@@ -255,6 +263,32 @@ impl EngineCore {
         let r = self.scheduler.finish(id)?;
         let state = self.states.remove(&id)?;
         Some(self.final_output(id, state, r.num_preemptions, FinishReason::Aborted, String::new(), None))
+    }
+
+    /// Ends every request as `internal` (the backend failed under them); their blocks go back.
+    pub fn fail_all(&mut self) -> Vec<RequestOutput> {
+        let ids: Vec<RequestId> = self.states.keys().copied().collect();
+        let mut outputs = Vec::new();
+        for id in ids {
+            if let (Some(r), Some(state)) = (self.scheduler.finish(id), self.states.remove(&id)) {
+                let reason = FinishReason::Internal;
+                outputs.push(self.final_output(id, state, r.num_preemptions, reason, String::new(), None));
+            }
+        }
+        outputs
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        let kv = self.scheduler.kv();
+        EngineStats {
+            waiting: self.scheduler.num_waiting(),
+            running: self.scheduler.num_running(),
+            kv_blocks_total: kv.pool().total(),
+            kv_blocks_free: kv.num_free_blocks(),
+            prefix_cache: kv.stats(),
+            preemptions: self.scheduler.num_preemptions(),
+            steps: self.steps,
+        }
     }
 
     /// One engine step; outputs of the requests that produced tokens or finished.
@@ -339,11 +373,65 @@ impl EngineCore {
             let state = self.states.get_mut(&s.id).expect("every request has a state");
             let sampled = state.sampler.sample(&scores);
             self.scheduler.update(s, Some(sampled.token));
-            if let Some(out) = self.accept(s.id, sampled) {
-                outputs.push(out);
+            let Some(mut out) = self.accept(s.id, sampled) else {
+                continue;
+            };
+            if out.finished.is_none() && self.jump_forward {
+                for token in self.forced_tokens(s.id) {
+                    self.scheduler.append(s.id, token);
+                    let state = self.states.get_mut(&s.id).expect("unfinished requests have a state");
+                    let forced = state.sampler.forced(token);
+                    let Some(next) = self.accept(s.id, forced) else { break };
+                    out.tokens.extend(next.tokens);
+                    out.text.push_str(&next.text);
+                    (out.finished, out.stop_string, out.metrics) = (next.finished, next.stop_string, next.metrics);
+                    if out.finished.is_some() {
+                        break;
+                    }
+                }
             }
+            outputs.push(out);
         }
         Ok(outputs)
+    }
+
+    /// The tokens the grammar alone decides next, where appending them keeps the output's
+    /// tokenization canonical: the forced text is tokenized together with the token before it,
+    /// and used only if that token survives unmerged (the matcher also drops the last forced
+    /// token, which could merge with what follows). Capped by max_tokens and the context.
+    fn forced_tokens(&mut self, id: RequestId) -> Vec<u32> {
+        let Some(r) = self.scheduler.request(id) else {
+            return Vec::new();
+        };
+        let (Some(&last), output_len) = (r.output.last(), r.output.len()) else {
+            return Vec::new();
+        };
+        let room = self.scheduler.token_limit().saturating_sub(r.num_tokens() + 1);
+        let Some(state) = self.states.get_mut(&id) else {
+            return Vec::new();
+        };
+        let room = room.min(state.sampler.params().max_tokens.saturating_sub(output_len));
+        let Some(matcher) = state.matcher.as_mut() else {
+            return Vec::new();
+        };
+        let tokenizer = &self.tokenizer;
+        let Ok(before) = tokenizer.decode(&[last], false) else {
+            return Vec::new();
+        };
+        if room == 0 || before.is_empty() || before.ends_with('\u{FFFD}') {
+            return Vec::new();
+        }
+        let mut forced = matcher.forced_tokens(&|text: &str| match tokenizer
+            .encode_fragment(&format!("{before}{text}"), false)
+        {
+            Ok(mut t) if t.first() == Some(&last) => {
+                t.remove(0);
+                t
+            }
+            _ => Vec::new(),
+        });
+        forced.truncate(room);
+        forced
     }
 
     /// Records a sampled token; finishes the request when it is done.
@@ -353,12 +441,16 @@ impl EngineCore {
         let r = self.scheduler.request(id)?;
         let (num_tokens, output_len, preemptions) = (r.num_tokens(), r.output.len(), r.num_preemptions);
         let state = self.states.get_mut(&id)?;
-        let now = Instant::now();
-        match state.last_token_at {
-            None => state.metrics.ttft = now - state.arrived,
-            Some(t) => state.metrics.itl.push(now - t),
+        if !sampled.forced {
+            let now = Instant::now();
+            match state.last_token_at {
+                None => state.metrics.ttft = now - state.arrived,
+                Some(t) => state.metrics.itl.push(now - t),
+            }
+            state.last_token_at = Some(now);
+        } else {
+            state.metrics.forced_tokens += 1;
         }
-        state.last_token_at = Some(now);
         let params = state.sampler.params();
         let eog = self.tokenizer.end_of_generation_ids().contains(&token);
         let mut finish = None;

@@ -2,6 +2,7 @@
 //! the runtime. See shared/design.md, "Engine step".
 
 pub mod block_pool;
+pub mod client;
 pub mod core;
 pub mod detokenizer;
 pub mod kv_cache_manager;
@@ -11,6 +12,7 @@ pub mod stop;
 pub mod structured;
 
 pub use block_pool::{BlockHash, BlockId, BlockPool};
+pub use client::{EngineClient, EngineStats, RequestStream, SubmitError};
 pub use core::{
     AddError, Completion, Completions, EngineConfig, EngineCore, EngineRequest, FinishReason, RequestMetrics,
     RequestOutput,

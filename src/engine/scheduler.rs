@@ -268,6 +268,13 @@ impl Scheduler {
         self.kv.cache_blocks(s.id, computed, |range| r.tokens(range));
     }
 
+    /// Appends a token decided without sampling (jump-forward); the next step computes it.
+    pub fn append(&mut self, id: RequestId, token: u32) {
+        if let Some(r) = self.requests.get_mut(&id) {
+            r.output.push(token);
+        }
+    }
+
     /// Removes a request wherever it is (finished, aborted, refused) and frees its blocks; its
     /// final state is returned.
     pub fn finish(&mut self, id: RequestId) -> Option<Request> {

@@ -18,6 +18,9 @@ pub struct SampledToken {
     pub logprob: f32,
     /// The most likely tokens, best first, when logprobs were asked for.
     pub top: Vec<TopLogprob>,
+    /// Decided by the grammar alone and appended without running the model for it
+    /// (jump-forward): `logprob` is 0 (certain under the constraint) and `top` is empty.
+    pub forced: bool,
 }
 
 /// One request's sampling state: its random stream and the token counts penalties need.
@@ -60,7 +63,23 @@ impl Sampler {
         };
         self.record(token);
         let (logprob, top) = logprobs(logits, token, self.params.logprobs.unwrap_or(0));
-        SampledToken { token, logprob, top }
+        SampledToken {
+            token,
+            logprob,
+            top,
+            forced: false,
+        }
+    }
+
+    /// A token the grammar forced: it counts for penalties like any output token.
+    pub fn forced(&mut self, token: u32) -> SampledToken {
+        self.record(token);
+        SampledToken {
+            token,
+            logprob: 0.0,
+            top: Vec::new(),
+            forced: true,
+        }
     }
 
     fn record(&mut self, token: u32) {

@@ -1,0 +1,219 @@
+//! The engine on its own thread, driven from async code. Requests go in over one channel;
+//! each request's outputs come back over its own. Dropping a request's stream aborts the
+//! request, so a client that goes away frees its KV blocks at the next step boundary, and
+//! the others in the batch carry on.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::thread::JoinHandle;
+
+use tokio::sync::{mpsc as async_mpsc, oneshot};
+
+use super::core::{AddError, EngineCore, EngineRequest, RequestOutput};
+use super::kv_cache_manager::{PrefixCacheStats, RequestId};
+
+/// A snapshot of the engine, refreshed after every step (for metrics and admission control).
+#[derive(Debug, Clone, Default)]
+pub struct EngineStats {
+    pub waiting: usize,
+    pub running: usize,
+    pub kv_blocks_total: usize,
+    pub kv_blocks_free: usize,
+    pub prefix_cache: PrefixCacheStats,
+    pub preemptions: usize,
+    pub steps: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SubmitError {
+    #[error(transparent)]
+    Refused(#[from] AddError),
+    #[error("the engine has stopped")]
+    Stopped,
+}
+
+enum Command {
+    Add {
+        request: EngineRequest,
+        outputs: async_mpsc::UnboundedSender<RequestOutput>,
+        admitted: oneshot::Sender<Result<(), AddError>>,
+    },
+    Abort(RequestId),
+}
+
+/// A handle to the engine thread; cheap to share behind an `Arc`.
+pub struct EngineClient {
+    commands: Mutex<Option<mpsc::Sender<Command>>>,
+    next_id: AtomicU64,
+    stats: Arc<Mutex<EngineStats>>,
+    thread: Mutex<Option<JoinHandle<EngineCore>>>,
+}
+
+/// The outputs of one request, in order; the last one has `finished` set.
+pub struct RequestStream {
+    id: RequestId,
+    outputs: async_mpsc::UnboundedReceiver<RequestOutput>,
+    commands: mpsc::Sender<Command>,
+    done: bool,
+}
+
+impl RequestStream {
+    pub fn id(&self) -> RequestId {
+        self.id
+    }
+
+    /// The next output, or `None` after the last one (or when the engine stopped).
+    pub async fn next(&mut self) -> Option<RequestOutput> {
+        if self.done {
+            return None;
+        }
+        let out = self.outputs.recv().await;
+        match &out {
+            Some(o) if o.finished.is_none() => {}
+            _ => self.done = true,
+        }
+        out
+    }
+}
+
+impl Drop for RequestStream {
+    fn drop(&mut self) {
+        if !self.done {
+            // The engine may already be gone; nothing is left to free then.
+            let _ = self.commands.send(Command::Abort(self.id));
+        }
+    }
+}
+
+impl EngineClient {
+    /// Moves `core` onto a thread of its own.
+    pub fn start(core: EngineCore) -> Self {
+        let (tx, rx) = mpsc::channel();
+        let stats = Arc::new(Mutex::new(EngineStats::default()));
+        let shared = stats.clone();
+        let thread = std::thread::Builder::new()
+            .name("quarry-engine".into())
+            .spawn(move || run(core, rx, shared))
+            .expect("spawn the engine thread");
+        EngineClient {
+            commands: Mutex::new(Some(tx)),
+            next_id: AtomicU64::new(0),
+            stats,
+            thread: Mutex::new(Some(thread)),
+        }
+    }
+
+    /// Queues a request (its `id` is assigned here) and returns its output stream, or the
+    /// reason it was refused up front.
+    pub async fn submit(&self, mut request: EngineRequest) -> Result<RequestStream, SubmitError> {
+        request.id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let id = request.id;
+        let commands = self.sender().ok_or(SubmitError::Stopped)?;
+        let (out_tx, out_rx) = async_mpsc::unbounded_channel();
+        let (ok_tx, ok_rx) = oneshot::channel();
+        commands
+            .send(Command::Add {
+                request,
+                outputs: out_tx,
+                admitted: ok_tx,
+            })
+            .map_err(|_| SubmitError::Stopped)?;
+        ok_rx.await.map_err(|_| SubmitError::Stopped)??;
+        Ok(RequestStream {
+            id,
+            outputs: out_rx,
+            commands,
+            done: false,
+        })
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Stops taking requests, lets the running ones finish, and returns the engine.
+    pub fn shutdown(&self) -> Option<EngineCore> {
+        self.commands.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let thread = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take()?;
+        thread.join().ok()
+    }
+
+    fn sender(&self) -> Option<mpsc::Sender<Command>> {
+        self.commands.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+impl Drop for EngineClient {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// The engine loop: take commands (waiting for one when idle), step, route outputs. Runs
+/// until every sender is gone and the last request has finished.
+fn run(mut core: EngineCore, commands: mpsc::Receiver<Command>, stats: Arc<Mutex<EngineStats>>) -> EngineCore {
+    let mut streams: std::collections::HashMap<RequestId, async_mpsc::UnboundedSender<RequestOutput>> =
+        Default::default();
+    let mut open = true;
+    loop {
+        if open {
+            let mut first = None;
+            if !core.has_unfinished() {
+                match commands.recv() {
+                    Ok(c) => first = Some(c),
+                    Err(_) => open = false,
+                }
+            }
+            for c in first.into_iter().chain(std::iter::from_fn(|| commands.try_recv().ok())) {
+                match c {
+                    Command::Add {
+                        request,
+                        outputs,
+                        admitted,
+                    } => {
+                        let id = request.id;
+                        let result = core.add_request(request);
+                        if result.is_ok() {
+                            streams.insert(id, outputs);
+                        }
+                        if admitted.send(result).is_err() {
+                            // The caller gave up while waiting for the answer.
+                            core.abort(id);
+                            streams.remove(&id);
+                        }
+                    }
+                    Command::Abort(id) => {
+                        core.abort(id);
+                        streams.remove(&id);
+                    }
+                }
+            }
+        }
+        if !core.has_unfinished() {
+            if open {
+                continue;
+            }
+            return core;
+        }
+        let outputs = match core.step() {
+            Ok(outputs) => outputs,
+            // The backend failed: every request ends as `internal`, and the engine goes on.
+            Err(e) => {
+                eprintln!("engine step failed: {e}");
+                core.fail_all()
+            }
+        };
+        for out in outputs {
+            let finished = out.finished.is_some();
+            let id = out.id;
+            let gone = streams.get(&id).is_none_or(|s| s.send(out).is_err());
+            if finished {
+                streams.remove(&id);
+            } else if gone {
+                core.abort(id);
+                streams.remove(&id);
+            }
+        }
+        *stats.lock().unwrap_or_else(|e| e.into_inner()) = core.stats();
+    }
+}

@@ -1,0 +1,290 @@
+//! The engine behind its async client, with the real model: 32 concurrent mixed requests
+//! (a long shared prefix, JSON Schema constraints, different lengths) give each request the
+//! greedy output it gets alone, also when the pool is small enough to preempt and when every
+//! prompt is split into chunks; a client that drops its stream frees the request's blocks and
+//! leaves the others' outputs alone.
+
+mod common;
+
+use std::sync::Arc;
+
+use quarry::engine::{
+    BlockPool, Constraint, EngineClient, EngineConfig, EngineCore, EngineRequest, FinishReason, StructuredOutputs,
+};
+use quarry::runtime::Backend;
+use quarry::sampling::SamplingParams;
+use quarry::tokenizer::Tokenizer;
+use quarry_grammar::json::Whitespace;
+use serde_json::Value;
+
+/// About 200 tokens that half the requests start with.
+const PREFIX: &str = "You are a meticulous analyst working for a logistics company. Every morning you receive \
+    a stack of shipping manifests, customs declarations, supplier invoices and customer emails. Your task is \
+    to read each one, decide what kind of document it is, pull out the parties, dates, amounts and reference \
+    numbers, and flag anything unusual: totals that do not add up, dates in the future, duplicate invoice \
+    numbers, or addresses that do not match the customer record. Be brief. Use plain words. When something is \
+    missing, say so rather than guessing. Answer the question that follows about today's first document.\n\n";
+
+const QUESTIONS: [&str; 8] = [
+    "Question: what is a bill of lading?",
+    "Question: name three reasons a customs declaration is held.",
+    "Question: how do you spot a duplicate invoice?",
+    "Question: what does FOB mean?",
+    "Question: why check the consignee address?",
+    "Question: what is a pro forma invoice?",
+    "Question: who pays import duty under DDP terms?",
+    "Question: what is demurrage?",
+];
+
+const PLAIN: [&str; 6] = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a village by the sea, there lived",
+    "1, 2, 3, 5, 8, 13,",
+    "The three primary colors are",
+    "Translate to French: good morning, my friend.",
+];
+
+struct Job {
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    schema: Option<Value>,
+}
+
+fn jobs(tok: &Tokenizer) -> Vec<Job> {
+    let cases: Vec<Value> = serde_json::from_str(include_str!("data/structured_cases.json")).expect("cases are JSON");
+    let mut jobs = Vec::new();
+    for i in 0..32 {
+        let job = match i % 4 {
+            0 | 2 => Job {
+                prompt: tok
+                    .encode(&format!("{PREFIX}{}", QUESTIONS[(i / 2) % QUESTIONS.len()]), false)
+                    .unwrap(),
+                max_tokens: 6 + (i * 5) % 23,
+                schema: None,
+            },
+            1 => Job {
+                prompt: tok.encode(PLAIN[(i / 4) % PLAIN.len()], false).unwrap(),
+                max_tokens: 4 + (i * 7) % 29,
+                schema: None,
+            },
+            _ => {
+                let case = &cases[(i / 4) % cases.len()];
+                let text = format!(
+                    "Schema: {}\nDocument: {}\nJSON:",
+                    case["schema"],
+                    case["document"].as_str().unwrap()
+                );
+                Job {
+                    prompt: tok.encode(&text, false).unwrap(),
+                    max_tokens: 48,
+                    schema: Some(case["schema"].clone()),
+                }
+            }
+        };
+        jobs.push(job);
+    }
+    jobs
+}
+
+fn request(job: &Job, structured: &StructuredOutputs) -> EngineRequest {
+    let constraint = job.schema.as_ref().map(|schema| {
+        structured
+            .compile(&Constraint::Json {
+                schema: schema.clone(),
+                whitespace: Whitespace::Compact,
+                strict: false,
+            })
+            .unwrap()
+    });
+    EngineRequest {
+        id: 0,
+        prompt: job.prompt.clone(),
+        params: SamplingParams {
+            ignore_eos: job.schema.is_none(),
+            ..SamplingParams::greedy(job.max_tokens)
+        },
+        priority: 0,
+        constraint,
+    }
+}
+
+/// What a request produced, as the client saw it.
+#[derive(Debug, PartialEq)]
+struct Seen {
+    tokens: Vec<u32>,
+    text: String,
+    finish: FinishReason,
+}
+
+async fn collect(mut stream: quarry::engine::RequestStream) -> (Seen, usize) {
+    let mut seen = Seen {
+        tokens: Vec::new(),
+        text: String::new(),
+        finish: FinishReason::Aborted,
+    };
+    let mut preemptions = 0;
+    while let Some(out) = stream.next().await {
+        seen.tokens.extend(out.tokens.iter().map(|t| t.token));
+        seen.text.push_str(&out.text);
+        if let Some(f) = out.finished {
+            seen.finish = f;
+            preemptions = out.metrics.map_or(0, |m| m.preemptions);
+        }
+    }
+    (seen, preemptions)
+}
+
+/// Runs every job through a client, all at once (`together`) or one after another; returns
+/// the outputs, the total preemptions and the engine back. Every block must be free at the end.
+fn run(
+    core: EngineCore,
+    jobs: &[Job],
+    structured: &StructuredOutputs,
+    together: bool,
+) -> (Vec<Seen>, usize, EngineCore) {
+    let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let client = EngineClient::start(core);
+    let results = runtime.block_on(async {
+        if together {
+            let mut streams = Vec::new();
+            for j in jobs {
+                streams.push(client.submit(request(j, structured)).await.unwrap());
+            }
+            let mut tasks = tokio::task::JoinSet::new();
+            for (i, s) in streams.into_iter().enumerate() {
+                tasks.spawn(async move { (i, collect(s).await) });
+            }
+            let mut out: Vec<_> = Vec::new();
+            while let Some(r) = tasks.join_next().await {
+                out.push(r.unwrap());
+            }
+            out.sort_by_key(|(i, _)| *i);
+            out.into_iter().map(|(_, r)| r).collect::<Vec<_>>()
+        } else {
+            let mut out = Vec::new();
+            for j in jobs {
+                out.push(collect(client.submit(request(j, structured)).await.unwrap()).await);
+            }
+            out
+        }
+    });
+    let core = client.shutdown().expect("the engine thread returns the engine");
+    let kv = core.scheduler().kv();
+    assert_eq!(kv.num_free_blocks(), kv.pool().total(), "blocks leaked");
+    let preemptions = results.iter().map(|(_, p)| p).sum();
+    (results.into_iter().map(|(s, _)| s).collect(), preemptions, core)
+}
+
+fn engine(
+    backend: Box<dyn Backend>,
+    tok: &Arc<Tokenizer>,
+    config: EngineConfig,
+    pool: Option<BlockPool>,
+) -> EngineCore {
+    match pool {
+        Some(p) => EngineCore::with_pool(backend, tok.clone(), config, p),
+        None => EngineCore::new(backend, tok.clone(), config),
+    }
+}
+
+#[test]
+fn thirty_two_concurrent_requests_match_each_alone() {
+    let Some((backend, tok)) = common::load(8192) else {
+        return;
+    };
+    let tok = Arc::new(tok);
+    let structured = StructuredOutputs::new(&tok);
+    let jobs = jobs(&tok);
+    let config = EngineConfig::default();
+    let block_size = backend.kv_layout().block_size;
+
+    let (alone, _, core) = run(engine(Box::new(backend), &tok, config, None), &jobs, &structured, false);
+    for (j, a) in jobs.iter().zip(&alone) {
+        match &j.schema {
+            None => assert_eq!(a.tokens.len(), j.max_tokens),
+            Some(schema) if a.finish == FinishReason::Stop => {
+                let value: Value = serde_json::from_str(&a.text).unwrap_or_else(|e| panic!("{e}: {}", a.text));
+                assert!(jsonschema::validator_for(schema).unwrap().is_valid(&value), "{value}");
+            }
+            Some(_) => {}
+        }
+    }
+
+    let (together, _, core) = run(core, &jobs, &structured, true);
+    assert_eq!(together, alone, "32 at once");
+
+    let mut chunked = config;
+    chunked.scheduler.max_num_batched_tokens = 24;
+    let (out, _, core) = run(
+        engine(core.into_backend(), &tok, chunked, None),
+        &jobs,
+        &structured,
+        true,
+    );
+    assert_eq!(out, alone, "every prompt in chunks of at most 24 tokens");
+
+    // Room for about four of the 32 at a time.
+    let longest = jobs.iter().map(|j| j.prompt.len() + j.max_tokens).max().unwrap();
+    let pool = BlockPool::new(4 * longest.div_ceil(block_size));
+    let (out, preemptions, _) = run(
+        engine(core.into_backend(), &tok, config, Some(pool)),
+        &jobs,
+        &structured,
+        true,
+    );
+    eprintln!("small pool: {preemptions} preemptions");
+    assert_eq!(out, alone, "a pool too small for everyone");
+    assert!(preemptions > 0, "the small pool never preempted");
+}
+
+#[test]
+fn a_dropped_stream_aborts_its_request_at_once() {
+    let Some((backend, tok)) = common::load(4096) else {
+        return;
+    };
+    let tok = Arc::new(tok);
+    let client = EngineClient::start(EngineCore::new(Box::new(backend), tok.clone(), EngineConfig::default()));
+    let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let kept = runtime.block_on(async {
+        let mut kept = Vec::new();
+        for (i, text) in PLAIN.iter().enumerate() {
+            // The ones to be dropped would run for 2,000 tokens if nobody stopped them.
+            let max_tokens = if i % 2 == 0 { 2000 } else { 12 };
+            let request = EngineRequest {
+                id: 0,
+                prompt: tok.encode(text, false).unwrap(),
+                params: SamplingParams {
+                    ignore_eos: true,
+                    ..SamplingParams::greedy(max_tokens)
+                },
+                priority: 0,
+                constraint: None,
+            };
+            let mut stream = client.submit(request).await.unwrap();
+            if i % 2 == 0 {
+                let first = stream.next().await.unwrap();
+                assert!(first.finished.is_none());
+                drop(stream);
+            } else {
+                kept.push(stream);
+            }
+        }
+        let mut done = Vec::new();
+        for s in kept {
+            done.push(collect(s).await.0);
+        }
+        done
+    });
+    for seen in &kept {
+        assert_eq!((seen.finish, seen.tokens.len()), (FinishReason::Length, 12));
+    }
+    let core = client.shutdown().unwrap();
+    let stats = core.stats();
+    assert!(
+        stats.steps < 100,
+        "the dropped requests kept running: {} steps",
+        stats.steps
+    );
+    assert_eq!(stats.kv_blocks_free, stats.kv_blocks_total, "blocks leaked");
+}
