@@ -185,6 +185,18 @@ fn summary(name: &str, t: &mut Tally) -> String {
         "ENFORCED engine={name} fully_enforced={} invalid_accepted={}",
         t.fully_enforced, t.enforced_invalid_accepted
     );
+    // The per-schema limits (5 s, 1 GiB): the slowest compile, and the process's peak memory,
+    // which bounds any one schema's.
+    let compile_max = t.compile_ms.iter().cloned().fold(0.0, f64::max);
+    let peak_rss = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        })
+        .map_or("unknown".to_string(), |kib| format!("{:.0}", kib / 1024.0));
+    println!("LIMITS engine={name} compile_max_ms={compile_max:.1} peak_rss_mib={peak_rss}");
     let mean = t.mask_us.iter().sum::<f64>() / t.mask_us.len().max(1) as f64;
     let max = t.mask_us.iter().cloned().fold(0.0, f64::max);
     format!(

@@ -44,9 +44,61 @@ pub struct ModelArgs {
     /// CPU threads for the model [default: all cores]
     #[arg(long)]
     threads: Option<usize>,
-    /// KV cache capacity in tokens.
-    #[arg(long, default_value_t = 16384)]
-    kv_cache_tokens: usize,
+    /// KV cache capacity in tokens [default: from --kv-cache-memory]
+    #[arg(long, conflicts_with = "kv_cache_memory")]
+    kv_cache_tokens: Option<usize>,
+    /// KV cache memory, e.g. 512MiB or 2GiB [default: a fifth of the memory available at
+    /// start, at most 4 GiB]
+    #[arg(long, value_parser = parse_size)]
+    kv_cache_memory: Option<u64>,
+    /// Tokens in one forward pass, over every request (vLLM's max_num_batched_tokens).
+    #[arg(long, default_value_t = 2048)]
+    max_num_batched_tokens: usize,
+    /// Requests running at once.
+    #[arg(long, default_value_t = 128)]
+    max_num_seqs: usize,
+    /// Serve waiting requests by their priority (lowest first) instead of by arrival.
+    #[arg(long)]
+    priority_scheduling: bool,
+    /// Turn off automatic prefix caching.
+    #[arg(long)]
+    no_prefix_caching: bool,
+}
+
+/// `512MiB`, `2GiB`, `1.5GB`, or plain bytes.
+fn parse_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let number: f64 = number
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{text}` is not a size (e.g. 512MiB, 2GiB)"))?;
+    let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" => 1e3,
+        "m" | "mb" => 1e6,
+        "g" | "gb" => 1e9,
+        "kib" => 1024.0,
+        "mib" => 1024.0 * 1024.0,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
+        u => return Err(format!("unknown size unit `{u}` (use B, KiB, MiB, GiB, KB, MB, GB)")),
+    };
+    if !(number.is_finite() && number > 0.0) {
+        return Err(format!("`{text}`: the size must be positive"));
+    }
+    Ok((number * scale) as u64)
+}
+
+/// The default KV cache: a fifth of the memory available now, between 256 MiB and 4 GiB.
+fn default_kv_cache_memory() -> u64 {
+    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+        m.lines()
+            .find_map(|l| l.strip_prefix("MemAvailable:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map(|kib| kib * 1024)
+    });
+    (available.unwrap_or(4 << 30) / 5).clamp(256 << 20, 4 << 30)
 }
 
 impl ModelArgs {
@@ -59,9 +111,15 @@ impl ModelArgs {
         }
         let path = self.model.clone().unwrap_or_else(crate::model_path::default_model_path);
         let tokenizer = Tokenizer::from_model_file(&path)?;
-        let options = CpuOptions {
-            kv_cache_tokens: self.kv_cache_tokens,
-            ..Default::default()
+        let options = match self.kv_cache_tokens {
+            Some(tokens) => CpuOptions {
+                kv_cache_tokens: tokens,
+                ..Default::default()
+            },
+            None => CpuOptions {
+                kv_cache_bytes: Some(self.kv_cache_memory.unwrap_or_else(default_kv_cache_memory)),
+                ..Default::default()
+            },
         };
         let backend = CpuBackend::load(&path, &options)?;
         Ok((backend, tokenizer))
@@ -73,12 +131,35 @@ impl ModelArgs {
     fn engine(&self) -> anyhow::Result<(EngineCore, Arc<Tokenizer>)> {
         let (backend, tokenizer) = self.load()?;
         let tokenizer = Arc::new(tokenizer);
+        let config = self.engine_config()?;
+        Ok((EngineCore::new(Box::new(backend), tokenizer.clone(), config), tokenizer))
+    }
+
+    /// The model, tokenizer and engine configuration, for commands that build several engines
+    /// over one backend.
+    fn load_shared(&self) -> anyhow::Result<(Box<dyn crate::runtime::Backend>, Arc<Tokenizer>, EngineConfig)> {
+        let (backend, tokenizer) = self.load()?;
+        Ok((Box::new(backend), Arc::new(tokenizer), self.engine_config()?))
+    }
+
+    fn engine_config(&self) -> anyhow::Result<EngineConfig> {
+        anyhow::ensure!(
+            self.max_num_batched_tokens > 0,
+            "--max-num-batched-tokens must be at least 1"
+        );
+        anyhow::ensure!(self.max_num_seqs > 0, "--max-num-seqs must be at least 1");
         let path = self.model.clone().unwrap_or_else(crate::model_path::default_model_path);
-        let config = EngineConfig {
+        let mut config = EngineConfig {
             cache_key: cache_key(&path),
+            prefix_caching: !self.no_prefix_caching,
             ..Default::default()
         };
-        Ok((EngineCore::new(Box::new(backend), tokenizer.clone(), config), tokenizer))
+        config.scheduler.max_num_batched_tokens = self.max_num_batched_tokens;
+        config.scheduler.max_num_seqs = self.max_num_seqs;
+        if self.priority_scheduling {
+            config.scheduler.policy = crate::engine::Policy::Priority;
+        }
+        Ok(config)
     }
 }
 
@@ -95,5 +176,21 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Generate(args) => generate::run(args),
         Command::Extract(args) => extract::run(args),
         Command::Bench(cmd) => bench::run(cmd),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    #[test]
+    fn sizes_parse_with_binary_and_decimal_units() {
+        assert_eq!(parse_size("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_size("2 GiB"), Ok(2 << 30));
+        assert_eq!(parse_size("1.5GB"), Ok(1_500_000_000));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert!(parse_size("lots").is_err());
+        assert!(parse_size("3 parsecs").unwrap_err().contains("parsecs"));
+        assert!(parse_size("-1GiB").is_err());
     }
 }

@@ -27,6 +27,11 @@ impl KvCache {
         }
     }
 
+    /// Host memory one token's keys and values take over every layer.
+    pub fn bytes_per_token(num_layers: usize, slot_width: usize) -> usize {
+        2 * num_layers * slot_width * std::mem::size_of::<f32>()
+    }
+
     pub fn layout(&self) -> KvLayout {
         self.layout
     }

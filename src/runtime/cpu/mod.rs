@@ -25,6 +25,8 @@ use super::Backend;
 pub struct CpuOptions {
     /// KV cache capacity in tokens, rounded up to whole blocks.
     pub kv_cache_tokens: usize,
+    /// KV cache capacity in bytes of host memory; overrides `kv_cache_tokens` when set.
+    pub kv_cache_bytes: Option<u64>,
     pub block_size: usize,
 }
 
@@ -32,6 +34,7 @@ impl Default for CpuOptions {
     fn default() -> Self {
         CpuOptions {
             kv_cache_tokens: 16 * 1024,
+            kv_cache_bytes: None,
             block_size: 16,
         }
     }
@@ -57,7 +60,13 @@ impl CpuBackend {
         );
         let block_size = options.block_size.max(1);
         let layout = KvLayout {
-            num_blocks: options.kv_cache_tokens.div_ceil(block_size).max(1),
+            num_blocks: options
+                .kv_cache_bytes
+                .map_or(options.kv_cache_tokens, |bytes| {
+                    (bytes / KvCache::bytes_per_token(config.num_layers, config.kv_size()) as u64) as usize
+                })
+                .div_ceil(block_size)
+                .max(1),
             block_size,
         };
         let kv = KvCache::new(layout, config.num_layers, config.kv_size());

@@ -1,22 +1,17 @@
 //! `quarry bench single`: single-stream prefill and decode speed. scripts/bench-cpu runs it
 //! beside llama-cpp-python on the same tokens and prints both with their ratio.
 
-use clap::{Args, Subcommand};
+use clap::Args;
 
-use super::ModelArgs;
+use super::{bench_prompt, median};
+use crate::cli::ModelArgs;
 use crate::engine::EngineRequest;
 use crate::sampling::SamplingParams;
-
-#[derive(Subcommand)]
-pub enum BenchCommand {
-    /// One request at a time: prefill tokens/s and decode tokens/s.
-    Single(SingleArgs),
-}
 
 #[derive(Args)]
 pub struct SingleArgs {
     #[command(flatten)]
-    model: ModelArgs,
+    pub model: ModelArgs,
     #[arg(long, default_value_t = 256)]
     input_len: usize,
     #[arg(long, default_value_t = 128)]
@@ -29,23 +24,11 @@ pub struct SingleArgs {
     json: bool,
 }
 
-/// The benchmark prompt: ordinary (non-special) token ids from a fixed formula, so any engine
-/// can be fed exactly the same sequence.
-pub fn bench_prompt(len: usize, vocab: usize) -> Vec<u32> {
-    (0..len).map(|i| (100 + (i * 7919) % (vocab - 200)) as u32).collect()
-}
-
-pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
-    match cmd {
-        BenchCommand::Single(args) => single(args),
-    }
-}
-
-fn single(args: SingleArgs) -> anyhow::Result<()> {
+pub fn run(args: SingleArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.output_len >= 2, "--output-len must be at least 2");
     let (mut engine, tokenizer) = args.model.engine()?;
     let device = engine.backend().device_name();
-    let prompt = bench_prompt(args.input_len, tokenizer.vocab_size());
+    let prompt = bench_prompt(args.input_len, tokenizer.vocab_size(), 0);
     let mut prefill = Vec::new();
     let mut decode = Vec::new();
     for rep in 0..=args.repeats {
@@ -84,9 +67,4 @@ fn single(args: SingleArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
 }

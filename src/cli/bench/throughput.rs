@@ -1,0 +1,273 @@
+//! `quarry bench throughput`: every request at once through the engine, against the
+//! single-stream decode rate of the same binary. With `--workload extract` the requests are
+//! extraction prompts (schema and a synthetic invoice) constrained by the schema, and the same
+//! prompts run again unconstrained with each request's output length fixed to what the
+//! constrained run produced, so the two passes do exactly the same amount of model work.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use clap::{Args, ValueEnum};
+use quarry_grammar::json::Whitespace;
+use serde_json::{json, Value};
+
+use super::{bench_prompt, median, percentile, workload};
+use crate::cli::ModelArgs;
+use crate::engine::{CompiledConstraint, Constraint, EngineConfig, EngineCore, EngineRequest, StructuredOutputs};
+use crate::runtime::Backend;
+use crate::sampling::SamplingParams;
+use crate::tokenizer::Tokenizer;
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Workload {
+    /// Prompts of ordinary token ids, exactly --input-len and --output-len tokens each.
+    Random,
+    /// Schema-constrained extraction from synthetic invoices of --input-len tokens.
+    Extract,
+}
+
+#[derive(Args)]
+pub struct ThroughputArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[arg(long, default_value_t = 32)]
+    num_prompts: usize,
+    /// Prompt tokens (random) or document tokens (extract).
+    #[arg(long, default_value_t = 400)]
+    input_len: usize,
+    /// Output tokens (random), or the most an answer may take (extract).
+    #[arg(long, default_value_t = 100)]
+    output_len: usize,
+    #[arg(long, value_enum, default_value = "random")]
+    workload: Workload,
+    /// Write each request (prompt token ids and output length) as JSON lines, so a peer can
+    /// serve exactly the same work (scripts/bench-throughput).
+    #[arg(long)]
+    save_requests: Option<PathBuf>,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+struct Job {
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    constraint: Option<CompiledConstraint>,
+}
+
+/// What one pass measured.
+struct Pass {
+    name: &'static str,
+    requests: usize,
+    prompt_tokens: usize,
+    cached_tokens: usize,
+    output_tokens: usize,
+    forced_tokens: usize,
+    seconds: f64,
+    ttft_ms: Vec<f64>,
+    itl_ms: Vec<f64>,
+    /// Output tokens of each request, in job order.
+    lengths: Vec<usize>,
+}
+
+impl Pass {
+    fn output_tok_s(&self) -> f64 {
+        self.output_tokens as f64 / self.seconds
+    }
+
+    fn to_json(&self) -> Value {
+        let (mut ttft, mut itl) = (self.ttft_ms.clone(), self.itl_ms.clone());
+        json!({
+            "pass": self.name, "requests": self.requests, "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens, "output_tokens": self.output_tokens,
+            "forced_tokens": self.forced_tokens, "seconds": self.seconds,
+            "requests_per_s": self.requests as f64 / self.seconds, "output_tok_s": self.output_tok_s(),
+            "total_tok_s": (self.prompt_tokens + self.output_tokens) as f64 / self.seconds,
+            "ttft_ms_p50": percentile(&mut ttft, 50.0), "ttft_ms_p99": percentile(&mut ttft, 99.0),
+            "itl_ms_p50": percentile(&mut itl, 50.0), "itl_ms_p99": percentile(&mut itl, 99.0),
+        })
+    }
+}
+
+pub fn run(args: ThroughputArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.num_prompts > 0, "--num-prompts must be at least 1");
+    anyhow::ensure!(args.output_len >= 2, "--output-len must be at least 2");
+    let (backend, tokenizer, config) = args.model.load_shared()?;
+    let device = backend.device_name();
+    let jobs = jobs(&args, &tokenizer)?;
+    let mut backend = Some(backend);
+    let mut pass = |name, jobs: &[Job]| -> anyhow::Result<Pass> {
+        let (p, b) = run_pass(name, backend.take().expect("returned"), &tokenizer, config, jobs)?;
+        backend = Some(b);
+        Ok(p)
+    };
+
+    // Warm-up (page in the weights, start the thread pool), then the single-stream rate: one
+    // unconstrained request of the first prompt alone, decoding --output-len tokens.
+    let lone = |variant: usize| Job {
+        prompt: match args.workload {
+            Workload::Random => bench_prompt(args.input_len, tokenizer.vocab_size(), 1000 + variant),
+            Workload::Extract => jobs[variant % jobs.len()].prompt.clone(),
+        },
+        max_tokens: args.output_len,
+        constraint: None,
+    };
+    pass("warm-up", &[lone(0)])?;
+    let mut decode = Vec::new();
+    for variant in 0..3 {
+        let p = pass("single", &[lone(variant)])?;
+        let decode_ms = p.itl_ms.iter().sum::<f64>();
+        decode.push(p.itl_ms.len() as f64 / (decode_ms / 1e3));
+    }
+    let single_decode = median(&mut decode);
+
+    let mut passes = vec![pass("concurrent", &jobs)?];
+    if args.workload == Workload::Extract {
+        // The same work without the grammar: each request decodes exactly as many tokens.
+        let lengths = passes[0].lengths.clone();
+        let free: Vec<Job> = jobs
+            .iter()
+            .zip(&lengths)
+            .map(|(j, &n)| Job {
+                prompt: j.prompt.clone(),
+                max_tokens: n,
+                constraint: None,
+            })
+            .collect();
+        passes[0].name = "concurrent, constrained";
+        passes.push(pass("concurrent, unconstrained", &free)?);
+    }
+    if let Some(path) = &args.save_requests {
+        let lines: Vec<String> = jobs
+            .iter()
+            .zip(&passes[0].lengths)
+            .map(|(j, &n)| json!({"prompt": j.prompt, "max_tokens": n}).to_string())
+            .collect();
+        std::fs::write(path, lines.join("\n") + "\n").map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    }
+    report(&args, &device, single_decode, &passes);
+    Ok(())
+}
+
+fn jobs(args: &ThroughputArgs, tokenizer: &Tokenizer) -> anyhow::Result<Vec<Job>> {
+    let vocab = tokenizer.vocab_size();
+    match args.workload {
+        Workload::Random => Ok((0..args.num_prompts)
+            .map(|i| Job {
+                prompt: bench_prompt(args.input_len, vocab, i),
+                max_tokens: args.output_len,
+                constraint: None,
+            })
+            .collect()),
+        Workload::Extract => {
+            let schema = workload::invoice_schema();
+            let constraint = StructuredOutputs::new(tokenizer).compile(&Constraint::Json {
+                schema: schema.clone(),
+                whitespace: Whitespace::Compact,
+                strict: true,
+            })?;
+            (0..args.num_prompts)
+                .map(|i| {
+                    let document = workload::invoice_document(tokenizer, i, args.input_len)?;
+                    Ok(Job {
+                        prompt: crate::extract::prompt(tokenizer, &schema, &document, None)?,
+                        max_tokens: args.output_len.max(160),
+                        constraint: Some(constraint.clone()),
+                    })
+                })
+                .collect()
+        }
+    }
+}
+
+/// Every job at once on a fresh engine (an empty prefix cache); returns the backend too.
+fn run_pass(
+    name: &'static str,
+    backend: Box<dyn Backend>,
+    tokenizer: &Arc<Tokenizer>,
+    config: EngineConfig,
+    jobs: &[Job],
+) -> anyhow::Result<(Pass, Box<dyn Backend>)> {
+    let mut engine = EngineCore::new(backend, tokenizer.clone(), config);
+    let started = Instant::now();
+    for (i, j) in jobs.iter().enumerate() {
+        engine.add_request(EngineRequest {
+            id: i as u64,
+            prompt: j.prompt.clone(),
+            params: SamplingParams {
+                // Unconstrained requests decode exactly their length, as in `vllm bench`.
+                ignore_eos: j.constraint.is_none(),
+                ..SamplingParams::greedy(j.max_tokens)
+            },
+            priority: 0,
+            constraint: j.constraint.clone(),
+        })?;
+    }
+    let done = engine.run_until_idle(|_| {})?;
+    let seconds = started.elapsed().as_secs_f64();
+    let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+    let pass = Pass {
+        name,
+        requests: done.len(),
+        prompt_tokens: done.iter().map(|c| c.metrics.prompt_tokens).sum(),
+        cached_tokens: done.iter().map(|c| c.metrics.cached_tokens).sum(),
+        output_tokens: done.iter().map(|c| c.tokens.len()).sum(),
+        forced_tokens: done.iter().map(|c| c.metrics.forced_tokens).sum(),
+        seconds,
+        ttft_ms: done.iter().map(|c| ms(c.metrics.ttft)).collect(),
+        itl_ms: done.iter().flat_map(|c| c.metrics.itl.iter().map(|&d| ms(d))).collect(),
+        lengths: done.iter().map(|c| c.tokens.len()).collect(),
+    };
+    Ok((pass, engine.into_backend()))
+}
+
+fn report(args: &ThroughputArgs, device: &str, single_decode: f64, passes: &[Pass]) {
+    let concurrent = passes[0].output_tok_s();
+    let constrained_ratio = passes.get(1).map(|free| concurrent / free.output_tok_s());
+    if args.json {
+        println!(
+            "{}",
+            json!({"engine": "quarry", "device": device, "num_prompts": args.num_prompts,
+                "input_len": args.input_len, "output_len": args.output_len,
+                "single_decode_tok_s": single_decode,
+                "passes": passes.iter().map(Pass::to_json).collect::<Vec<_>>(),
+                "concurrent_over_single": concurrent / single_decode,
+                "constrained_over_unconstrained": constrained_ratio})
+        );
+        return;
+    }
+    println!(
+        "quarry bench throughput: {} requests, {} input tokens, {} output tokens, {device}",
+        args.num_prompts, args.input_len, args.output_len
+    );
+    println!("single-stream decode: {single_decode:.1} tok/s");
+    println!(
+        "{:<28}{:>9}{:>9}{:>9}{:>9}{:>9}{:>9}{:>10}{:>10}{:>10}{:>10}",
+        "pass", "prompt", "cached", "output", "forced", "s", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "ITL p50"
+    );
+    for p in passes {
+        let v = p.to_json();
+        println!(
+            "{:<28}{:>9}{:>9}{:>9}{:>9}{:>9.2}{:>9.2}{:>10.1}{:>10.0}{:>10.0}{:>10.1}",
+            p.name,
+            p.prompt_tokens,
+            p.cached_tokens,
+            p.output_tokens,
+            p.forced_tokens,
+            p.seconds,
+            v["requests_per_s"].as_f64().unwrap_or(0.0),
+            p.output_tok_s(),
+            v["ttft_ms_p50"].as_f64().unwrap_or(0.0),
+            v["ttft_ms_p99"].as_f64().unwrap_or(0.0),
+            v["itl_ms_p50"].as_f64().unwrap_or(0.0),
+        );
+    }
+    println!(
+        "concurrent output tok/s / single-stream decode: {:.2}",
+        concurrent / single_decode
+    );
+    if let Some(r) = constrained_ratio {
+        println!("constrained / unconstrained output tok/s: {r:.2}");
+    }
+}
