@@ -7,6 +7,7 @@ use candle_core::{Device, Module, Tensor};
 
 use super::pool::{parallel_for, SyncPtr};
 use super::q4_1::{self, BlockQ4_1x4, BlockQ8_1, QK};
+use super::q4_1_x16::{self, BlockQ4_1x16};
 use crate::runtime::error::{Result, RuntimeError};
 
 pub struct Linear {
@@ -17,7 +18,9 @@ pub struct Linear {
 }
 
 enum Weight {
-    /// Row quads interleaved (`q4_1::interleave4`).
+    /// 16-row groups for the AVX-512 kernel (`q4_1_x16::interleave16`).
+    Q4_1x16(Vec<BlockQ4_1x16>),
+    /// Row quads interleaved (`q4_1::interleave4`), where AVX-512 is missing.
     Q4_1(Vec<BlockQ4_1x4>),
     Candle(QMatMul),
     /// Different dtypes that could not be concatenated: run one after the other.
@@ -39,7 +42,11 @@ impl Linear {
         let weight = if t.dtype() == GgmlDType::Q4_1 && in_features % QK == 0 && out_features % 4 == 0 {
             let bytes = t.data().map_err(|e| bad(e.to_string()))?;
             let blocks = q4_1::blocks_from_bytes(&bytes).ok_or_else(|| bad("ragged Q4_1 data".into()))?;
-            Weight::Q4_1(q4_1::interleave4(&blocks, out_features, in_features / QK))
+            if out_features % 16 == 0 && q4_1_x16::available() {
+                Weight::Q4_1x16(q4_1_x16::interleave16(&blocks, out_features, in_features / QK))
+            } else {
+                Weight::Q4_1(q4_1::interleave4(&blocks, out_features, in_features / QK))
+            }
         } else {
             Weight::Candle(QMatMul::from_qtensor(t).map_err(|e| bad(e.to_string()))?)
         };
@@ -71,8 +78,17 @@ impl Linear {
         } else {
             None
         };
-        // Every part has a multiple of 4 rows, so its quads simply follow the previous part's.
-        let weight = if parts.iter().all(|p| matches!(p.weight, Weight::Q4_1(_))) {
+        // Every part has whole groups (quads) of rows, so its groups simply follow the
+        // previous part's.
+        let weight = if parts.iter().all(|p| matches!(p.weight, Weight::Q4_1x16(_))) {
+            let mut blocks = Vec::new();
+            for p in &parts {
+                if let Weight::Q4_1x16(b) = &p.weight {
+                    blocks.extend_from_slice(b);
+                }
+            }
+            Weight::Q4_1x16(blocks)
+        } else if parts.iter().all(|p| matches!(p.weight, Weight::Q4_1(_))) {
             let mut blocks = Vec::new();
             for p in &parts {
                 if let Weight::Q4_1(b) = &p.weight {
@@ -96,6 +112,7 @@ impl Linear {
         debug_assert_eq!(x.len(), m * self.in_features);
         debug_assert_eq!(out.len(), m * self.out_features);
         match &self.weight {
+            Weight::Q4_1x16(w) => self.forward_q4_1x16(w, x, m, out),
             Weight::Q4_1(w) => self.forward_q4_1(w, x, m, out),
             Weight::Candle(mm) => {
                 let xt = Tensor::from_slice(x, (m, self.in_features), &Device::Cpu)?;
@@ -121,6 +138,39 @@ impl Linear {
             }
         }
         Ok(())
+    }
+
+    fn forward_q4_1x16(&self, w: &[BlockQ4_1x16], x: &[f32], m: usize, out: &mut [f32]) {
+        let (n, kb) = (self.out_features, self.in_features / QK);
+        let mut xq = vec![BlockQ8_1::ZERO; m * kb];
+        for (xr, qr) in x.chunks_exact(self.in_features).zip(xq.chunks_exact_mut(kb)) {
+            q4_1::quantize_row_q8_1(xr, qr);
+        }
+        let sc = q4_1_x16::scales(&xq);
+        let dst = SyncPtr(out.as_mut_ptr());
+        const TILE: usize = q4_1_x16::TILE;
+        // Group-major: a group's weights (kb * 320 bytes) stay in L1 while every activation
+        // tile passes; the activations stay in L2.
+        parallel_for(n / 16, |groups| {
+            let mut res = [[0f32; 16]; TILE];
+            for g in groups {
+                let wg = &w[g * kb..(g + 1) * kb];
+                for r0 in (0..m).step_by(TILE) {
+                    let rows = TILE.min(m - r0);
+                    let mut xs: [&[BlockQ8_1]; TILE] = [&[]; TILE];
+                    let mut ss: [&[[f32; 2]]; TILE] = [&[]; TILE];
+                    for i in 0..rows {
+                        xs[i] = &xq[(r0 + i) * kb..(r0 + i + 1) * kb];
+                        ss[i] = &sc[(r0 + i) * kb..(r0 + i + 1) * kb];
+                    }
+                    q4_1_x16::group_dot(wg, &xs[..rows], &ss[..rows], &mut res[..rows]);
+                    for (i, r) in res.iter().take(rows).enumerate() {
+                        // SAFETY: each (row, group) is written by exactly one work item.
+                        unsafe { std::ptr::copy_nonoverlapping(r.as_ptr(), dst.at((r0 + i) * n + g * 16), 16) };
+                    }
+                }
+            }
+        });
     }
 
     fn forward_q4_1(&self, w: &[BlockQ4_1x4], x: &[f32], m: usize, out: &mut [f32]) {

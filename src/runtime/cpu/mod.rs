@@ -7,6 +7,7 @@ mod linear;
 mod ops;
 mod pool;
 pub mod q4_1;
+pub mod q4_1_x16;
 mod weights;
 
 use std::path::Path;

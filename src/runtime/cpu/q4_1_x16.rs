@@ -1,0 +1,205 @@
+//! Q4_1 weights regrouped 16 rows at a time for AVX-512 VNNI, the kernel that carries prefill
+//! and batched decode. One 64-byte vector holds four consecutive weights of each of the 16
+//! rows, so one `vpdpbusd` with four activation bytes broadcast does 16 x 4 multiply-adds, and
+//! every unpacked weight vector is reused by up to `TILE` activation rows. The per-block float
+//! work (scale, offset) is then two FMAs per 512 multiply-adds instead of one per 32, as in
+//! the row-quad kernel (`q4_1`), which stays as the fallback for CPUs without AVX-512.
+//!
+//! Each output is computed by the same operations in the same order whatever the number of
+//! activation rows in the call, so a request's logits do not depend on what it is batched with.
+
+use half::f16;
+
+use super::q4_1::{BlockQ4_1, BlockQ8_1};
+
+/// One block (32 weights) of 16 consecutive rows. `qs[p]` byte `4 * r + j` holds row `r`'s
+/// weight `4 * p + j` in its low nibble and weight `4 * p + j + 16` in its high nibble.
+#[derive(Clone, Copy, Debug)]
+#[repr(C, align(64))]
+pub struct BlockQ4_1x16 {
+    pub qs: [[u8; 64]; 4],
+    pub d: [f16; 16],
+    pub m: [f16; 16],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ4_1x16>() == 320);
+
+/// Activation rows per kernel call.
+pub const TILE: usize = 8;
+
+/// Whether this CPU runs the kernel.
+pub fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vnni")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Regroups row-major blocks (`rows * kb`) into 16-row groups: group `g`, block `b` at
+/// `g * kb + b`.
+pub fn interleave16(blocks: &[BlockQ4_1], rows: usize, kb: usize) -> Vec<BlockQ4_1x16> {
+    debug_assert_eq!(rows % 16, 0);
+    let mut out = Vec::with_capacity(rows / 16 * kb);
+    for g in 0..rows / 16 {
+        for b in 0..kb {
+            let mut x = BlockQ4_1x16 {
+                qs: [[0; 64]; 4],
+                d: [f16::ZERO; 16],
+                m: [f16::ZERO; 16],
+            };
+            for r in 0..16 {
+                let src = &blocks[(16 * g + r) * kb + b];
+                x.d[r] = src.d;
+                x.m[r] = src.m;
+                // Source byte j: weight j (low nibble), weight j + 16 (high nibble).
+                for (p, qs) in x.qs.iter_mut().enumerate() {
+                    qs[4 * r..4 * r + 4].copy_from_slice(&src.qs[4 * p..4 * p + 4]);
+                }
+            }
+            out.push(x);
+        }
+    }
+    out
+}
+
+/// The activation scales of a row, as f32: `d` and `s` of every block.
+pub fn scales(x: &[BlockQ8_1]) -> Vec<[f32; 2]> {
+    x.iter().map(|b| [b.d.to_f32(), b.s.to_f32()]).collect()
+}
+
+/// `out[i][r]` = activation row `i` times weight row `r` of the group `w` (its `kb` blocks),
+/// for up to `TILE` rows.
+pub fn group_dot(w: &[BlockQ4_1x16], xs: &[&[BlockQ8_1]], sc: &[&[[f32; 2]]], out: &mut [[f32; 16]]) {
+    debug_assert!(xs.len() <= TILE && xs.len() == sc.len() && xs.len() <= out.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: `Linear` builds this layout only after `available()` said yes.
+        unsafe {
+            match xs.len() {
+                8 => x86::group_dot::<8>(w, xs, sc, out),
+                4..=7 => {
+                    x86::group_dot::<4>(w, &xs[..4], &sc[..4], &mut out[..4]);
+                    group_dot(w, &xs[4..], &sc[4..], &mut out[4..]);
+                }
+                2 | 3 => {
+                    x86::group_dot::<2>(w, &xs[..2], &sc[..2], &mut out[..2]);
+                    group_dot(w, &xs[2..], &sc[2..], &mut out[2..]);
+                }
+                1 => x86::group_dot::<1>(w, xs, sc, out),
+                _ => {}
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("BlockQ4_1x16 weights exist only where the kernel runs");
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{BlockQ4_1x16, BlockQ8_1};
+    use std::arch::x86_64::*;
+
+    // Indexing by row keeps the accumulators of one row visibly in step.
+    #[allow(clippy::needless_range_loop)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
+    pub unsafe fn group_dot<const R: usize>(
+        w: &[BlockQ4_1x16],
+        xs: &[&[BlockQ8_1]],
+        sc: &[&[[f32; 2]]],
+        out: &mut [[f32; 16]],
+    ) {
+        let mask = _mm512_set1_epi8(0x0f);
+        let mut acc = [_mm512_setzero_ps(); R];
+        for (b, wb) in w.iter().enumerate() {
+            let d = _mm512_cvtph_ps(_mm256_load_si256(wb.d.as_ptr() as *const __m256i));
+            let m = _mm512_cvtph_ps(_mm256_load_si256(wb.m.as_ptr() as *const __m256i));
+            let mut isum = [_mm512_setzero_si512(); R];
+            for p in 0..4 {
+                let packed = _mm512_load_si512(wb.qs[p].as_ptr() as *const _);
+                let lo = _mm512_and_si512(packed, mask);
+                let hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask);
+                for i in 0..R {
+                    let x = xs.get_unchecked(i).get_unchecked(b).qs.as_ptr();
+                    let x_lo = _mm512_set1_epi32((x.add(4 * p) as *const i32).read_unaligned());
+                    let x_hi = _mm512_set1_epi32((x.add(4 * p + 16) as *const i32).read_unaligned());
+                    isum[i] = _mm512_dpbusd_epi32(isum[i], lo, x_lo);
+                    isum[i] = _mm512_dpbusd_epi32(isum[i], hi, x_hi);
+                }
+            }
+            for i in 0..R {
+                let [xd, xsum] = *sc.get_unchecked(i).get_unchecked(b);
+                let scale = _mm512_mul_ps(d, _mm512_set1_ps(xd));
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), scale, acc[i]);
+                acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum), acc[i]);
+            }
+        }
+        for i in 0..R {
+            _mm512_storeu_ps(out[i].as_mut_ptr(), acc[i]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::cpu::q4_1::{quantize_row_q8_1, vec_dot_scalar, QK};
+
+    #[test]
+    fn tiles_match_the_scalar_dot_product_for_any_row_count() {
+        if !available() {
+            eprintln!("skipping: no AVX-512 VNNI here");
+            return;
+        }
+        let (rows, k) = (32, 256);
+        let kb = k / QK;
+        let mut seed = 11u64;
+        let mut next = || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 33) as u32
+        };
+        let blocks: Vec<BlockQ4_1> = (0..rows * kb)
+            .map(|_| BlockQ4_1 {
+                d: f16::from_f32((next() % 1000) as f32 / 1e4),
+                m: f16::from_f32((next() % 1000) as f32 / 1e4 - 0.05),
+                qs: std::array::from_fn(|_| next() as u8),
+            })
+            .collect();
+        let w = interleave16(&blocks, rows, kb);
+        let acts: Vec<Vec<BlockQ8_1>> = (0..TILE + 3)
+            .map(|_| {
+                let x: Vec<f32> = (0..k).map(|_| (next() % 2000) as f32 / 500.0 - 2.0).collect();
+                let mut q = vec![BlockQ8_1::ZERO; kb];
+                quantize_row_q8_1(&x, &mut q);
+                q
+            })
+            .collect();
+        let scs: Vec<Vec<[f32; 2]>> = acts.iter().map(|a| scales(a)).collect();
+        let alone: Vec<[f32; 16]> = (0..acts.len())
+            .map(|i| {
+                let mut o = [[0f32; 16]; 1];
+                group_dot(&w[kb..2 * kb], &[&acts[i]], &[&scs[i]], &mut o);
+                o[0]
+            })
+            .collect();
+        for n in 1..=TILE {
+            let xs: Vec<&[BlockQ8_1]> = acts[3..3 + n].iter().map(|a| a.as_slice()).collect();
+            let sc: Vec<&[[f32; 2]]> = scs[3..3 + n].iter().map(|s| s.as_slice()).collect();
+            let mut out = vec![[0f32; 16]; n];
+            group_dot(&w[kb..2 * kb], &xs, &sc, &mut out);
+            for i in 0..n {
+                assert_eq!(out[i], alone[3 + i], "row {i} of {n}: bitwise the same as alone");
+            }
+        }
+        for (i, a) in acts.iter().enumerate() {
+            for r in 0..16 {
+                let row = &blocks[(16 + r) * kb..(17 + r) * kb];
+                let want = vec_dot_scalar(row, a);
+                let got = alone[i][r];
+                assert!((got - want).abs() <= 1e-3 * want.abs().max(1.0), "{got} vs {want}");
+            }
+        }
+    }
+}
