@@ -87,6 +87,13 @@ impl ModelConfig {
                 self.num_heads, self.num_kv_heads
             ));
         }
+        if self.num_heads / self.num_kv_heads > crate::runtime::cpu::MAX_HEAD_GROUP {
+            return bad(format!(
+                "{} query heads per kv head: at most {} are supported",
+                self.num_heads / self.num_kv_heads,
+                crate::runtime::cpu::MAX_HEAD_GROUP
+            ));
+        }
         if !self.head_dim.is_multiple_of(2) {
             return bad(format!("odd head dimension {}", self.head_dim));
         }

@@ -16,7 +16,9 @@ pub struct AttentionInput<'a> {
     /// Rotated queries of every token: row `t` starts at `t * q_stride`.
     pub q: &'a [f32],
     pub q_stride: usize,
+    /// Keys, transposed within each block (see `KvCache`).
     pub k_pool: &'a [f32],
+    /// Values, one slot after another.
     pub v_pool: &'a [f32],
     /// Per sequence, the KV slot of every position of its context.
     pub seq_slots: &'a [Vec<u32>],
@@ -38,46 +40,193 @@ pub fn paged_attention(shape: &AttentionShape, input: &AttentionInput, out: &mut
     let scale = 1.0 / (hd as f32).sqrt();
     let dst = SyncPtr(out.as_mut_ptr());
     let tokens = input.token_seq.len();
-    // One item per (token, query head): a decode step still has enough items for every thread.
-    parallel_for(tokens * shape.num_heads, |items| {
+    let kernels = Kernels::pick(hd);
+    // One item per (token, kv head): the query heads that share a kv head read each key and
+    // value once between them.
+    parallel_for(tokens * kvh, |items| {
         SCORES.with(|cell| {
             let mut scores = cell.borrow_mut();
             for item in items {
-                let (t, h) = (item / shape.num_heads, item % shape.num_heads);
-                let g = h / group;
+                let (t, g) = (item / kvh, item % kvh);
                 let ctx = input.positions[t] as usize + 1;
                 let slots = &input.seq_slots[input.token_seq[t] as usize][..ctx];
-                let q = &input.q[t * input.q_stride + h * hd..][..hd];
                 scores.clear();
-                scores.extend(
-                    slots
-                        .iter()
-                        .map(|&slot| dot(q, &input.k_pool[slot as usize * slot_width + g * hd..][..hd]) * scale),
-                );
-                softmax(&mut scores);
-                // SAFETY: (token, head) output rows are disjoint across work items.
-                let o = unsafe { std::slice::from_raw_parts_mut(dst.at(t * out_width + h * hd), hd) };
-                o.fill(0.0);
-                for (&p, &slot) in scores.iter().zip(slots) {
-                    axpy(p, &input.v_pool[slot as usize * slot_width + g * hd..][..hd], o);
+                scores.resize(group * ctx, 0.0);
+                let q_of = |j: usize| &input.q[t * input.q_stride + (g * group + j) * hd..][..hd];
+                let mut heads: [&[f32]; MAX_GROUP] = [&[]; MAX_GROUP];
+                for (j, h) in heads.iter_mut().enumerate().take(group) {
+                    *h = q_of(j);
+                }
+                let (heads, mut lanes) = (&heads[..group], [[0f32; BLOCK]; MAX_GROUP]);
+                let lanes = &mut lanes[..group];
+                for (b, first) in slots.iter().step_by(BLOCK).enumerate() {
+                    let block = *first as usize / BLOCK;
+                    let kt = &input.k_pool[(block * slot_width + g * hd) * BLOCK..][..hd * BLOCK];
+                    let valid = (ctx - b * BLOCK).min(BLOCK);
+                    kernels.qk(heads, kt, lanes);
+                    for (j, l) in lanes.iter().enumerate() {
+                        for (s, l) in scores[j * ctx + b * BLOCK..][..valid].iter_mut().zip(l) {
+                            *s = l * scale;
+                        }
+                    }
+                }
+                for j in 0..group {
+                    let p = &mut scores[j * ctx..(j + 1) * ctx];
+                    softmax(p);
+                    // SAFETY: (token, head) output rows are disjoint across work items.
+                    let o = unsafe { std::slice::from_raw_parts_mut(dst.at(t * out_width + (g * group + j) * hd), hd) };
+                    kernels.pv(p, slots, input.v_pool, slot_width, g * hd, o);
                 }
             }
         })
     });
 }
 
-/// Eight independent accumulators so the compiler vectorizes the reduction.
-#[inline]
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y).sum();
-    for (x, y) in ac.zip(bc) {
-        for i in 0..8 {
-            acc[i] = x[i].mul_add(y[i], acc[i]);
+/// The two inner loops of attention: scores of a block's keys, and the weighted sum of values.
+/// Each computes every output with the same operations in the same order, whatever else is in
+/// the batch.
+#[derive(Clone, Copy)]
+struct Kernels {
+    avx512: bool,
+}
+
+impl Kernels {
+    fn pick(head_dim: usize) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        let avx512 = is_x86_feature_detected!("avx512f") && matches!(head_dim, 64 | 128);
+        #[cfg(not(target_arch = "x86_64"))]
+        let avx512 = false;
+        Kernels { avx512 }
+    }
+
+    /// `out[j]` = each query `qs[j]` dotted with the block's 16 keys (`kt`: `head_dim` rows of
+    /// `BLOCK` lanes).
+    fn qk(self, qs: &[&[f32]], kt: &[f32], out: &mut [[f32; BLOCK]]) {
+        #[cfg(target_arch = "x86_64")]
+        if self.avx512 {
+            // Up to four heads share each loaded key row.
+            for (q, o) in qs.chunks(4).zip(out.chunks_mut(4)) {
+                // SAFETY: `pick` checked the CPU.
+                unsafe {
+                    match q.len() {
+                        1 => avx512::qk::<1>(q, kt, o),
+                        2 => avx512::qk::<2>(q, kt, o),
+                        3 => avx512::qk::<3>(q, kt, o),
+                        _ => avx512::qk::<4>(q, kt, o),
+                    }
+                }
+            }
+            return;
+        }
+        for (q, o) in qs.iter().zip(out) {
+            *o = block_scores(q, kt);
         }
     }
-    acc.iter().sum::<f32>() + tail
+
+    /// `out` = sum over the context of `p[s]` times the value row of `slots[s]` (its
+    /// `head_dim` floats from `offset` in a slot of `stride` floats).
+    fn pv(self, p: &[f32], slots: &[u32], v_pool: &[f32], stride: usize, offset: usize, out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if self.avx512 {
+            // SAFETY: `pick` checked the CPU and the head size; slots index the pool.
+            unsafe {
+                match out.len() {
+                    64 => avx512::pv::<4>(p, slots, v_pool, stride, offset, out),
+                    _ => avx512::pv::<8>(p, slots, v_pool, stride, offset, out),
+                }
+            }
+            return;
+        }
+        out.fill(0.0);
+        for (&w, &slot) in p.iter().zip(slots) {
+            axpy(w, &v_pool[slot as usize * stride + offset..][..out.len()], out);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::BLOCK;
+    use std::arch::x86_64::*;
+
+    /// Two accumulators per head (even and odd channels) keep enough FMAs in flight.
+    #[allow(clippy::needless_range_loop)]
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn qk<const G: usize>(qs: &[&[f32]], kt: &[f32], out: &mut [[f32; BLOCK]]) {
+        let hd = qs[0].len();
+        debug_assert!(kt.len() >= hd * BLOCK && hd.is_multiple_of(2));
+        let (mut even, mut odd) = ([_mm512_setzero_ps(); G], [_mm512_setzero_ps(); G]);
+        for d in (0..hd).step_by(2) {
+            let k0 = _mm512_loadu_ps(kt.as_ptr().add(d * BLOCK));
+            let k1 = _mm512_loadu_ps(kt.as_ptr().add((d + 1) * BLOCK));
+            for j in 0..G {
+                let q = qs.get_unchecked(j).as_ptr();
+                even[j] = _mm512_fmadd_ps(_mm512_set1_ps(*q.add(d)), k0, even[j]);
+                odd[j] = _mm512_fmadd_ps(_mm512_set1_ps(*q.add(d + 1)), k1, odd[j]);
+            }
+        }
+        for j in 0..G {
+            _mm512_storeu_ps(out[j].as_mut_ptr(), _mm512_add_ps(even[j], odd[j]));
+        }
+    }
+
+    /// `C` vectors of 16 per head; even and odd positions accumulate apart.
+    #[allow(clippy::needless_range_loop)]
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn pv<const C: usize>(
+        p: &[f32],
+        slots: &[u32],
+        v_pool: &[f32],
+        stride: usize,
+        offset: usize,
+        out: &mut [f32],
+    ) {
+        debug_assert_eq!(out.len(), C * 16);
+        let (mut a, mut b) = ([_mm512_setzero_ps(); C], [_mm512_setzero_ps(); C]);
+        let row = |s: usize| v_pool.as_ptr().add(*slots.get_unchecked(s) as usize * stride + offset);
+        let n = p.len();
+        let mut s = 0;
+        while s + 1 < n {
+            let (v0, v1) = (row(s), row(s + 1));
+            let (p0, p1) = (
+                _mm512_set1_ps(*p.get_unchecked(s)),
+                _mm512_set1_ps(*p.get_unchecked(s + 1)),
+            );
+            for c in 0..C {
+                a[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0.add(16 * c)), a[c]);
+                b[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1.add(16 * c)), b[c]);
+            }
+            s += 2;
+        }
+        if s < n {
+            let (v0, p0) = (row(s), _mm512_set1_ps(*p.get_unchecked(s)));
+            for c in 0..C {
+                a[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0.add(16 * c)), a[c]);
+            }
+        }
+        for c in 0..C {
+            _mm512_storeu_ps(out.as_mut_ptr().add(16 * c), _mm512_add_ps(a[c], b[c]));
+        }
+    }
+}
+
+/// Most query heads per kv head (Qwen2.5-7B has 7, Llama-3-8B 4).
+pub const MAX_GROUP: usize = 16;
+
+/// Tokens per KV block: the keys of one block and one kv head are `head_dim` rows of `BLOCK`
+/// lanes, so one query meets the whole block in `head_dim` vector FMAs, with no horizontal sums.
+pub const BLOCK: usize = 16;
+
+/// `q` dotted with each of the block's keys (`kt`: `q.len()` rows of `BLOCK`).
+#[inline]
+fn block_scores(q: &[f32], kt: &[f32]) -> [f32; BLOCK] {
+    let mut acc = [0f32; BLOCK];
+    for (&qd, row) in q.iter().zip(kt.chunks_exact(BLOCK)) {
+        for (a, &k) in acc.iter_mut().zip(row) {
+            *a = qd.mul_add(k, *a);
+        }
+    }
+    acc
 }
 
 #[inline]

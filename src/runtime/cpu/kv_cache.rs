@@ -1,6 +1,7 @@
 //! The paged KV cache in host memory: per layer, one K and one V pool of `num_blocks *
-//! block_size` slots, each slot holding every kv head of one token. Which block belongs to whom
-//! is the block allocator's business; this only stores and reads slots.
+//! block_size` slots, each slot holding every kv head of one token (keys transposed within
+//! their block). Which block belongs to whom is the block allocator's business; this only
+//! stores and reads slots.
 
 use crate::runtime::batch::KvLayout;
 
@@ -36,10 +37,16 @@ impl KvCache {
         self.layout
     }
 
-    /// Stores one token's K and V (already rotated) in `slot`.
+    /// Stores one token's K and V (already rotated) in `slot`. Keys are transposed within
+    /// their block (channel-major, one lane per slot), which is how attention reads them.
     pub fn write(&mut self, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
+        let bs = self.layout.block_size;
+        let (block, lane) = (slot / bs, slot % bs);
+        let kt = &mut self.k[layer][block * self.slot_width * bs..][..self.slot_width * bs];
+        for (c, &x) in k.iter().enumerate() {
+            kt[c * bs + lane] = x;
+        }
         let at = slot * self.slot_width;
-        self.k[layer][at..at + self.slot_width].copy_from_slice(k);
         self.v[layer][at..at + self.slot_width].copy_from_slice(v);
     }
 

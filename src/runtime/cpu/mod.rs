@@ -12,6 +12,7 @@ mod weights;
 
 use std::path::Path;
 
+pub use attention::MAX_GROUP as MAX_HEAD_GROUP;
 use attention::{paged_attention, AttentionInput, AttentionShape};
 use kv_cache::KvCache;
 use ops::Rope;
@@ -28,7 +29,6 @@ pub struct CpuOptions {
     pub kv_cache_tokens: usize,
     /// KV cache capacity in bytes of host memory; overrides `kv_cache_tokens` when set.
     pub kv_cache_bytes: Option<u64>,
-    pub block_size: usize,
 }
 
 impl Default for CpuOptions {
@@ -36,7 +36,6 @@ impl Default for CpuOptions {
         CpuOptions {
             kv_cache_tokens: 16 * 1024,
             kv_cache_bytes: None,
-            block_size: 16,
         }
     }
 }
@@ -59,7 +58,8 @@ impl CpuBackend {
             config.context_length,
             config.rope_style,
         );
-        let block_size = options.block_size.max(1);
+        // The attention kernel works on whole blocks of this size.
+        let block_size = attention::BLOCK;
         let layout = KvLayout {
             num_blocks: options
                 .kv_cache_bytes
