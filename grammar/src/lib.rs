@@ -13,6 +13,7 @@
 //! - `bitmask`: the mask layout shared with the runtime.
 
 pub mod bitmask;
+mod cache;
 pub mod cfg;
 mod dedup;
 pub mod dfa;

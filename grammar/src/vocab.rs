@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use crate::cache::GenerationalCache;
 use crate::dfa::{ByteDfa, DfaLimits};
 use crate::error::GrammarError;
 use crate::trie::TokTrie;
@@ -11,7 +12,7 @@ use crate::trie::TokTrie;
 pub type TokenId = u32;
 
 /// Token masks by (lexeme regex, DFA state).
-type MaskCache = HashMap<(String, u32), Arc<[u32]>>;
+type MaskCache = GenerationalCache<(String, u32), Arc<[u32]>>;
 
 pub struct TokenVocab {
     bytes: Vec<Vec<u8>>,
@@ -28,18 +29,13 @@ pub struct TokenVocab {
     dfas: Mutex<DfaCache>,
 }
 
-#[derive(Default)]
-struct DfaCache {
-    by_regex: HashMap<String, Arc<ByteDfa>>,
-    bytes: usize,
-}
+type DfaCache = GenerationalCache<String, Arc<ByteDfa>>;
 
-/// Past this many bytes of cached DFAs the cache starts over, so a stream of one-off patterns
-/// cannot grow it without bound.
+/// Bytes of cached DFAs, so a stream of one-off patterns cannot grow the cache without bound.
 const MAX_CACHED_DFA_BYTES: usize = 256 << 20;
 
-/// Past this many bytes of cached lexeme masks that cache starts over too (a grammar keeps the
-/// masks it already holds). A mask of Qwen's 151k vocabulary is 19 KB, so this is ~13k masks.
+/// Bytes of cached lexeme masks (a grammar keeps the masks it already holds). A mask of
+/// Qwen's 151k vocabulary is 19 KB, so this is ~13k masks.
 const MAX_CACHED_MASK_BYTES: usize = 256 << 20;
 
 impl TokenVocab {
@@ -61,8 +57,8 @@ impl TokenVocab {
             eos,
             trie,
             with_byte: Mutex::new(HashMap::new()),
-            lexeme_masks: Mutex::new(HashMap::new()),
-            dfas: Mutex::new(DfaCache::default()),
+            lexeme_masks: Mutex::new(GenerationalCache::new(MAX_CACHED_MASK_BYTES)),
+            dfas: Mutex::new(GenerationalCache::new(MAX_CACHED_DFA_BYTES)),
         })
     }
 
@@ -115,34 +111,29 @@ impl TokenVocab {
     pub fn lexeme_mask(&self, regex: &str, state: u32, compute: impl FnOnce() -> Box<[u32]>) -> Arc<[u32]> {
         let key = (regex.to_string(), state);
         if let Some(m) = self.lexeme_masks.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
-            return m.clone();
+            return m;
         }
         // Computed outside the lock: other threads' masks need not wait for this walk.
         let mask: Arc<[u32]> = compute().into();
-        let mut cache = self.lexeme_masks.lock().unwrap_or_else(|e| e.into_inner());
-        if (cache.len() + 1) * std::mem::size_of_val(&*mask) > MAX_CACHED_MASK_BYTES {
-            cache.clear();
-        }
-        cache.entry(key).or_insert(mask).clone()
+        let bytes = std::mem::size_of_val(&*mask) + regex.len();
+        self.lexeme_masks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key, mask, bytes)
     }
 
     /// The DFA of `regex`, built on first use.
     pub fn dfa(&self, regex: &str) -> Result<Arc<ByteDfa>, GrammarError> {
-        if let Some(d) = self.dfas.lock().unwrap_or_else(|e| e.into_inner()).by_regex.get(regex) {
-            return Ok(d.clone());
+        if let Some(d) = self.dfas.lock().unwrap_or_else(|e| e.into_inner()).get(regex) {
+            return Ok(d);
         }
         let dfa = Arc::new(ByteDfa::from_regex(regex, DfaLimits::default())?);
-        let mut cache = self.dfas.lock().unwrap_or_else(|e| e.into_inner());
-        let size = dfa.heap_bytes() + regex.len();
-        if cache.bytes + size > MAX_CACHED_DFA_BYTES {
-            *cache = DfaCache::default();
-        }
-        if let Some(d) = cache.by_regex.get(regex) {
-            return Ok(d.clone());
-        }
-        cache.bytes += size;
-        cache.by_regex.insert(regex.to_string(), dfa.clone());
-        Ok(dfa)
+        let bytes = dfa.heap_bytes() + regex.len();
+        Ok(self
+            .dfas
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(regex.to_string(), dfa, bytes))
     }
 
     /// The trie of the tokens containing `byte` (say, a quote: the only way out of a string).

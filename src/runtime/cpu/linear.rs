@@ -8,6 +8,7 @@ use candle_core::{Device, Module, Tensor};
 use super::pool::{parallel_for, SyncPtr};
 use super::q4_1::{self, BlockQ4_1x4, BlockQ8_1, QK};
 use super::q4_1_x16::{self, BlockQ4_1x16};
+use super::q8_0_x16::{self, BlockQ8_0x16};
 use crate::runtime::error::{Result, RuntimeError};
 
 pub struct Linear {
@@ -20,6 +21,8 @@ pub struct Linear {
 enum Weight {
     /// 16-row groups for the AVX-512 kernel (`q4_1_x16::interleave16`).
     Q4_1x16(Vec<BlockQ4_1x16>),
+    /// 16-row groups for the AVX-512 kernel (`q8_0_x16::interleave16`).
+    Q8_0x16(Vec<BlockQ8_0x16>),
     /// Row quads interleaved (`q4_1::interleave4`), where AVX-512 is missing.
     Q4_1(Vec<BlockQ4_1x4>),
     Candle(QMatMul),
@@ -47,6 +50,15 @@ impl Linear {
             } else {
                 Weight::Q4_1(q4_1::interleave4(&blocks, out_features, in_features / QK))
             }
+        } else if t.dtype() == GgmlDType::Q8_0
+            && in_features % QK == 0
+            && out_features % 16 == 0
+            && q8_0_x16::available()
+        {
+            let bytes = t.data().map_err(|e| bad(e.to_string()))?;
+            let groups = q8_0_x16::interleave16(&bytes, out_features, in_features / QK)
+                .ok_or_else(|| bad("ragged Q8_0 data".into()))?;
+            Weight::Q8_0x16(groups)
         } else {
             Weight::Candle(QMatMul::from_qtensor(t).map_err(|e| bad(e.to_string()))?)
         };
@@ -113,6 +125,7 @@ impl Linear {
         debug_assert_eq!(out.len(), m * self.out_features);
         match &self.weight {
             Weight::Q4_1x16(w) => self.forward_q4_1x16(w, x, m, out),
+            Weight::Q8_0x16(w) => self.forward_q8_0x16(w, x, m, out),
             Weight::Q4_1(w) => self.forward_q4_1(w, x, m, out),
             Weight::Candle(mm) => {
                 let xt = Tensor::from_slice(x, (m, self.in_features), &Device::Cpu)?;
@@ -140,30 +153,53 @@ impl Linear {
         Ok(())
     }
 
-    fn forward_q4_1x16(&self, w: &[BlockQ4_1x16], x: &[f32], m: usize, out: &mut [f32]) {
-        let (n, kb) = (self.out_features, self.in_features / QK);
+    /// Activations quantized once per call (Q8_1, as llama.cpp does).
+    fn quantize(&self, x: &[f32], m: usize) -> Vec<BlockQ8_1> {
+        let kb = self.in_features / QK;
         let mut xq = vec![BlockQ8_1::ZERO; m * kb];
         for (xr, qr) in x.chunks_exact(self.in_features).zip(xq.chunks_exact_mut(kb)) {
             q4_1::quantize_row_q8_1(xr, qr);
         }
+        xq
+    }
+
+    fn forward_q4_1x16(&self, w: &[BlockQ4_1x16], x: &[f32], m: usize, out: &mut [f32]) {
+        let kb = self.in_features / QK;
+        let xq = self.quantize(x, m);
         let sc = q4_1_x16::scales(&xq);
-        let dst = SyncPtr(out.as_mut_ptr());
+        self.tiled(m, out, |g, rows, res| {
+            let n = rows.len();
+            let xs = tile_rows(&xq, kb, rows.clone());
+            let ss = tile_rows(&sc, kb, rows);
+            q4_1_x16::group_dot(&w[g * kb..(g + 1) * kb], &xs[..n], &ss[..n], res);
+        });
+    }
+
+    fn forward_q8_0x16(&self, w: &[BlockQ8_0x16], x: &[f32], m: usize, out: &mut [f32]) {
+        let kb = self.in_features / QK;
+        let xq = self.quantize(x, m);
+        let (sh, sc) = (q8_0_x16::shifted(&xq), q8_0_x16::scales(&xq));
+        self.tiled(m, out, |g, rows, res| {
+            let n = rows.len();
+            let xs = tile_rows(&sh, kb, rows.clone());
+            let ss = tile_rows(&sc, kb, rows);
+            q8_0_x16::group_dot(&w[g * kb..(g + 1) * kb], &xs[..n], &ss[..n], res);
+        });
+    }
+
+    /// Runs `dot(group, activation rows, results)` over every 16-row weight group and every
+    /// tile of activation rows, group-major: a group's weights stay in L1 while every tile
+    /// passes; the activations stay in L2.
+    fn tiled(&self, m: usize, out: &mut [f32], dot: impl Fn(usize, std::ops::Range<usize>, &mut [[f32; 16]]) + Sync) {
         const TILE: usize = q4_1_x16::TILE;
-        // Group-major: a group's weights (kb * 320 bytes) stay in L1 while every activation
-        // tile passes; the activations stay in L2.
+        let n = self.out_features;
+        let dst = SyncPtr(out.as_mut_ptr());
         parallel_for(n / 16, |groups| {
             let mut res = [[0f32; 16]; TILE];
             for g in groups {
-                let wg = &w[g * kb..(g + 1) * kb];
                 for r0 in (0..m).step_by(TILE) {
                     let rows = TILE.min(m - r0);
-                    let mut xs: [&[BlockQ8_1]; TILE] = [&[]; TILE];
-                    let mut ss: [&[[f32; 2]]; TILE] = [&[]; TILE];
-                    for i in 0..rows {
-                        xs[i] = &xq[(r0 + i) * kb..(r0 + i + 1) * kb];
-                        ss[i] = &sc[(r0 + i) * kb..(r0 + i + 1) * kb];
-                    }
-                    q4_1_x16::group_dot(wg, &xs[..rows], &ss[..rows], &mut res[..rows]);
+                    dot(g, r0..r0 + rows, &mut res[..rows]);
                     for (i, r) in res.iter().take(rows).enumerate() {
                         // SAFETY: each (row, group) is written by exactly one work item.
                         unsafe { std::ptr::copy_nonoverlapping(r.as_ptr(), dst.at((r0 + i) * n + g * 16), 16) };
@@ -175,10 +211,7 @@ impl Linear {
 
     fn forward_q4_1(&self, w: &[BlockQ4_1x4], x: &[f32], m: usize, out: &mut [f32]) {
         let (n, kb) = (self.out_features, self.in_features / QK);
-        let mut xq = vec![BlockQ8_1::ZERO; m * kb];
-        for (xr, qr) in x.chunks_exact(self.in_features).zip(xq.chunks_exact_mut(kb)) {
-            q4_1::quantize_row_q8_1(xr, qr);
-        }
+        let xq = self.quantize(x, m);
         let kernel = q4_1::quad_kernel();
         let dst = SyncPtr(out.as_mut_ptr());
         // Quad-major: each weight quad streams in once and meets every activation row while it
@@ -202,4 +235,13 @@ impl Linear {
             }
         });
     }
+}
+
+/// The rows `rows` (at most a tile) of per-row data laid out `kb` entries per row.
+fn tile_rows<T>(data: &[T], kb: usize, rows: std::ops::Range<usize>) -> [&[T]; q4_1_x16::TILE] {
+    let mut out: [&[T]; q4_1_x16::TILE] = [&[]; q4_1_x16::TILE];
+    for (slot, r) in out.iter_mut().zip(rows) {
+        *slot = &data[r * kb..(r + 1) * kb];
+    }
+    out
 }

@@ -8,6 +8,7 @@ mod ops;
 mod pool;
 pub mod q4_1;
 pub mod q4_1_x16;
+pub mod q8_0_x16;
 mod weights;
 
 use std::path::Path;
