@@ -70,13 +70,13 @@ pub fn paged_attention(shape: &AttentionShape, input: &AttentionInput, out: &mut
                         }
                     }
                 }
-                for j in 0..group {
-                    let p = &mut scores[j * ctx..(j + 1) * ctx];
-                    softmax(p);
-                    // SAFETY: (token, head) output rows are disjoint across work items.
-                    let o = unsafe { std::slice::from_raw_parts_mut(dst.at(t * out_width + (g * group + j) * hd), hd) };
-                    kernels.pv(p, slots, input.v_pool, slot_width, g * hd, o);
+                for p in scores.chunks_exact_mut(ctx) {
+                    kernels.softmax(p);
                 }
+                // SAFETY: (token, head) output rows are disjoint across work items, and the
+                // group's heads are consecutive.
+                let o = unsafe { std::slice::from_raw_parts_mut(dst.at(t * out_width + g * group * hd), group * hd) };
+                kernels.pv(&scores, ctx, slots, input.v_pool, slot_width, g * hd, o);
             }
         })
     });
@@ -123,24 +123,45 @@ impl Kernels {
         }
     }
 
-    /// `out` = sum over the context of `p[s]` times the value row of `slots[s]` (its
-    /// `head_dim` floats from `offset` in a slot of `stride` floats).
-    fn pv(self, p: &[f32], slots: &[u32], v_pool: &[f32], stride: usize, offset: usize, out: &mut [f32]) {
+    /// For each head `j` of the group, `out[j * head_dim..]` = sum over the context of
+    /// `p[j * ctx + s]` times the value row of `slots[s]` (its `head_dim` floats from `offset`
+    /// in a slot of `stride` floats).
+    #[allow(clippy::too_many_arguments)]
+    fn pv(self, p: &[f32], ctx: usize, slots: &[u32], v_pool: &[f32], stride: usize, offset: usize, out: &mut [f32]) {
+        let hd = out.len() / (p.len() / ctx);
         #[cfg(target_arch = "x86_64")]
         if self.avx512 {
-            // SAFETY: `pick` checked the CPU and the head size; slots index the pool.
-            unsafe {
-                match out.len() {
-                    64 => avx512::pv::<4>(p, slots, v_pool, stride, offset, out),
-                    _ => avx512::pv::<8>(p, slots, v_pool, stride, offset, out),
+            // Heads share each loaded value row, as many as the registers hold.
+            let per_call = if hd == 64 { 3 } else { 1 };
+            for (ps, o) in p.chunks(per_call * ctx).zip(out.chunks_mut(per_call * hd)) {
+                // SAFETY: `pick` checked the CPU and the head size; slots index the pool.
+                unsafe {
+                    match (hd, ps.len() / ctx) {
+                        (64, 3) => avx512::pv::<4, 3>(ps, ctx, slots, v_pool, stride, offset, o),
+                        (64, 2) => avx512::pv::<4, 2>(ps, ctx, slots, v_pool, stride, offset, o),
+                        (64, _) => avx512::pv::<4, 1>(ps, ctx, slots, v_pool, stride, offset, o),
+                        _ => avx512::pv::<8, 1>(ps, ctx, slots, v_pool, stride, offset, o),
+                    }
                 }
             }
             return;
         }
-        out.fill(0.0);
-        for (&w, &slot) in p.iter().zip(slots) {
-            axpy(w, &v_pool[slot as usize * stride + offset..][..out.len()], out);
+        for (p, o) in p.chunks_exact(ctx).zip(out.chunks_exact_mut(hd)) {
+            o.fill(0.0);
+            for (&w, &slot) in p.iter().zip(slots) {
+                axpy(w, &v_pool[slot as usize * stride + offset..][..hd], o);
+            }
         }
+    }
+
+    fn softmax(self, s: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if self.avx512 {
+            // SAFETY: `pick` checked the CPU.
+            unsafe { avx512::softmax(s) };
+            return;
+        }
+        softmax(s);
     }
 }
 
@@ -170,42 +191,89 @@ mod avx512 {
         }
     }
 
-    /// `C` vectors of 16 per head; even and odd positions accumulate apart.
-    #[allow(clippy::needless_range_loop)]
+    /// `C` vectors of 16 per head, `G` heads: each value row is loaded once for all of them.
+    #[allow(clippy::needless_range_loop, clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn pv<const C: usize>(
+    pub unsafe fn pv<const C: usize, const G: usize>(
         p: &[f32],
+        ctx: usize,
         slots: &[u32],
         v_pool: &[f32],
         stride: usize,
         offset: usize,
         out: &mut [f32],
     ) {
-        debug_assert_eq!(out.len(), C * 16);
-        let (mut a, mut b) = ([_mm512_setzero_ps(); C], [_mm512_setzero_ps(); C]);
-        let row = |s: usize| v_pool.as_ptr().add(*slots.get_unchecked(s) as usize * stride + offset);
-        let n = p.len();
-        let mut s = 0;
-        while s + 1 < n {
-            let (v0, v1) = (row(s), row(s + 1));
-            let (p0, p1) = (
-                _mm512_set1_ps(*p.get_unchecked(s)),
-                _mm512_set1_ps(*p.get_unchecked(s + 1)),
-            );
+        debug_assert_eq!(out.len(), G * C * 16);
+        let mut acc = [[_mm512_setzero_ps(); C]; G];
+        for s in 0..ctx {
+            let v = v_pool.as_ptr().add(*slots.get_unchecked(s) as usize * stride + offset);
+            let mut row = [_mm512_setzero_ps(); C];
             for c in 0..C {
-                a[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0.add(16 * c)), a[c]);
-                b[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1.add(16 * c)), b[c]);
+                row[c] = _mm512_loadu_ps(v.add(16 * c));
             }
-            s += 2;
-        }
-        if s < n {
-            let (v0, p0) = (row(s), _mm512_set1_ps(*p.get_unchecked(s)));
-            for c in 0..C {
-                a[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0.add(16 * c)), a[c]);
+            for j in 0..G {
+                let w = _mm512_set1_ps(*p.get_unchecked(j * ctx + s));
+                for c in 0..C {
+                    acc[j][c] = _mm512_fmadd_ps(w, row[c], acc[j][c]);
+                }
             }
         }
-        for c in 0..C {
-            _mm512_storeu_ps(out.as_mut_ptr().add(16 * c), _mm512_add_ps(a[c], b[c]));
+        for j in 0..G {
+            for c in 0..C {
+                _mm512_storeu_ps(out.as_mut_ptr().add((j * C + c) * 16), acc[j][c]);
+            }
+        }
+    }
+
+    /// `exp(x)` for `x <= 0`: `2^n * e^r` with `|r| <= ln 2 / 2` and a degree-6 polynomial
+    /// (relative error about 1e-7); below -87 the result is 0, as in f32.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn exp(x: __m512) -> __m512 {
+        let x = _mm512_max_ps(x, _mm512_set1_ps(-87.0));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
+            x,
+            _mm512_set1_ps(std::f32::consts::LOG2_E),
+        ));
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_145_75), x);
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428_606_8e-6), r);
+        let mut y = _mm512_set1_ps(1.0 / 720.0);
+        for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+            y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(c));
+        }
+        _mm512_scalef_ps(y, n)
+    }
+
+    /// In place, 16 scores at a time; the tail is masked.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn softmax(s: &mut [f32]) {
+        let n = s.len();
+        let tail = |i: usize| -> __mmask16 {
+            if n - i >= 16 {
+                0xffff
+            } else {
+                (1u16 << (n - i)) - 1
+            }
+        };
+        let mut max = _mm512_set1_ps(f32::NEG_INFINITY);
+        for i in (0..n).step_by(16) {
+            let x = _mm512_mask_loadu_ps(_mm512_set1_ps(f32::NEG_INFINITY), tail(i), s.as_ptr().add(i));
+            max = _mm512_max_ps(max, x);
+        }
+        let max = _mm512_set1_ps(_mm512_reduce_max_ps(max));
+        let mut sum = _mm512_setzero_ps();
+        for i in (0..n).step_by(16) {
+            let k = tail(i);
+            let e = exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s.as_ptr().add(i)), max));
+            let e = _mm512_maskz_mov_ps(k, e);
+            sum = _mm512_add_ps(sum, e);
+            _mm512_mask_storeu_ps(s.as_mut_ptr().add(i), k, e);
+        }
+        let inv = _mm512_set1_ps(1.0 / _mm512_reduce_add_ps(sum));
+        for i in (0..n).step_by(16) {
+            let k = tail(i);
+            let x = _mm512_maskz_loadu_ps(k, s.as_ptr().add(i));
+            _mm512_mask_storeu_ps(s.as_mut_ptr().add(i), k, _mm512_mul_ps(x, inv));
         }
     }
 }

@@ -7,7 +7,7 @@ use candle_core::{Device, Module, Tensor};
 
 use super::pool::{parallel_for, SyncPtr};
 use super::q4_1::{self, BlockQ4_1x4, BlockQ8_1, QK};
-use super::q4_1_x16::{self, BlockQ4_1x16};
+use super::q4_1_x16::{self, BlockQ4_1x16, OutRows};
 use super::q8_0_x16::{self, BlockQ8_0x16};
 use crate::runtime::error::{Result, RuntimeError};
 
@@ -167,11 +167,10 @@ impl Linear {
         let kb = self.in_features / QK;
         let xq = self.quantize(x, m);
         let sc = q4_1_x16::scales(&xq);
-        self.tiled(m, out, |g, rows, res| {
-            let n = rows.len();
-            let xs = tile_rows(&xq, kb, rows.clone());
-            let ss = tile_rows(&sc, kb, rows);
-            q4_1_x16::group_dot(&w[g * kb..(g + 1) * kb], &xs[..n], &ss[..n], res);
+        self.tiled(m, out, |g, rows, dst| {
+            let (x, s) = (&xq[rows.start * kb..rows.end * kb], &sc[rows.start * kb..rows.end * kb]);
+            // SAFETY: `tiled` hands each (rows, group) block of the output to one call.
+            unsafe { q4_1_x16::group_dot(&w[g * kb..(g + 1) * kb], x, s, dst) };
         });
     }
 
@@ -179,31 +178,28 @@ impl Linear {
         let kb = self.in_features / QK;
         let xq = self.quantize(x, m);
         let (sh, sc) = (q8_0_x16::shifted(&xq), q8_0_x16::scales(&xq));
-        self.tiled(m, out, |g, rows, res| {
-            let n = rows.len();
-            let xs = tile_rows(&sh, kb, rows.clone());
-            let ss = tile_rows(&sc, kb, rows);
-            q8_0_x16::group_dot(&w[g * kb..(g + 1) * kb], &xs[..n], &ss[..n], res);
+        self.tiled(m, out, |g, rows, dst| {
+            let (x, s) = (&sh[rows.start * kb..rows.end * kb], &sc[rows.start * kb..rows.end * kb]);
+            // SAFETY: as above.
+            unsafe { q8_0_x16::group_dot(&w[g * kb..(g + 1) * kb], x, s, dst) };
         });
     }
 
-    /// Runs `dot(group, activation rows, results)` over every 16-row weight group and every
-    /// tile of activation rows, group-major: a group's weights stay in L1 while every tile
-    /// passes; the activations stay in L2.
-    fn tiled(&self, m: usize, out: &mut [f32], dot: impl Fn(usize, std::ops::Range<usize>, &mut [[f32; 16]]) + Sync) {
+    /// Runs `dot(group, activation rows, where their results go)` over every 16-row weight
+    /// group and every tile of activation rows, group-major: a group's weights stay in L1
+    /// while every tile passes; the activations stay in L2.
+    fn tiled(&self, m: usize, out: &mut [f32], dot: impl Fn(usize, std::ops::Range<usize>, OutRows) + Sync) {
         const TILE: usize = q4_1_x16::TILE;
         let n = self.out_features;
+        debug_assert_eq!(out.len(), m * n);
         let dst = SyncPtr(out.as_mut_ptr());
         parallel_for(n / 16, |groups| {
-            let mut res = [[0f32; 16]; TILE];
             for g in groups {
                 for r0 in (0..m).step_by(TILE) {
                     let rows = TILE.min(m - r0);
-                    dot(g, r0..r0 + rows, &mut res[..rows]);
-                    for (i, r) in res.iter().take(rows).enumerate() {
-                        // SAFETY: each (row, group) is written by exactly one work item.
-                        unsafe { std::ptr::copy_nonoverlapping(r.as_ptr(), dst.at((r0 + i) * n + g * 16), 16) };
-                    }
+                    // SAFETY: rows r0.. and columns 16g.. of the output, inside it.
+                    let ptr = unsafe { dst.at(r0 * n + g * 16) };
+                    dot(g, r0..r0 + rows, OutRows { ptr, stride: n });
                 }
             }
         });
@@ -235,13 +231,4 @@ impl Linear {
             }
         });
     }
-}
-
-/// The rows `rows` (at most a tile) of per-row data laid out `kb` entries per row.
-fn tile_rows<T>(data: &[T], kb: usize, rows: std::ops::Range<usize>) -> [&[T]; q4_1_x16::TILE] {
-    let mut out: [&[T]; q4_1_x16::TILE] = [&[]; q4_1_x16::TILE];
-    for (slot, r) in out.iter_mut().zip(rows) {
-        *slot = &data[r * kb..(r + 1) * kb];
-    }
-    out
 }

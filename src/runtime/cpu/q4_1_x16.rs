@@ -26,6 +26,27 @@ const _: () = assert!(std::mem::size_of::<BlockQ4_1x16>() == 320);
 /// Activation rows per kernel call.
 pub const TILE: usize = 8;
 
+/// Where a kernel writes its results: the 16 floats of activation row `i` at
+/// `ptr + i * stride` (straight into the output matrix: no staging copy to stall on).
+#[derive(Clone, Copy)]
+pub struct OutRows {
+    pub ptr: *mut f32,
+    pub stride: usize,
+}
+
+impl OutRows {
+    pub fn skip(self, rows: usize) -> Self {
+        OutRows {
+            ptr: self.ptr.wrapping_add(rows * self.stride),
+            ..self
+        }
+    }
+
+    pub fn row(self, i: usize) -> *mut f32 {
+        self.ptr.wrapping_add(i * self.stride)
+    }
+}
+
 /// Whether this CPU runs the kernel.
 pub fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -70,23 +91,31 @@ pub fn scales(x: &[BlockQ8_1]) -> Vec<[f32; 2]> {
     x.iter().map(|b| [b.d.to_f32(), b.s.to_f32()]).collect()
 }
 
-/// `out[i][r]` = activation row `i` times weight row `r` of the group `w` (its `kb` blocks),
-/// for up to `TILE` rows.
-pub fn group_dot(w: &[BlockQ4_1x16], xs: &[&[BlockQ8_1]], sc: &[&[[f32; 2]]], out: &mut [[f32; 16]]) {
-    debug_assert!(xs.len() <= TILE && xs.len() == sc.len() && xs.len() <= out.len());
+/// Row `i` of `out`, lane `r` = activation row `i` times weight row `r` of the group `w` (its
+/// `kb` blocks), for up to `TILE` activation rows laid end to end in `xs` and `sc` (`kb`
+/// blocks each): rows are passed as one slice, since building slice arrays per call stalled
+/// on store forwarding.
+///
+/// # Safety
+/// `out` must hold `xs.len() / kb` rows of 16 writable floats that nothing else touches
+/// meanwhile.
+pub unsafe fn group_dot(w: &[BlockQ4_1x16], xs: &[BlockQ8_1], sc: &[[f32; 2]], out: OutRows) {
+    let kb = w.len();
+    debug_assert!(xs.len() <= TILE * kb && xs.len() == sc.len() && xs.len().is_multiple_of(kb.max(1)));
     #[cfg(target_arch = "x86_64")]
     {
-        // SAFETY: `Linear` builds this layout only after `available()` said yes.
+        // SAFETY: `Linear` builds this layout only after `available()` said yes; the caller
+        // vouches for `out`.
         unsafe {
-            match xs.len() {
+            match xs.len() / kb.max(1) {
                 8 => x86::group_dot::<8>(w, xs, sc, out),
                 4..=7 => {
-                    x86::group_dot::<4>(w, &xs[..4], &sc[..4], &mut out[..4]);
-                    group_dot(w, &xs[4..], &sc[4..], &mut out[4..]);
+                    x86::group_dot::<4>(w, &xs[..4 * kb], &sc[..4 * kb], out);
+                    group_dot(w, &xs[4 * kb..], &sc[4 * kb..], out.skip(4));
                 }
                 2 | 3 => {
-                    x86::group_dot::<2>(w, &xs[..2], &sc[..2], &mut out[..2]);
-                    group_dot(w, &xs[2..], &sc[2..], &mut out[2..]);
+                    x86::group_dot::<2>(w, &xs[..2 * kb], &sc[..2 * kb], out);
+                    group_dot(w, &xs[2 * kb..], &sc[2 * kb..], out.skip(2));
                 }
                 1 => x86::group_dot::<1>(w, xs, sc, out),
                 _ => {}
@@ -99,18 +128,13 @@ pub fn group_dot(w: &[BlockQ4_1x16], xs: &[&[BlockQ8_1]], sc: &[&[[f32; 2]]], ou
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{BlockQ4_1x16, BlockQ8_1};
+    use super::{BlockQ4_1x16, BlockQ8_1, OutRows};
     use std::arch::x86_64::*;
 
     // Indexing by row keeps the accumulators of one row visibly in step.
     #[allow(clippy::needless_range_loop)]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
-    pub unsafe fn group_dot<const R: usize>(
-        w: &[BlockQ4_1x16],
-        xs: &[&[BlockQ8_1]],
-        sc: &[&[[f32; 2]]],
-        out: &mut [[f32; 16]],
-    ) {
+    pub unsafe fn group_dot<const R: usize>(w: &[BlockQ4_1x16], xs: &[BlockQ8_1], sc: &[[f32; 2]], out: OutRows) {
         let mask = _mm512_set1_epi8(0x0f);
         let mut acc = [_mm512_setzero_ps(); R];
         for (b, wb) in w.iter().enumerate() {
@@ -122,7 +146,7 @@ mod x86 {
                 let lo = _mm512_and_si512(packed, mask);
                 let hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask);
                 for i in 0..R {
-                    let x = xs.get_unchecked(i).get_unchecked(b).qs.as_ptr();
+                    let x = xs.get_unchecked(i * w.len() + b).qs.as_ptr();
                     let x_lo = _mm512_set1_epi32((x.add(4 * p) as *const i32).read_unaligned());
                     let x_hi = _mm512_set1_epi32((x.add(4 * p + 16) as *const i32).read_unaligned());
                     isum[i] = _mm512_dpbusd_epi32(isum[i], lo, x_lo);
@@ -130,14 +154,14 @@ mod x86 {
                 }
             }
             for i in 0..R {
-                let [xd, xsum] = *sc.get_unchecked(i).get_unchecked(b);
+                let [xd, xsum] = *sc.get_unchecked(i * w.len() + b);
                 let scale = _mm512_mul_ps(d, _mm512_set1_ps(xd));
                 acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), scale, acc[i]);
                 acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum), acc[i]);
             }
         }
         for i in 0..R {
-            _mm512_storeu_ps(out[i].as_mut_ptr(), acc[i]);
+            _mm512_storeu_ps(out.row(i), acc[i]);
         }
     }
 }
@@ -179,16 +203,24 @@ mod tests {
         let scs: Vec<Vec<[f32; 2]>> = acts.iter().map(|a| scales(a)).collect();
         let alone: Vec<[f32; 16]> = (0..acts.len())
             .map(|i| {
-                let mut o = [[0f32; 16]; 1];
-                group_dot(&w[kb..2 * kb], &[&acts[i]], &[&scs[i]], &mut o);
-                o[0]
+                let mut o = [0f32; 16];
+                let out = OutRows {
+                    ptr: o.as_mut_ptr(),
+                    stride: 16,
+                };
+                unsafe { group_dot(&w[kb..2 * kb], &acts[i], &scs[i], out) };
+                o
             })
             .collect();
         for n in 1..=TILE {
-            let xs: Vec<&[BlockQ8_1]> = acts[3..3 + n].iter().map(|a| a.as_slice()).collect();
-            let sc: Vec<&[[f32; 2]]> = scs[3..3 + n].iter().map(|s| s.as_slice()).collect();
+            let xs: Vec<BlockQ8_1> = acts[3..3 + n].concat();
+            let sc: Vec<[f32; 2]> = scs[3..3 + n].concat();
             let mut out = vec![[0f32; 16]; n];
-            group_dot(&w[kb..2 * kb], &xs, &sc, &mut out);
+            let rows = OutRows {
+                ptr: out.as_mut_ptr() as *mut f32,
+                stride: 16,
+            };
+            unsafe { group_dot(&w[kb..2 * kb], &xs, &sc, rows) };
             for i in 0..n {
                 assert_eq!(out[i], alone[3 + i], "row {i} of {n}: bitwise the same as alone");
             }

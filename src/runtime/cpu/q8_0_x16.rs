@@ -7,7 +7,7 @@
 use half::f16;
 
 use super::q4_1::{BlockQ8_1, QK};
-pub use super::q4_1_x16::{available, scales, TILE};
+pub use super::q4_1_x16::{available, scales, OutRows, TILE};
 
 /// One block (32 weights) of 16 consecutive rows. `qs[p]` bytes `4 * r..4 * r + 4` are row
 /// `r`'s weights `4 * p..4 * p + 4`; `corr[r]` is `128 * sum(row r's 32 weights)`.
@@ -56,23 +56,29 @@ pub fn shifted(x: &[BlockQ8_1]) -> Vec<[u8; QK]> {
     x.iter().map(|b| b.qs.map(|q| (q as u8) ^ 0x80)).collect()
 }
 
-/// `out[i][r]` = activation row `i` times weight row `r` of the group `w`, for up to `TILE`
-/// rows; `xs` from `shifted`, `sc` from `scales` (only `d` is used: Q8_0 has no offset).
-pub fn group_dot(w: &[BlockQ8_0x16], xs: &[&[[u8; QK]]], sc: &[&[[f32; 2]]], out: &mut [[f32; 16]]) {
-    debug_assert!(xs.len() <= TILE && xs.len() == sc.len() && xs.len() <= out.len());
+/// Row `i` of `out`, lane `r` = activation row `i` times weight row `r` of the group `w`, for
+/// up to `TILE` rows; `xs` from `shifted`, `sc` from `scales` (only `d` is used: Q8_0 has no
+/// offset).
+///
+/// # Safety
+/// As `q4_1_x16::group_dot`.
+pub unsafe fn group_dot(w: &[BlockQ8_0x16], xs: &[[u8; QK]], sc: &[[f32; 2]], out: OutRows) {
+    let kb = w.len();
+    debug_assert!(xs.len() <= TILE * kb && xs.len() == sc.len() && xs.len().is_multiple_of(kb.max(1)));
     #[cfg(target_arch = "x86_64")]
     {
-        // SAFETY: `Linear` builds this layout only after `available()` said yes.
+        // SAFETY: `Linear` builds this layout only after `available()` said yes; the caller
+        // vouches for `out`.
         unsafe {
-            match xs.len() {
+            match xs.len() / kb.max(1) {
                 8 => x86::group_dot::<8>(w, xs, sc, out),
                 4..=7 => {
-                    x86::group_dot::<4>(w, &xs[..4], &sc[..4], &mut out[..4]);
-                    group_dot(w, &xs[4..], &sc[4..], &mut out[4..]);
+                    x86::group_dot::<4>(w, &xs[..4 * kb], &sc[..4 * kb], out);
+                    group_dot(w, &xs[4 * kb..], &sc[4 * kb..], out.skip(4));
                 }
                 2 | 3 => {
-                    x86::group_dot::<2>(w, &xs[..2], &sc[..2], &mut out[..2]);
-                    group_dot(w, &xs[2..], &sc[2..], &mut out[2..]);
+                    x86::group_dot::<2>(w, &xs[..2 * kb], &sc[..2 * kb], out);
+                    group_dot(w, &xs[2 * kb..], &sc[2 * kb..], out.skip(2));
                 }
                 1 => x86::group_dot::<1>(w, xs, sc, out),
                 _ => {}
@@ -85,18 +91,13 @@ pub fn group_dot(w: &[BlockQ8_0x16], xs: &[&[[u8; QK]]], sc: &[&[[f32; 2]]], out
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{BlockQ8_0x16, QK};
+    use super::{BlockQ8_0x16, OutRows, QK};
     use std::arch::x86_64::*;
 
     // Indexing by row keeps the accumulators of one row visibly in step.
     #[allow(clippy::needless_range_loop)]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
-    pub unsafe fn group_dot<const R: usize>(
-        w: &[BlockQ8_0x16],
-        xs: &[&[[u8; QK]]],
-        sc: &[&[[f32; 2]]],
-        out: &mut [[f32; 16]],
-    ) {
+    pub unsafe fn group_dot<const R: usize>(w: &[BlockQ8_0x16], xs: &[[u8; QK]], sc: &[[f32; 2]], out: OutRows) {
         let mut acc = [_mm512_setzero_ps(); R];
         for (b, wb) in w.iter().enumerate() {
             let d = _mm512_cvtph_ps(_mm256_load_si256(wb.d.as_ptr() as *const __m256i));
@@ -105,19 +106,19 @@ mod x86 {
             for p in 0..8 {
                 let wq = _mm512_load_si512(wb.qs[p].as_ptr() as *const _);
                 for i in 0..R {
-                    let x = xs.get_unchecked(i).get_unchecked(b).as_ptr();
+                    let x = xs.get_unchecked(i * w.len() + b).as_ptr();
                     let xv = _mm512_set1_epi32((x.add(4 * p) as *const i32).read_unaligned());
                     isum[i] = _mm512_dpbusd_epi32(isum[i], xv, wq);
                 }
             }
             for i in 0..R {
-                let [xd, _] = *sc.get_unchecked(i).get_unchecked(b);
+                let [xd, _] = *sc.get_unchecked(i * w.len() + b);
                 let exact = _mm512_sub_epi32(isum[i], corr);
                 acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(d, _mm512_set1_ps(xd)), acc[i]);
             }
         }
         for i in 0..R {
-            _mm512_storeu_ps(out[i].as_mut_ptr(), acc[i]);
+            _mm512_storeu_ps(out.row(i), acc[i]);
         }
     }
 }
@@ -166,15 +167,23 @@ mod tests {
         let sh: Vec<Vec<[u8; QK]>> = acts.iter().map(|a| shifted(a)).collect();
         let sc: Vec<Vec<[f32; 2]>> = acts.iter().map(|a| scales(a)).collect();
         let one = |i: usize| {
-            let mut o = [[0f32; 16]; 1];
-            group_dot(&w[kb..2 * kb], &[&sh[i]], &[&sc[i]], &mut o);
-            o[0]
+            let mut o = [0f32; 16];
+            let out = OutRows {
+                ptr: o.as_mut_ptr(),
+                stride: 16,
+            };
+            unsafe { group_dot(&w[kb..2 * kb], &sh[i], &sc[i], out) };
+            o
         };
         for n in 1..=TILE {
-            let xs: Vec<&[[u8; QK]]> = sh[2..2 + n].iter().map(|a| a.as_slice()).collect();
-            let ss: Vec<&[[f32; 2]]> = sc[2..2 + n].iter().map(|a| a.as_slice()).collect();
+            let xs: Vec<[u8; QK]> = sh[2..2 + n].concat();
+            let ss: Vec<[f32; 2]> = sc[2..2 + n].concat();
             let mut out = vec![[0f32; 16]; n];
-            group_dot(&w[kb..2 * kb], &xs, &ss, &mut out);
+            let rows = OutRows {
+                ptr: out.as_mut_ptr() as *mut f32,
+                stride: 16,
+            };
+            unsafe { group_dot(&w[kb..2 * kb], &xs, &ss, rows) };
             for (i, o) in out.iter().enumerate() {
                 assert_eq!(*o, one(2 + i), "row {i} of {n}: bitwise the same as alone");
             }
