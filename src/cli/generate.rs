@@ -117,7 +117,8 @@ fn one(args: &GenerateArgs, engine: &mut EngineCore, tokenizer: &Tokenizer) -> a
                 .iter()
                 .map(|t| format!("{:?} {:.3}", tokenizer.token_text(t.token).unwrap_or("?"), t.logprob))
                 .collect();
-            eprintln!("[{} {:.3}] {}", sampled.token, sampled.logprob, alts.join(", "));
+            let logprob = sampled.logprob.unwrap_or(f32::NAN);
+            eprintln!("[{} {logprob:.3}] {}", sampled.token, alts.join(", "));
         }
     })?;
     let _ = writeln!(stdout);

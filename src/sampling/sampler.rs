@@ -14,12 +14,14 @@ pub struct TopLogprob {
 #[derive(Debug, Clone, PartialEq)]
 pub struct SampledToken {
     pub token: u32,
-    /// Log-probability of `token` under the model's raw distribution.
-    pub logprob: f32,
+    /// Log-probability of `token` under the model's raw distribution, when logprobs were asked
+    /// for (the normalizer costs a pass of `exp` over the whole vocabulary, so only then).
+    pub logprob: Option<f32>,
     /// The most likely tokens, best first, when logprobs were asked for.
     pub top: Vec<TopLogprob>,
     /// Decided by the grammar alone and appended without running the model for it
-    /// (jump-forward): `logprob` is 0 (certain under the constraint) and `top` is empty.
+    /// (jump-forward): `logprob` is 0 when asked for (certain under the constraint) and `top` is
+    /// empty.
     pub forced: bool,
 }
 
@@ -62,7 +64,13 @@ impl Sampler {
             self.sample_stochastic(&mut scores)
         };
         self.record(token);
-        let (logprob, top) = logprobs(logits, token, self.params.logprobs.unwrap_or(0));
+        let (logprob, top) = match self.params.logprobs {
+            Some(n) => {
+                let (lp, top) = logprobs(logits, token, n);
+                (Some(lp), top)
+            }
+            None => (None, Vec::new()),
+        };
         SampledToken {
             token,
             logprob,
@@ -76,7 +84,7 @@ impl Sampler {
         self.record(token);
         SampledToken {
             token,
-            logprob: 0.0,
+            logprob: self.params.logprobs.map(|_| 0.0),
             top: Vec::new(),
             forced: true,
         }
@@ -199,7 +207,7 @@ mod tests {
         let out = s.sample(&[0.0, 2.0, 1.0, 2.0]);
         assert_eq!(out.token, 1, "ties go to the lowest id");
         let z = (1.0f32 + 2.0 * 2f32.exp() + 1f32.exp()).ln();
-        assert!((out.logprob - (2.0 - z)).abs() < 1e-5);
+        assert!((out.logprob.unwrap() - (2.0 - z)).abs() < 1e-5);
         assert_eq!(out.top.iter().map(|t| t.token).collect::<Vec<_>>(), vec![1, 3]);
     }
 
