@@ -214,15 +214,17 @@ fn thirty_two_concurrent_requests_match_each_alone() {
     let (together, _, core) = run(core, &jobs, &structured, true);
     assert_eq!(together, alone, "32 at once");
 
+    // Every prompt is longer than 4 tokens, so every one is split.
+    assert!(jobs.iter().all(|j| j.prompt.len() > 4));
     let mut chunked = config;
-    chunked.scheduler.max_num_batched_tokens = 24;
+    chunked.scheduler.max_num_batched_tokens = 4;
     let (out, _, core) = run(
         engine(core.into_backend(), &tok, chunked, None),
         &jobs,
         &structured,
         true,
     );
-    assert_eq!(out, alone, "every prompt in chunks of at most 24 tokens");
+    assert_eq!(out, alone, "every prompt in chunks of at most 4 tokens");
 
     // Room for about four of the 32 at a time.
     let longest = jobs.iter().map(|j| j.prompt.len() + j.max_tokens).max().unwrap();
