@@ -7,4 +7,5 @@ pub mod extract;
 pub mod model_path;
 pub mod runtime;
 pub mod sampling;
+pub mod server;
 pub mod tokenizer;

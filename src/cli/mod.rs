@@ -3,6 +3,7 @@
 mod bench;
 mod extract;
 mod generate;
+mod serve;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -33,6 +34,10 @@ enum Command {
     /// Measure the engine's speed.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// Serve the HTTP API (POST /extract, GET /health, GET /openapi.json).
+    Serve(serve::ServeArgs),
+    /// Print the OpenAPI document of the HTTP API.
+    Openapi(serve::OpenApiArgs),
 }
 
 /// Options every command that loads a model shares.
@@ -135,6 +140,12 @@ impl ModelArgs {
         Ok((EngineCore::new(Box::new(backend), tokenizer.clone(), config), tokenizer))
     }
 
+    /// The model's name as the API reports it: its file name without `.gguf`.
+    fn model_name(&self) -> String {
+        let path = self.model.clone().unwrap_or_else(crate::model_path::default_model_path);
+        path.file_stem().unwrap_or_default().to_string_lossy().into_owned()
+    }
+
     /// The model, tokenizer and engine configuration, for commands that build several engines
     /// over one backend.
     fn load_shared(&self) -> anyhow::Result<(Box<dyn crate::runtime::Backend>, Arc<Tokenizer>, EngineConfig)> {
@@ -176,6 +187,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Generate(args) => generate::run(args),
         Command::Extract(args) => extract::run(args),
         Command::Bench(cmd) => bench::run(cmd),
+        Command::Serve(args) => serve::run(args),
+        Command::Openapi(args) => serve::openapi(args),
     }
 }
 

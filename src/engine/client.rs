@@ -89,7 +89,7 @@ impl EngineClient {
     /// Moves `core` onto a thread of its own.
     pub fn start(core: EngineCore) -> Self {
         let (tx, rx) = mpsc::channel();
-        let stats = Arc::new(Mutex::new(EngineStats::default()));
+        let stats = Arc::new(Mutex::new(core.stats()));
         let shared = stats.clone();
         let thread = std::thread::Builder::new()
             .name("quarry-engine".into())
@@ -190,6 +190,7 @@ fn run(mut core: EngineCore, commands: mpsc::Receiver<Command>, stats: Arc<Mutex
             }
         }
         if !core.has_unfinished() {
+            *stats.lock().unwrap_or_else(|e| e.into_inner()) = core.stats();
             if open {
                 continue;
             }

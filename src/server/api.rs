@@ -1,0 +1,107 @@
+//! The JSON shapes of the HTTP API; utoipa derives the OpenAPI schemas from them.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use utoipa::ToSchema;
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ExtractRequest {
+    /// A JSON Schema the output must validate against (or `schema_id`).
+    #[schema(value_type = Option<Object>)]
+    pub schema: Option<Value>,
+    /// The id of a ready-made schema (a file name in schemas/ without `.json`).
+    pub schema_id: Option<String>,
+    /// The text to extract from.
+    pub document: String,
+    /// Extra instructions for the model.
+    pub instructions: Option<String>,
+    #[serde(default)]
+    pub options: ExtractOptions,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct ExtractOptions {
+    /// Most output tokens (default 512, at most 4096).
+    pub max_tokens: Option<usize>,
+    /// 0 (the default) is greedy.
+    pub temperature: Option<f32>,
+    pub seed: Option<u64>,
+    /// `compact` (default) or `pretty`: bounded whitespace between tokens of the JSON.
+    pub whitespace: Option<WhitespaceOption>,
+    /// Lower runs first when the server schedules by priority.
+    pub priority: Option<i32>,
+    /// Refuse a schema with keywords that cannot be enforced (default: enforce the rest and
+    /// list them in `notes`).
+    pub strict: Option<bool>,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum WhitespaceOption {
+    Compact,
+    Pretty,
+}
+
+/// How an extraction ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    /// `data` validates against the schema.
+    Ok,
+    /// The answer did not close within `max_tokens`: `data` is null, `partial` holds the text.
+    Truncated,
+    /// The request was cancelled before it finished.
+    Cancelled,
+    /// The engine failed; nothing is returned.
+    Internal,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ExtractResponse {
+    #[schema(value_type = Option<Object>)]
+    pub data: Option<Value>,
+    pub outcome: Outcome,
+    /// The text produced so far, when the outcome is not `ok`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub partial: Option<String>,
+    pub usage: Usage,
+    pub timings: Timings,
+    /// Schema keywords that are not fully enforced, with how they were handled.
+    pub notes: Vec<KeywordNote>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Prompt tokens whose keys and values came from the prefix cache.
+    pub cached_tokens: usize,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Timings {
+    pub queue_ms: f64,
+    pub ttft_ms: f64,
+    pub total_ms: f64,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct KeywordNote {
+    pub keyword: String,
+    pub pointer: String,
+    /// `approximated` or `rejected`.
+    pub status: String,
+    pub detail: String,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Health {
+    pub status: String,
+    pub model: String,
+    pub waiting: usize,
+    pub running: usize,
+    pub kv_blocks_free: usize,
+    pub kv_blocks_total: usize,
+}

@@ -1,0 +1,92 @@
+//! Every failure the API reports: an HTTP status and a JSON body naming the problem, the
+//! field or schema keyword and its JSON pointer where there is one.
+
+use axum::extract::rejection::JsonRejection;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use quarry_grammar::GrammarError;
+use serde::Serialize;
+use utoipa::ToSchema;
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ErrorDetail {
+    /// A stable machine-readable kind: `bad_request`, `invalid_json`, `unknown_field`,
+    /// `invalid_field`, `body_too_large`, `schema_rejected`, `unknown_schema_id`, `input_too_long`,
+    /// `unauthorized`, `internal`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub message: String,
+    /// The JSON Schema keyword at fault, for `schema_rejected`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub keyword: Option<String>,
+    /// JSON pointer into the schema, for `schema_rejected`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pointer: Option<String>,
+}
+
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub detail: ErrorDetail,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, kind: &str, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            detail: ErrorDetail {
+                kind: kind.into(),
+                message: message.into(),
+                keyword: None,
+                pointer: None,
+            },
+        }
+    }
+
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "bad_request", message)
+    }
+
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
+    }
+
+    /// A schema that cannot be compiled (malformed, an unresolvable `$ref`, too large, or a
+    /// keyword refused in strict mode).
+    pub fn schema_rejected(e: GrammarError) -> Self {
+        let mut err = Self::new(StatusCode::BAD_REQUEST, "schema_rejected", e.to_string());
+        if let GrammarError::InvalidSchema { pointer, keyword, .. } = e {
+            err.detail.pointer = Some(pointer);
+            err.detail.keyword = Some(keyword);
+        }
+        err
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, axum::Json(ErrorBody { error: self.detail })).into_response()
+    }
+}
+
+/// Body rejections become JSON errors too, with axum's status: malformed JSON (400), unknown,
+/// missing or mistyped fields (422; serde names the field and where), a wrong content type
+/// (415), a body over the limit (413).
+impl From<JsonRejection> for ApiError {
+    fn from(r: JsonRejection) -> Self {
+        let (status, message) = (r.status(), r.body_text());
+        let kind = match r {
+            JsonRejection::JsonDataError(_) if message.contains("unknown field") => "unknown_field",
+            JsonRejection::JsonDataError(_) => "invalid_field",
+            JsonRejection::JsonSyntaxError(_) => "invalid_json",
+            _ if status == StatusCode::PAYLOAD_TOO_LARGE => "body_too_large",
+            _ => "bad_request",
+        };
+        Self::new(status, kind, message)
+    }
+}

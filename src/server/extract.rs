@@ -1,0 +1,170 @@
+//! `POST /extract`: one document in, one record out that validates against the schema, or an
+//! explicit outcome saying why not.
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::Json;
+use quarry_grammar::json::{KeywordStatus, Whitespace};
+use serde_json::Value;
+
+use super::api::{ExtractRequest, ExtractResponse, KeywordNote, Outcome, Timings, Usage, WhitespaceOption};
+use super::error::{ApiError, ErrorBody};
+use super::{ApiJson, AppState};
+use crate::engine::{AddError, AdmitError, Constraint, EngineRequest, FinishReason, SubmitError};
+use crate::sampling::SamplingParams;
+
+const DEFAULT_MAX_TOKENS: usize = 512;
+const MAX_MAX_TOKENS: usize = 4096;
+
+#[utoipa::path(
+    post,
+    path = "/extract",
+    tag = "extraction",
+    request_body = ExtractRequest,
+    responses(
+        (status = 200, description = "The record (outcome `ok`), or why there is none", body = ExtractResponse),
+        (status = 400, description = "Bad JSON, a schema that cannot be compiled (its keyword and pointer named), or an input too long for the model", body = ErrorBody),
+        (status = 404, description = "Unknown `schema_id`", body = ErrorBody),
+        (status = 413, description = "Body over the size limit", body = ErrorBody),
+        (status = 422, description = "Unknown, missing or mistyped field", body = ErrorBody),
+    )
+)]
+pub async fn extract(
+    State(state): State<Arc<AppState>>,
+    ApiJson(req): ApiJson<ExtractRequest>,
+) -> Result<Json<ExtractResponse>, ApiError> {
+    let schema = match (req.schema, &req.schema_id) {
+        (Some(s), None) => s,
+        (None, Some(id)) => state.schemas.get(id).cloned().ok_or_else(|| {
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                "unknown_schema_id",
+                format!("no schema with id `{id}` (known: {})", state.schema_ids().join(", ")),
+            )
+        })?,
+        _ => return Err(ApiError::bad_request("give exactly one of `schema` and `schema_id`")),
+    };
+    let o = &req.options;
+    let max_tokens = o.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
+    if max_tokens == 0 || max_tokens > MAX_MAX_TOKENS {
+        return Err(ApiError::bad_request(format!(
+            "`options.max_tokens` must be 1 to {MAX_MAX_TOKENS}"
+        )));
+    }
+    let whitespace = match o.whitespace.unwrap_or(WhitespaceOption::Compact) {
+        WhitespaceOption::Compact => Whitespace::Compact,
+        WhitespaceOption::Pretty => Whitespace::Flexible { max_run: 8 },
+    };
+    let constraint = Constraint::Json {
+        schema: schema.clone(),
+        whitespace,
+        strict: o.strict.unwrap_or(false),
+    };
+    // Compiling and tokenizing are CPU work: off the async threads.
+    let work = state.clone();
+    let (document, instructions) = (req.document, req.instructions);
+    let (compiled, prompt) = tokio::task::spawn_blocking(move || {
+        let compiled = work
+            .structured
+            .compile(&constraint)
+            .map_err(ApiError::schema_rejected)?;
+        let prompt = crate::extract::prompt(&work.tokenizer, &schema, &document, instructions.as_deref())
+            .map_err(|e| ApiError::internal(e.to_string()))?;
+        Ok::<_, ApiError>((compiled, prompt))
+    })
+    .await
+    .map_err(|e| ApiError::internal(e.to_string()))??;
+    let notes = compiled.report().map(notes).unwrap_or_default();
+
+    let params = SamplingParams {
+        temperature: o.temperature.unwrap_or(0.0),
+        seed: o.seed,
+        ..SamplingParams::greedy(max_tokens)
+    };
+    let request = EngineRequest {
+        id: 0,
+        prompt,
+        params,
+        priority: o.priority.unwrap_or(0),
+        constraint: Some(compiled),
+    };
+    // Dropping the stream (the client went away and axum dropped this future) aborts the
+    // request in the engine.
+    let mut stream = state.client.submit(request).await.map_err(submit_error)?;
+    let mut text = String::new();
+    let mut tokens = 0;
+    let mut last = None;
+    while let Some(out) = stream.next().await {
+        text.push_str(&out.text);
+        tokens += out.tokens.len();
+        if out.finished.is_some() {
+            last = Some(out);
+        }
+    }
+    let last = last.ok_or_else(|| ApiError::internal("the engine stopped before the request finished"))?;
+    let m = last.metrics.unwrap_or_default();
+    let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+    let (outcome, data) = match last.finished {
+        Some(FinishReason::Stop) => match serde_json::from_str::<Value>(&text) {
+            Ok(v) => (Outcome::Ok, Some(v)),
+            Err(_) => (Outcome::Internal, None),
+        },
+        Some(FinishReason::Length) => (Outcome::Truncated, None),
+        Some(FinishReason::Aborted) => (Outcome::Cancelled, None),
+        Some(FinishReason::Internal) | None => (Outcome::Internal, None),
+    };
+    Ok(Json(ExtractResponse {
+        data,
+        outcome,
+        partial: (outcome != Outcome::Ok).then_some(text),
+        usage: Usage {
+            prompt_tokens: m.prompt_tokens,
+            completion_tokens: tokens,
+            cached_tokens: m.cached_tokens,
+        },
+        timings: Timings {
+            queue_ms: ms(m.queue),
+            ttft_ms: ms(m.ttft),
+            total_ms: ms(m.e2e),
+        },
+        notes,
+    }))
+}
+
+fn notes(report: &quarry_grammar::json::CompileReport) -> Vec<KeywordNote> {
+    report
+        .keywords
+        .iter()
+        .filter_map(|k| {
+            let (status, detail) = match &k.status {
+                KeywordStatus::Approximated(how) => ("approximated", how),
+                KeywordStatus::Rejected(why) => ("rejected", why),
+                _ => return None,
+            };
+            Some(KeywordNote {
+                keyword: k.keyword.clone(),
+                pointer: k.pointer.clone(),
+                status: status.into(),
+                detail: detail.clone(),
+            })
+        })
+        .collect()
+}
+
+fn submit_error(e: SubmitError) -> ApiError {
+    match e {
+        SubmitError::Refused(AddError::Admit(AdmitError::InputTooLong { tokens, limit })) => ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "input_too_long",
+            format!("the prompt is {tokens} tokens; this model and cache take at most {limit}"),
+        ),
+        SubmitError::Refused(e) => ApiError::bad_request(e.to_string()),
+        SubmitError::Stopped => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable",
+            "the engine is shutting down",
+        ),
+    }
+}

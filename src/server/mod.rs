@@ -1,0 +1,156 @@
+//! The HTTP service (axum): routes, API types, errors. It validates requests, builds prompts
+//! and hands them to the engine through `EngineClient`; nothing here knows tensors.
+
+pub mod api;
+pub mod error;
+mod extract;
+pub mod openapi;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+
+use axum::extract::{DefaultBodyLimit, FromRequest, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::Value;
+
+use crate::engine::{EngineClient, StructuredOutputs};
+use crate::tokenizer::Tokenizer;
+use api::Health;
+use error::ApiError;
+
+/// Largest request body: a document of a few hundred pages.
+pub const MAX_BODY_BYTES: usize = 4 << 20;
+
+pub struct AppState {
+    pub client: EngineClient,
+    pub tokenizer: Arc<Tokenizer>,
+    pub structured: StructuredOutputs,
+    /// Ready-made schemas by id.
+    pub schemas: BTreeMap<String, Value>,
+    pub model: String,
+    /// Accepted bearer tokens; none means no authentication.
+    pub api_keys: Vec<String>,
+}
+
+impl AppState {
+    pub fn schema_ids(&self) -> Vec<String> {
+        self.schemas.keys().cloned().collect()
+    }
+}
+
+/// `axum::Json` whose rejections are JSON errors (`ApiError`).
+#[derive(FromRequest)]
+#[from_request(via(Json), rejection(ApiError))]
+pub struct ApiJson<T>(pub T);
+
+/// Every `*.json` in `dir`, by file stem. A file that is not JSON stops the start.
+pub fn load_schemas(dir: &Path) -> anyhow::Result<BTreeMap<String, Value>> {
+    let mut schemas = BTreeMap::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Ok(schemas);
+    };
+    for entry in entries {
+        let path = entry?.path();
+        if path.extension().is_some_and(|e| e == "json") {
+            let text = std::fs::read_to_string(&path)?;
+            let schema = serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+            let id = path.file_stem().unwrap_or_default().to_string_lossy().into_owned();
+            schemas.insert(id, schema);
+        }
+    }
+    Ok(schemas)
+}
+
+pub fn router(state: Arc<AppState>) -> Router {
+    let protected = Router::new()
+        .route("/extract", post(extract::extract))
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
+    Router::new()
+        .route("/health", get(health))
+        .route("/openapi.json", get(openapi_json))
+        .merge(protected)
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(state)
+}
+
+/// Serves until Ctrl-C or SIGTERM, then lets running requests finish.
+pub async fn serve(state: Arc<AppState>, addr: SocketAddr) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
+    // Tests and scripts read this line to find the port (`--port 0` picks a free one).
+    eprintln!("quarry: listening on http://{}", listener.local_addr()?);
+    axum::serve(listener, router(state.clone()))
+        .with_graceful_shutdown(shutdown_signal())
+        .await?;
+    eprintln!("quarry: draining running requests");
+    let client_state = state;
+    tokio::task::spawn_blocking(move || client_state.client.shutdown()).await?;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        if let Ok(mut s) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            s.recv().await;
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term => {}
+    }
+}
+
+async fn require_key(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+    if state.api_keys.is_empty() {
+        return next.run(request).await;
+    }
+    let given = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    if given.is_some_and(|k| state.api_keys.iter().any(|a| a == k)) {
+        return next.run(request).await;
+    }
+    ApiError::new(
+        StatusCode::UNAUTHORIZED,
+        "unauthorized",
+        "a valid API key is required: `Authorization: Bearer KEY`",
+    )
+    .into_response()
+}
+
+#[utoipa::path(get, path = "/health", tag = "service", responses((status = 200, body = Health)))]
+async fn health(State(state): State<Arc<AppState>>) -> Json<Health> {
+    let s = state.client.stats();
+    Json(Health {
+        status: "ok".into(),
+        model: state.model.clone(),
+        waiting: s.waiting,
+        running: s.running,
+        kv_blocks_free: s.kv_blocks_free,
+        kv_blocks_total: s.kv_blocks_total,
+    })
+}
+
+async fn openapi_json() -> impl IntoResponse {
+    Json(openapi::spec())
+}
+
+async fn not_found() -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route")
+}

@@ -1,0 +1,41 @@
+//! The OpenAPI document, generated from the handlers and types (utoipa). openapi/openapi.json
+//! is this document, written by `quarry openapi`; a test fails when the two drift apart.
+
+use utoipa::OpenApi;
+
+use super::api::{
+    ExtractOptions, ExtractRequest, ExtractResponse, Health, KeywordNote, Outcome, Timings, Usage, WhitespaceOption,
+};
+use super::error::{ErrorBody, ErrorDetail};
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "Quarry",
+        description = "Schema-first structured extraction: JSON that always validates, from an LLM constrained by a token mask."
+    ),
+    paths(super::extract::extract, super::health),
+    components(schemas(
+        ExtractRequest,
+        ExtractOptions,
+        WhitespaceOption,
+        ExtractResponse,
+        Outcome,
+        Usage,
+        Timings,
+        KeywordNote,
+        Health,
+        ErrorBody,
+        ErrorDetail
+    ))
+)]
+struct ApiDoc;
+
+pub fn spec() -> utoipa::openapi::OpenApi {
+    ApiDoc::openapi()
+}
+
+/// The document as committed in openapi/openapi.json.
+pub fn spec_json() -> String {
+    spec().to_pretty_json().expect("the spec serializes") + "\n"
+}

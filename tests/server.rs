@@ -1,0 +1,255 @@
+//! The HTTP service over the real model, driven over a loopback socket: /extract returns a
+//! record that validates (checked with the `jsonschema` crate) with usage and timings, or a
+//! typed outcome; bad requests get 4xx JSON bodies naming the problem; the API key is
+//! enforced; a client that hangs up has its request aborted and its KV blocks freed; the
+//! committed OpenAPI document matches the code.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+const KEY: &str = "test-key-123";
+
+struct Server {
+    child: Child,
+    port: u16,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start() -> Option<Server> {
+    let model = common::model_path()?;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_quarry"))
+        .args(["serve", "--port", "0", "--api-key", KEY, "--kv-cache-tokens", "8192"])
+        .arg("--model")
+        .arg(&model)
+        .arg("--schemas")
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/schemas"))
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start quarry serve");
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let port = loop {
+        let line = lines.next().expect("the server printed its address").unwrap();
+        if let Some(addr) = line.strip_prefix("quarry: listening on http://") {
+            break addr.rsplit(':').next().unwrap().parse().unwrap();
+        }
+    };
+    // Keep draining stderr so the server never blocks on a full pipe.
+    std::thread::spawn(move || for _ in lines {});
+    Some(Server { child, port })
+}
+
+/// One HTTP/1.1 request; returns the status and the body parsed as JSON.
+fn http(port: u16, method: &str, path: &str, key: Option<&str>, body: &[u8]) -> (u16, Value) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let auth = key
+        .map(|k| format!("Authorization: Bearer {k}\r\n"))
+        .unwrap_or_default();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n{auth}Content-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    )
+    .unwrap();
+    // A server refusing an oversized body may answer and close before reading all of it.
+    let _ = s.write_all(body);
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let text = String::from_utf8_lossy(&raw);
+    let (head, body) = text.split_once("\r\n\r\n").expect("a full response");
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+        dechunk(body)
+    } else {
+        body.to_string()
+    };
+    let value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{status} not JSON ({e}): {body}"));
+    (status, value)
+}
+
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        body = &rest[n + 2..];
+    }
+    out
+}
+
+fn post(port: u16, body: &Value) -> (u16, Value) {
+    http(port, "POST", "/extract", Some(KEY), body.to_string().as_bytes())
+}
+
+#[test]
+fn extract_over_http_with_typed_errors() {
+    let Some(server) = start() else { return };
+    let port = server.port;
+
+    let (status, health) = http(port, "GET", "/health", None, b"");
+    assert_eq!(status, 200);
+    assert!(health["kv_blocks_total"].as_u64().unwrap() > 0, "{health}");
+
+    // A ready-made schema by id: the record validates, with usage and timings.
+    let schema: Value =
+        serde_json::from_str(include_str!("../schemas/invoice.json")).expect("schemas/invoice.json is JSON");
+    let document = include_str!("../examples/documents/invoice.txt");
+    let (status, out) = post(port, &json!({"schema_id": "invoice", "document": document}));
+    assert_eq!(status, 200, "{out}");
+    assert_eq!(out["outcome"], "ok", "{out}");
+    assert!(
+        jsonschema::validator_for(&schema).unwrap().is_valid(&out["data"]),
+        "{out}"
+    );
+    assert!(out["usage"]["prompt_tokens"].as_u64().unwrap() > 50);
+    assert!(out["usage"]["completion_tokens"].as_u64().unwrap() > 5);
+    assert!(out["timings"]["total_ms"].as_f64().unwrap() > 0.0);
+
+    // The same schema inline, with too few tokens to close: truncated, never ok.
+    let (status, out) = post(
+        port,
+        &json!({"schema": schema, "document": document, "options": {"max_tokens": 5}}),
+    );
+    assert_eq!((status, out["outcome"].as_str()), (200, Some("truncated")), "{out}");
+    assert!(
+        out["data"].is_null() && !out["partial"].as_str().unwrap().is_empty(),
+        "{out}"
+    );
+
+    // Bad requests: a 4xx with a JSON body that names the problem.
+    let cases: Vec<(Vec<u8>, u16, &str)> = vec![
+        (b"{\"schema_id\": ".to_vec(), 400, "invalid_json"),
+        (
+            json!({"schema_id": "invoice", "document": "x", "colour": 1})
+                .to_string()
+                .into_bytes(),
+            422,
+            "unknown_field",
+        ),
+        (
+            json!({"schema_id": "invoice"}).to_string().into_bytes(),
+            422,
+            "invalid_field",
+        ),
+        (
+            json!({"schema_id": "no-such", "document": "x"})
+                .to_string()
+                .into_bytes(),
+            404,
+            "unknown_schema_id",
+        ),
+        (json!({"document": "x"}).to_string().into_bytes(), 400, "bad_request"),
+        (
+            json!({"schema_id": "invoice", "document": "x", "options": {"max_tokens": 0}})
+                .to_string()
+                .into_bytes(),
+            400,
+            "bad_request",
+        ),
+        (
+            json!({"schema_id": "invoice", "document": "x".repeat(5 << 20)})
+                .to_string()
+                .into_bytes(),
+            413,
+            "body_too_large",
+        ),
+        (
+            json!({"schema_id": "invoice", "document": "word ".repeat(20_000)})
+                .to_string()
+                .into_bytes(),
+            400,
+            "input_too_long",
+        ),
+    ];
+    for (body, want_status, want_type) in cases {
+        let (status, out) = http(port, "POST", "/extract", Some(KEY), &body);
+        assert_eq!(
+            (status, out["error"]["type"].as_str()),
+            (want_status, Some(want_type)),
+            "{out}"
+        );
+        assert!(!out["error"]["message"].as_str().unwrap().is_empty());
+    }
+    let (status, out) = post(
+        port,
+        &json!({"schema": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}, "document": "x"}),
+    );
+    assert_eq!(status, 400);
+    assert_eq!(
+        (
+            &out["error"]["type"],
+            &out["error"]["keyword"],
+            &out["error"]["pointer"]
+        ),
+        (&json!("schema_rejected"), &json!("$ref"), &json!("/properties/a")),
+        "{out}"
+    );
+    let (status, out) = http(port, "POST", "/extract", None, b"{}");
+    assert_eq!((status, out["error"]["type"].as_str()), (401, Some("unauthorized")));
+    let (status, out) = http(port, "POST", "/extract", Some("wrong"), b"{}");
+    assert_eq!((status, out["error"]["type"].as_str()), (401, Some("unauthorized")));
+
+    // A client that hangs up mid-generation: its request is aborted and its blocks freed.
+    let long = json!({
+        "schema": {"type": "array", "items": {"type": "integer"}, "minItems": 3000},
+        "document": "Write numbers.",
+        "options": {"max_tokens": 4096}
+    })
+    .to_string();
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(
+        s,
+        "POST /extract HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nAuthorization: Bearer {KEY}\r\nContent-Length: {}\r\n\r\n{long}",
+        long.len()
+    )
+    .unwrap();
+    let started = Instant::now();
+    loop {
+        let (_, h) = http(port, "GET", "/health", None, b"");
+        if h["running"] == 1 {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the long request never started: {h}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(s);
+    let hung_up = Instant::now();
+    loop {
+        let (_, h) = http(port, "GET", "/health", None, b"");
+        if h["running"] == 0 && h["waiting"] == 0 && h["kv_blocks_free"] == h["kv_blocks_total"] {
+            break;
+        }
+        assert!(hung_up.elapsed() < Duration::from_secs(5), "not aborted: {h}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn the_committed_openapi_document_matches_the_code() {
+    let committed = include_str!("../openapi/openapi.json");
+    let generated = quarry::server::openapi::spec_json();
+    assert!(
+        committed == generated,
+        "openapi/openapi.json is stale: run `cargo run -- openapi --output openapi/openapi.json`"
+    );
+    let spec: Value = serde_json::from_str(&generated).unwrap();
+    assert!(spec["paths"]["/extract"]["post"].is_object());
+    assert!(spec["components"]["schemas"]["ErrorBody"].is_object());
+}
