@@ -100,30 +100,46 @@ pub fn scales(x: &[BlockQ8_1]) -> Vec<[f32; 2]> {
 /// `out` must hold `xs.len() / kb` rows of 16 writable floats that nothing else touches
 /// meanwhile.
 pub unsafe fn group_dot(w: &[BlockQ4_1x16], xs: &[BlockQ8_1], sc: &[[f32; 2]], out: OutRows) {
-    let kb = w.len();
-    debug_assert!(xs.len() <= TILE * kb && xs.len() == sc.len() && xs.len().is_multiple_of(kb.max(1)));
     #[cfg(target_arch = "x86_64")]
-    {
-        // SAFETY: `Linear` builds this layout only after `available()` said yes; the caller
-        // vouches for `out`.
-        unsafe {
-            match xs.len() / kb.max(1) {
-                8 => x86::group_dot::<8>(w, xs, sc, out),
-                4..=7 => {
-                    x86::group_dot::<4>(w, &xs[..4 * kb], &sc[..4 * kb], out);
-                    group_dot(w, &xs[4 * kb..], &sc[4 * kb..], out.skip(4));
-                }
-                2 | 3 => {
-                    x86::group_dot::<2>(w, &xs[..2 * kb], &sc[..2 * kb], out);
-                    group_dot(w, &xs[2 * kb..], &sc[2 * kb..], out.skip(2));
-                }
-                1 => x86::group_dot::<1>(w, xs, sc, out),
-                _ => {}
-            }
-        }
+    // SAFETY: `Linear` builds this layout only after `available()` said yes; the caller
+    // vouches for `out`.
+    unsafe {
+        run_tiles(
+            [
+                x86::group_dot::<8>,
+                x86::group_dot::<4>,
+                x86::group_dot::<2>,
+                x86::group_dot::<1>,
+            ],
+            w,
+            xs,
+            sc,
+            out,
+        )
     }
     #[cfg(not(target_arch = "x86_64"))]
     unreachable!("BlockQ4_1x16 weights exist only where the kernel runs");
+}
+
+/// A kernel instance for a fixed number of activation rows.
+pub type TileKernel<W, X> = unsafe fn(&[W], &[X], &[[f32; 2]], OutRows);
+
+/// Runs the activation rows of `xs` (`w.len()` blocks each, at most `TILE` rows) through
+/// `kernels` (for 8, 4, 2 and 1 rows), largest first.
+///
+/// # Safety
+/// The kernels' own conditions, and `out` holds a row of 16 floats per activation row.
+pub unsafe fn run_tiles<W, X>(kernels: [TileKernel<W, X>; 4], w: &[W], xs: &[X], sc: &[[f32; 2]], out: OutRows) {
+    let kb = w.len().max(1);
+    debug_assert!(xs.len() <= TILE * kb && xs.len() == sc.len() && xs.len().is_multiple_of(kb));
+    let (mut done, rows) = (0, xs.len() / kb);
+    for (size, kernel) in [8, 4, 2, 1].into_iter().zip(kernels) {
+        while rows - done >= size {
+            let range = done * kb..(done + size) * kb;
+            kernel(w, &xs[range.clone()], &sc[range], out.skip(done));
+            done += size;
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -7,6 +7,7 @@
 use half::f16;
 
 use super::q4_1::{BlockQ8_1, QK};
+use super::q4_1_x16::run_tiles;
 pub use super::q4_1_x16::{available, scales, OutRows, TILE};
 
 /// One block (32 weights) of 16 consecutive rows. `qs[p]` bytes `4 * r..4 * r + 4` are row
@@ -63,27 +64,22 @@ pub fn shifted(x: &[BlockQ8_1]) -> Vec<[u8; QK]> {
 /// # Safety
 /// As `q4_1_x16::group_dot`.
 pub unsafe fn group_dot(w: &[BlockQ8_0x16], xs: &[[u8; QK]], sc: &[[f32; 2]], out: OutRows) {
-    let kb = w.len();
-    debug_assert!(xs.len() <= TILE * kb && xs.len() == sc.len() && xs.len().is_multiple_of(kb.max(1)));
     #[cfg(target_arch = "x86_64")]
-    {
-        // SAFETY: `Linear` builds this layout only after `available()` said yes; the caller
-        // vouches for `out`.
-        unsafe {
-            match xs.len() / kb.max(1) {
-                8 => x86::group_dot::<8>(w, xs, sc, out),
-                4..=7 => {
-                    x86::group_dot::<4>(w, &xs[..4 * kb], &sc[..4 * kb], out);
-                    group_dot(w, &xs[4 * kb..], &sc[4 * kb..], out.skip(4));
-                }
-                2 | 3 => {
-                    x86::group_dot::<2>(w, &xs[..2 * kb], &sc[..2 * kb], out);
-                    group_dot(w, &xs[2 * kb..], &sc[2 * kb..], out.skip(2));
-                }
-                1 => x86::group_dot::<1>(w, xs, sc, out),
-                _ => {}
-            }
-        }
+    // SAFETY: `Linear` builds this layout only after `available()` said yes; the caller
+    // vouches for `out`.
+    unsafe {
+        run_tiles(
+            [
+                x86::group_dot::<8>,
+                x86::group_dot::<4>,
+                x86::group_dot::<2>,
+                x86::group_dot::<1>,
+            ],
+            w,
+            xs,
+            sc,
+            out,
+        )
     }
     #[cfg(not(target_arch = "x86_64"))]
     unreachable!("BlockQ8_0x16 weights exist only where the kernel runs");
