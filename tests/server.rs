@@ -203,6 +203,108 @@ fn extract_over_http_with_typed_errors() {
     let (status, out) = http(port, "POST", "/extract", Some("wrong"), b"{}");
     assert_eq!((status, out["error"]["type"].as_str()), (401, Some("unauthorized")));
 
+    // Schemas: every ready-made one compiles; a registered one gets a report of every keyword
+    // (those it cannot enforce named with their pointers) and an id that /extract takes.
+    let (status, list) = http(port, "GET", "/schemas", Some(KEY), b"");
+    assert_eq!(status, 200);
+    let ids: Vec<&str> = list["schema_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    for want in ["contact", "invoice", "job_posting", "receipt", "resume"] {
+        assert!(ids.contains(&want), "{list}");
+        let (status, info) = http(port, "GET", &format!("/schemas/{want}"), Some(KEY), b"");
+        assert_eq!(status, 200, "{info}");
+        assert!(
+            info["report"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|k| k["status"] != "rejected"),
+            "{info}"
+        );
+    }
+    let tagged = json!({
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "uniqueItems": true}},
+        "required": ["tags"],
+        "additionalProperties": false
+    });
+    let (status, info) = http(
+        port,
+        "POST",
+        "/schemas",
+        Some(KEY),
+        json!({"schema": tagged}).to_string().as_bytes(),
+    );
+    assert_eq!(status, 200, "{info}");
+    let report = info["report"].as_array().unwrap();
+    let unique = report
+        .iter()
+        .find(|k| k["keyword"] == "uniqueItems")
+        .expect("uniqueItems is reported");
+    assert_eq!(
+        (&unique["status"], &unique["pointer"]),
+        (&json!("rejected"), &json!("/properties/tags")),
+        "{info}"
+    );
+    assert!(
+        report
+            .iter()
+            .any(|k| k["keyword"] == "maxLength" && k["status"] == "enforced"),
+        "{info}"
+    );
+    let id = info["schema_id"].as_str().unwrap().to_string();
+    let (status, again) = http(
+        port,
+        "POST",
+        "/schemas",
+        Some(KEY),
+        json!({"schema": tagged}).to_string().as_bytes(),
+    );
+    assert_eq!(
+        (status, again["schema_id"].as_str()),
+        (200, Some(id.as_str())),
+        "the same schema, the same id"
+    );
+    let (status, out) = post(port, &json!({"schema_id": id, "document": "Tags: red, green."}));
+    assert_eq!(status, 200, "{out}");
+    if out["outcome"] == "ok" {
+        assert!(out["data"]["tags"].is_array(), "{out}");
+    }
+    assert!(
+        out["notes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|n| n["keyword"] == "uniqueItems"),
+        "{out}"
+    );
+    let strict = json!({"schema": tagged, "strict": true}).to_string();
+    let (status, out) = http(port, "POST", "/schemas", Some(KEY), strict.as_bytes());
+    assert_eq!(
+        (
+            status,
+            &out["error"]["type"],
+            &out["error"]["keyword"],
+            &out["error"]["pointer"]
+        ),
+        (
+            400,
+            &json!("schema_rejected"),
+            &json!("uniqueItems"),
+            &json!("/properties/tags")
+        ),
+        "{out}"
+    );
+    let (status, out) = http(port, "GET", "/schemas/s-0000000000000000", Some(KEY), b"");
+    assert_eq!(
+        (status, out["error"]["type"].as_str()),
+        (404, Some("unknown_schema_id"))
+    );
+
     // A client that hangs up mid-generation: its request is aborted and its blocks freed.
     let long = json!({
         "schema": {"type": "array", "items": {"type": "integer"}, "minItems": 3000},

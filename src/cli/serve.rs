@@ -28,7 +28,7 @@ pub struct ServeArgs {
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let schemas = server::load_schemas(&args.schemas)?;
+    let schemas = server::schemas::SchemaRegistry::load(&args.schemas)?;
     let (engine, tokenizer) = args.model.engine()?;
     let model = args.model.model_name();
     let structured = StructuredOutputs::new(&tokenizer);

@@ -60,7 +60,9 @@ impl ApiError {
     /// keyword refused in strict mode).
     pub fn schema_rejected(e: GrammarError) -> Self {
         let mut err = Self::new(StatusCode::BAD_REQUEST, "schema_rejected", e.to_string());
-        if let GrammarError::InvalidSchema { pointer, keyword, .. } = e {
+        if let GrammarError::InvalidSchema { pointer, keyword, .. }
+        | GrammarError::Unsupported { pointer, keyword, .. } = e
+        {
             err.detail.pointer = Some(pointer);
             err.detail.keyword = Some(keyword);
         }

@@ -37,13 +37,7 @@ pub async fn extract(
 ) -> Result<Json<ExtractResponse>, ApiError> {
     let schema = match (req.schema, &req.schema_id) {
         (Some(s), None) => s,
-        (None, Some(id)) => state.schemas.get(id).cloned().ok_or_else(|| {
-            ApiError::new(
-                StatusCode::NOT_FOUND,
-                "unknown_schema_id",
-                format!("no schema with id `{id}` (known: {})", state.schema_ids().join(", ")),
-            )
-        })?,
+        (None, Some(id)) => state.schemas.get(id).ok_or_else(|| super::schemas::unknown(id))?,
         _ => return Err(ApiError::bad_request("give exactly one of `schema` and `schema_id`")),
     };
     let o = &req.options;

@@ -5,10 +5,9 @@ pub mod api;
 pub mod error;
 mod extract;
 pub mod openapi;
+pub mod schemas;
 
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::Path;
 use std::sync::Arc;
 
 use axum::extract::{DefaultBodyLimit, FromRequest, Request, State};
@@ -17,7 +16,6 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use serde_json::Value;
 
 use crate::engine::{EngineClient, StructuredOutputs};
 use crate::tokenizer::Tokenizer;
@@ -31,17 +29,10 @@ pub struct AppState {
     pub client: EngineClient,
     pub tokenizer: Arc<Tokenizer>,
     pub structured: StructuredOutputs,
-    /// Ready-made schemas by id.
-    pub schemas: BTreeMap<String, Value>,
+    pub schemas: schemas::SchemaRegistry,
     pub model: String,
     /// Accepted bearer tokens; none means no authentication.
     pub api_keys: Vec<String>,
-}
-
-impl AppState {
-    pub fn schema_ids(&self) -> Vec<String> {
-        self.schemas.keys().cloned().collect()
-    }
 }
 
 /// `axum::Json` whose rejections are JSON errors (`ApiError`).
@@ -49,27 +40,11 @@ impl AppState {
 #[from_request(via(Json), rejection(ApiError))]
 pub struct ApiJson<T>(pub T);
 
-/// Every `*.json` in `dir`, by file stem. A file that is not JSON stops the start.
-pub fn load_schemas(dir: &Path) -> anyhow::Result<BTreeMap<String, Value>> {
-    let mut schemas = BTreeMap::new();
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return Ok(schemas);
-    };
-    for entry in entries {
-        let path = entry?.path();
-        if path.extension().is_some_and(|e| e == "json") {
-            let text = std::fs::read_to_string(&path)?;
-            let schema = serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-            let id = path.file_stem().unwrap_or_default().to_string_lossy().into_owned();
-            schemas.insert(id, schema);
-        }
-    }
-    Ok(schemas)
-}
-
 pub fn router(state: Arc<AppState>) -> Router {
     let protected = Router::new()
         .route("/extract", post(extract::extract))
+        .route("/schemas", post(schemas::register).get(schemas::list))
+        .route("/schemas/{id}", get(schemas::get_one))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
     Router::new()
         .route("/health", get(health))

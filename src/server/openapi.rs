@@ -7,6 +7,7 @@ use super::api::{
     ExtractOptions, ExtractRequest, ExtractResponse, Health, KeywordNote, Outcome, Timings, Usage, WhitespaceOption,
 };
 use super::error::{ErrorBody, ErrorDetail};
+use super::schemas::{KeywordEntry, RegisterSchema, SchemaInfo, SchemaList};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -14,7 +15,13 @@ use super::error::{ErrorBody, ErrorDetail};
         title = "Quarry",
         description = "Schema-first structured extraction: JSON that always validates, from an LLM constrained by a token mask."
     ),
-    paths(super::extract::extract, super::health),
+    paths(
+        super::extract::extract,
+        super::schemas::register,
+        super::schemas::list,
+        super::schemas::get_one,
+        super::health
+    ),
     components(schemas(
         ExtractRequest,
         ExtractOptions,
@@ -26,7 +33,11 @@ use super::error::{ErrorBody, ErrorDetail};
         KeywordNote,
         Health,
         ErrorBody,
-        ErrorDetail
+        ErrorDetail,
+        RegisterSchema,
+        SchemaInfo,
+        KeywordEntry,
+        SchemaList
     ))
 )]
 struct ApiDoc;

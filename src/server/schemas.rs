@@ -1,0 +1,223 @@
+//! The schema registry: ready-made schemas loaded from schemas/ at start, plus schemas
+//! registered over `POST /schemas`, each compiled once (preflight) and addressable by id.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::{Arc, RwLock};
+
+use axum::extract::{Path as UrlPath, State};
+use axum::http::StatusCode;
+use axum::Json;
+use quarry_grammar::json::{CompileReport, KeywordStatus, Whitespace};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use utoipa::ToSchema;
+
+use super::error::{ApiError, ErrorBody};
+use super::{ApiJson, AppState};
+use crate::engine::Constraint;
+
+/// Most schemas registered over the API; ready-made ones do not count.
+const MAX_REGISTERED: usize = 10_000;
+
+#[derive(Default)]
+pub struct SchemaRegistry {
+    by_id: RwLock<BTreeMap<String, Value>>,
+    registered: RwLock<usize>,
+}
+
+impl SchemaRegistry {
+    /// Every `*.json` of `dir`, by file stem. A file that is not JSON stops the start.
+    pub fn load(dir: &Path) -> anyhow::Result<Self> {
+        let mut by_id = BTreeMap::new();
+        if let Ok(entries) = std::fs::read_dir(dir) {
+            for entry in entries {
+                let path = entry?.path();
+                if path.extension().is_some_and(|e| e == "json") {
+                    let text = std::fs::read_to_string(&path)?;
+                    let schema = serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+                    by_id.insert(
+                        path.file_stem().unwrap_or_default().to_string_lossy().into_owned(),
+                        schema,
+                    );
+                }
+            }
+        }
+        Ok(SchemaRegistry {
+            by_id: RwLock::new(by_id),
+            registered: RwLock::new(0),
+        })
+    }
+
+    pub fn get(&self, id: &str) -> Option<Value> {
+        self.by_id.read().unwrap_or_else(|e| e.into_inner()).get(id).cloned()
+    }
+
+    pub fn ids(&self) -> Vec<String> {
+        self.by_id
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .keys()
+            .cloned()
+            .collect()
+    }
+
+    /// Registers `schema` under an id derived from its text (the same schema, the same id).
+    fn register(&self, schema: Value) -> Result<String, ApiError> {
+        let id = format!("s-{:016x}", fnv1a(schema.to_string().as_bytes()));
+        let mut by_id = self.by_id.write().unwrap_or_else(|e| e.into_inner());
+        if by_id.contains_key(&id) {
+            return Ok(id);
+        }
+        let mut registered = self.registered.write().unwrap_or_else(|e| e.into_inner());
+        if *registered >= MAX_REGISTERED {
+            return Err(ApiError::new(
+                StatusCode::INSUFFICIENT_STORAGE,
+                "registry_full",
+                format!("{MAX_REGISTERED} schemas are registered already"),
+            ));
+        }
+        *registered += 1;
+        by_id.insert(id.clone(), schema);
+        Ok(id)
+    }
+}
+
+/// A stable 64-bit hash (FNV-1a), so an id survives restarts.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RegisterSchema {
+    #[schema(value_type = Object)]
+    pub schema: Value,
+    /// Refuse the schema if any keyword cannot be enforced.
+    #[serde(default)]
+    pub strict: bool,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct SchemaInfo {
+    pub schema_id: String,
+    #[schema(value_type = Object)]
+    pub schema: Value,
+    /// Every keyword of the schema with its JSON pointer and what the grammar makes of it.
+    pub report: Vec<KeywordEntry>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct KeywordEntry {
+    pub keyword: String,
+    pub pointer: String,
+    /// `enforced`, `approximated`, `rejected` (not enforced) or `annotation`.
+    pub status: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct SchemaList {
+    pub schema_ids: Vec<String>,
+}
+
+fn entries(report: &CompileReport) -> Vec<KeywordEntry> {
+    report
+        .keywords
+        .iter()
+        .map(|k| {
+            let (status, detail) = match &k.status {
+                KeywordStatus::Enforced => ("enforced", None),
+                KeywordStatus::Approximated(how) => ("approximated", Some(how.clone())),
+                KeywordStatus::Rejected(why) => ("rejected", Some(why.clone())),
+                KeywordStatus::Annotation => ("annotation", None),
+            };
+            KeywordEntry {
+                keyword: k.keyword.clone(),
+                pointer: k.pointer.clone(),
+                status: status.into(),
+                detail,
+            }
+        })
+        .collect()
+}
+
+/// Compiles `schema` off the async threads (cached, so the first extraction with it is fast).
+async fn preflight(state: &Arc<AppState>, schema: &Value, strict: bool) -> Result<Vec<KeywordEntry>, ApiError> {
+    let constraint = Constraint::Json {
+        schema: schema.clone(),
+        whitespace: Whitespace::Compact,
+        strict,
+    };
+    let work = state.clone();
+    let compiled = tokio::task::spawn_blocking(move || work.structured.compile(&constraint))
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))?
+        .map_err(ApiError::schema_rejected)?;
+    Ok(compiled.report().map(entries).unwrap_or_default())
+}
+
+#[utoipa::path(
+    post,
+    path = "/schemas",
+    tag = "schemas",
+    request_body = RegisterSchema,
+    responses(
+        (status = 200, description = "Compiled and registered; the report lists every keyword", body = SchemaInfo),
+        (status = 400, description = "The schema cannot be compiled: its keyword and pointer are named", body = ErrorBody),
+        (status = 422, description = "Unknown or missing field", body = ErrorBody),
+    )
+)]
+pub async fn register(
+    State(state): State<Arc<AppState>>,
+    ApiJson(req): ApiJson<RegisterSchema>,
+) -> Result<Json<SchemaInfo>, ApiError> {
+    let report = preflight(&state, &req.schema, req.strict).await?;
+    let schema_id = state.schemas.register(req.schema.clone())?;
+    Ok(Json(SchemaInfo {
+        schema_id,
+        schema: req.schema,
+        report,
+    }))
+}
+
+#[utoipa::path(
+    get,
+    path = "/schemas/{id}",
+    tag = "schemas",
+    params(("id" = String, Path, description = "A schema id")),
+    responses(
+        (status = 200, body = SchemaInfo),
+        (status = 404, description = "Unknown id", body = ErrorBody),
+    )
+)]
+pub async fn get_one(
+    State(state): State<Arc<AppState>>,
+    UrlPath(id): UrlPath<String>,
+) -> Result<Json<SchemaInfo>, ApiError> {
+    let schema = state.schemas.get(&id).ok_or_else(|| unknown(&id))?;
+    let report = preflight(&state, &schema, false).await?;
+    Ok(Json(SchemaInfo {
+        schema_id: id,
+        schema,
+        report,
+    }))
+}
+
+#[utoipa::path(get, path = "/schemas", tag = "schemas", responses((status = 200, body = SchemaList)))]
+pub async fn list(State(state): State<Arc<AppState>>) -> Json<SchemaList> {
+    Json(SchemaList {
+        schema_ids: state.schemas.ids(),
+    })
+}
+
+pub fn unknown(id: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "unknown_schema_id",
+        format!("no schema with id `{id}`"),
+    )
+}
