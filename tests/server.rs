@@ -52,6 +52,12 @@ fn start() -> Option<Server> {
 
 /// One HTTP/1.1 request; returns the status and the body parsed as JSON.
 fn http(port: u16, method: &str, path: &str, key: Option<&str>, body: &[u8]) -> (u16, Value) {
+    let (status, body) = http_text(port, method, path, key, body);
+    let value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{status} not JSON ({e}): {body}"));
+    (status, value)
+}
+
+fn http_text(port: u16, method: &str, path: &str, key: Option<&str>, body: &[u8]) -> (u16, String) {
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     let auth = key
         .map(|k| format!("Authorization: Bearer {k}\r\n"))
@@ -74,8 +80,7 @@ fn http(port: u16, method: &str, path: &str, key: Option<&str>, body: &[u8]) -> 
     } else {
         body.to_string()
     };
-    let value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{status} not JSON ({e}): {body}"));
-    (status, value)
+    (status, body)
 }
 
 fn dechunk(mut body: &str) -> String {
@@ -304,6 +309,22 @@ fn extract_over_http_with_typed_errors() {
         (status, out["error"]["type"].as_str()),
         (404, Some("unknown_schema_id"))
     );
+
+    // Prometheus metrics: outcomes by type, latency histograms, engine gauges.
+    let (status, text) = http_text(port, "GET", "/metrics", None, b"");
+    assert_eq!(status, 200);
+    for line in [
+        "quarry_extractions_total{outcome=\"ok\"}",
+        "quarry_extractions_total{outcome=\"truncated\"} 1",
+        "quarry_extractions_total{outcome=\"unknown_schema_id\"} 1",
+        "quarry_extractions_total{outcome=\"schema_rejected\"} 1",
+        "quarry_time_to_first_token_seconds_count",
+        "quarry_completion_tokens_total",
+        "quarry_kv_cache_usage_ratio",
+        "quarry_prefix_cache_hit_ratio",
+    ] {
+        assert!(text.contains(line), "{line} missing from:\n{text}");
+    }
 
     // A client that hangs up mid-generation: its request is aborted and its blocks freed.
     let long = json!({

@@ -39,6 +39,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         schemas,
         model,
         api_keys: args.api_key,
+        metrics: Default::default(),
     });
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(server::serve(state, SocketAddr::new(args.host, args.port)))

@@ -35,6 +35,24 @@ pub async fn extract(
     State(state): State<Arc<AppState>>,
     ApiJson(req): ApiJson<ExtractRequest>,
 ) -> Result<Json<ExtractResponse>, ApiError> {
+    let result = run(&state, req).await;
+    match &result {
+        Ok(out) => state.metrics.outcome(outcome_name(out.outcome)),
+        Err(e) => state.metrics.outcome(&e.detail.kind),
+    }
+    result
+}
+
+fn outcome_name(o: Outcome) -> &'static str {
+    match o {
+        Outcome::Ok => "ok",
+        Outcome::Truncated => "truncated",
+        Outcome::Cancelled => "cancelled",
+        Outcome::Internal => "internal",
+    }
+}
+
+async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<Json<ExtractResponse>, ApiError> {
     let schema = match (req.schema, &req.schema_id) {
         (Some(s), None) => s,
         (None, Some(id)) => state.schemas.get(id).ok_or_else(|| super::schemas::unknown(id))?,
@@ -99,6 +117,7 @@ pub async fn extract(
     }
     let last = last.ok_or_else(|| ApiError::internal("the engine stopped before the request finished"))?;
     let m = last.metrics.unwrap_or_default();
+    state.metrics.observe(&m, tokens);
     let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
     let (outcome, data) = match last.finished {
         Some(FinishReason::Stop) => match serde_json::from_str::<Value>(&text) {

@@ -4,6 +4,7 @@
 pub mod api;
 pub mod error;
 mod extract;
+pub mod metrics;
 pub mod openapi;
 pub mod schemas;
 
@@ -33,6 +34,7 @@ pub struct AppState {
     pub model: String,
     /// Accepted bearer tokens; none means no authentication.
     pub api_keys: Vec<String>,
+    pub metrics: metrics::Metrics,
 }
 
 /// `axum::Json` whose rejections are JSON errors (`ApiError`).
@@ -48,6 +50,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
     Router::new()
         .route("/health", get(health))
+        .route("/metrics", get(metrics::metrics))
         .route("/openapi.json", get(openapi_json))
         .merge(protected)
         .fallback(not_found)

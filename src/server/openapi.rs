@@ -20,7 +20,8 @@ use super::schemas::{KeywordEntry, RegisterSchema, SchemaInfo, SchemaList};
         super::schemas::register,
         super::schemas::list,
         super::schemas::get_one,
-        super::health
+        super::health,
+        super::metrics::metrics
     ),
     components(schemas(
         ExtractRequest,

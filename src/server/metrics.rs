@@ -1,0 +1,163 @@
+//! `GET /metrics` in the Prometheus text format (prometheus-client): latency histograms
+//! (queue, TTFT, ITL, end to end), tokens (rate() gives tokens/s), extraction outcomes by
+//! type, and gauges read from the engine at scrape time (queue depth, running requests, KV
+//! usage, prefix-cache hit rate, preemptions).
+
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+
+use axum::extract::State;
+use axum::http::header;
+use axum::response::IntoResponse;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+use super::AppState;
+use crate::engine::RequestMetrics;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabel {
+    pub outcome: String,
+}
+
+pub struct Metrics {
+    registry: Registry,
+    queue: Histogram,
+    ttft: Histogram,
+    itl: Histogram,
+    e2e: Histogram,
+    prompt_tokens: Counter,
+    cached_tokens: Counter,
+    completion_tokens: Counter,
+    outcomes: Family<OutcomeLabel, Counter>,
+    waiting: Gauge,
+    running: Gauge,
+    kv_usage: Gauge<f64, AtomicU64>,
+    prefix_hit_rate: Gauge<f64, AtomicU64>,
+    preemptions: Gauge,
+    /// Scrapes render one at a time (the registry encoder takes `&Registry`).
+    render: Mutex<()>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let seconds = || Histogram::new(exponential_buckets(0.001, 2.0, 18));
+        let mut m = Metrics {
+            registry: Registry::with_prefix("quarry"),
+            queue: seconds(),
+            ttft: seconds(),
+            itl: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
+            e2e: seconds(),
+            prompt_tokens: Counter::default(),
+            cached_tokens: Counter::default(),
+            completion_tokens: Counter::default(),
+            outcomes: Family::default(),
+            waiting: Gauge::default(),
+            running: Gauge::default(),
+            kv_usage: Gauge::default(),
+            prefix_hit_rate: Gauge::default(),
+            preemptions: Gauge::default(),
+            render: Mutex::new(()),
+        };
+        let r = &mut m.registry;
+        r.register(
+            "queue_seconds",
+            "Time from arrival to first scheduling",
+            m.queue.clone(),
+        );
+        r.register("time_to_first_token_seconds", "Time to first token", m.ttft.clone());
+        r.register(
+            "inter_token_latency_seconds",
+            "Time between output tokens",
+            m.itl.clone(),
+        );
+        r.register("request_seconds", "End-to-end request time", m.e2e.clone());
+        r.register(
+            "prompt_tokens",
+            "Prompt tokens of finished requests",
+            m.prompt_tokens.clone(),
+        );
+        r.register(
+            "cached_prompt_tokens",
+            "Prompt tokens found in the prefix cache",
+            m.cached_tokens.clone(),
+        );
+        r.register("completion_tokens", "Output tokens", m.completion_tokens.clone());
+        r.register(
+            "extractions",
+            "Extraction requests by outcome or error type",
+            m.outcomes.clone(),
+        );
+        r.register(
+            "waiting_requests",
+            "Requests waiting to be scheduled",
+            m.waiting.clone(),
+        );
+        r.register("running_requests", "Requests running", m.running.clone());
+        r.register("kv_cache_usage_ratio", "Share of KV blocks in use", m.kv_usage.clone());
+        r.register(
+            "prefix_cache_hit_ratio",
+            "Prompt tokens found in the prefix cache, of those looked up",
+            m.prefix_hit_rate.clone(),
+        );
+        r.register("preemptions", "Requests preempted so far", m.preemptions.clone());
+        m
+    }
+}
+
+impl Metrics {
+    /// A finished request's times and token counts.
+    pub fn observe(&self, m: &RequestMetrics, completion_tokens: usize) {
+        self.queue.observe(m.queue.as_secs_f64());
+        self.ttft.observe(m.ttft.as_secs_f64());
+        for d in &m.itl {
+            self.itl.observe(d.as_secs_f64());
+        }
+        self.e2e.observe(m.e2e.as_secs_f64());
+        self.prompt_tokens.inc_by(m.prompt_tokens as u64);
+        self.cached_tokens.inc_by(m.cached_tokens as u64);
+        self.completion_tokens.inc_by(completion_tokens as u64);
+    }
+
+    pub fn outcome(&self, outcome: &str) {
+        self.outcomes
+            .get_or_create(&OutcomeLabel {
+                outcome: outcome.to_string(),
+            })
+            .inc();
+    }
+}
+
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    tag = "service",
+    responses((status = 200, description = "Prometheus / OpenMetrics text", content_type = "application/openmetrics-text", body = String))
+)]
+pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
+    let m = &state.metrics;
+    let s = state.client.stats();
+    m.waiting.set(s.waiting as i64);
+    m.running.set(s.running as i64);
+    let used = s.kv_blocks_total.saturating_sub(s.kv_blocks_free);
+    m.kv_usage.set(used as f64 / s.kv_blocks_total.max(1) as f64);
+    m.prefix_hit_rate.set(s.prefix_cache.hit_rate());
+    m.preemptions.set(s.preemptions as i64);
+    let mut text = String::new();
+    {
+        let _one = m.render.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = encode(&mut text, &m.registry);
+    }
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        text,
+    )
+}
