@@ -27,10 +27,11 @@ impl Drop for Server {
     }
 }
 
-fn start() -> Option<Server> {
+fn start(extra: &[&str]) -> Option<Server> {
     let model = common::model_path()?;
     let mut child = Command::new(env!("CARGO_BIN_EXE_quarry"))
         .args(["serve", "--port", "0", "--api-key", KEY, "--kv-cache-tokens", "8192"])
+        .args(extra)
         .arg("--model")
         .arg(&model)
         .arg("--schemas")
@@ -58,6 +59,12 @@ fn http(port: u16, method: &str, path: &str, key: Option<&str>, body: &[u8]) -> 
 }
 
 fn http_text(port: u16, method: &str, path: &str, key: Option<&str>, body: &[u8]) -> (u16, String) {
+    let (status, _, body) = http_raw(port, method, path, key, body);
+    (status, body)
+}
+
+/// Status, head (lower-cased) and body.
+fn http_raw(port: u16, method: &str, path: &str, key: Option<&str>, body: &[u8]) -> (u16, String, String) {
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     let auth = key
         .map(|k| format!("Authorization: Bearer {k}\r\n"))
@@ -80,7 +87,7 @@ fn http_text(port: u16, method: &str, path: &str, key: Option<&str>, body: &[u8]
     } else {
         body.to_string()
     };
-    (status, body)
+    (status, head.to_ascii_lowercase(), body)
 }
 
 fn dechunk(mut body: &str) -> String {
@@ -102,7 +109,7 @@ fn post(port: u16, body: &Value) -> (u16, Value) {
 
 #[test]
 fn extract_over_http_with_typed_errors() {
-    let Some(server) = start() else { return };
+    let Some(server) = start(&[]) else { return };
     let port = server.port;
 
     let (status, health) = http(port, "GET", "/health", None, b"");
@@ -327,6 +334,22 @@ fn extract_over_http_with_typed_errors() {
     }
 
     // A client that hangs up mid-generation: its request is aborted and its blocks freed.
+    let s = start_long_request(port);
+    drop(s);
+    let hung_up = Instant::now();
+    loop {
+        let (_, h) = http(port, "GET", "/health", None, b"");
+        if h["running"] == 0 && h["waiting"] == 0 && h["kv_blocks_free"] == h["kv_blocks_total"] {
+            break;
+        }
+        assert!(hung_up.elapsed() < Duration::from_secs(5), "not aborted: {h}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Sends an extraction that would run for thousands of tokens and waits until it runs;
+/// dropping the returned socket hangs up.
+fn start_long_request(port: u16) -> TcpStream {
     let long = json!({
         "schema": {"type": "array", "items": {"type": "integer"}, "minItems": 3000},
         "document": "Write numbers.",
@@ -344,7 +367,7 @@ fn extract_over_http_with_typed_errors() {
     loop {
         let (_, h) = http(port, "GET", "/health", None, b"");
         if h["running"] == 1 {
-            break;
+            return s;
         }
         assert!(
             started.elapsed() < Duration::from_secs(20),
@@ -352,16 +375,20 @@ fn extract_over_http_with_typed_errors() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    drop(s);
-    let hung_up = Instant::now();
-    loop {
-        let (_, h) = http(port, "GET", "/health", None, b"");
-        if h["running"] == 0 && h["waiting"] == 0 && h["kv_blocks_free"] == h["kv_blocks_total"] {
-            break;
-        }
-        assert!(hung_up.elapsed() < Duration::from_secs(5), "not aborted: {h}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+}
+
+#[test]
+fn a_full_queue_answers_429_with_retry_after() {
+    let Some(server) = start(&["--max-pending", "1"]) else {
+        return;
+    };
+    let busy = start_long_request(server.port);
+    let body = json!({"schema_id": "contact", "document": "Ada, ada@example.org"}).to_string();
+    let (status, head, out) = http_raw(server.port, "POST", "/extract", Some(KEY), body.as_bytes());
+    assert_eq!(status, 429, "{out}");
+    assert!(head.contains("retry-after: 1"), "{head}");
+    assert!(out.contains("\"queue_full\""), "{out}");
+    drop(busy);
 }
 
 #[test]

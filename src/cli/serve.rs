@@ -22,6 +22,10 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on the API (repeatable; also $QUARRY_API_KEY).
     #[arg(long, env = "QUARRY_API_KEY")]
     api_key: Vec<String>,
+    /// Most requests waiting or running at once; past it, /extract answers 429 with
+    /// Retry-After.
+    #[arg(long, default_value_t = 1024)]
+    max_pending: usize,
     /// Folder of ready-made schemas, addressed by file name without `.json`.
     #[arg(long, default_value = "schemas")]
     schemas: PathBuf,
@@ -40,6 +44,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         model,
         api_keys: args.api_key,
         metrics: Default::default(),
+        max_pending: args.max_pending,
     });
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(server::serve(state, SocketAddr::new(args.host, args.port)))

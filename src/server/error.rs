@@ -16,7 +16,7 @@ pub struct ErrorBody {
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ErrorDetail {
     /// A stable machine-readable kind: `bad_request`, `invalid_json`, `unknown_field`,
-    /// `invalid_field`, `body_too_large`, `schema_rejected`, `unknown_schema_id`, `input_too_long`,
+    /// `invalid_field`, `body_too_large`, `queue_full`, `schema_rejected`, `unknown_schema_id`, `input_too_long`,
     /// `unauthorized`, `internal`.
     #[serde(rename = "type")]
     pub kind: String,
@@ -33,6 +33,8 @@ pub struct ErrorDetail {
 pub struct ApiError {
     pub status: StatusCode,
     pub detail: ErrorDetail,
+    /// Seconds to wait before retrying (`Retry-After`), for `queue_full`.
+    pub retry_after: Option<u64>,
 }
 
 impl ApiError {
@@ -45,6 +47,7 @@ impl ApiError {
                 keyword: None,
                 pointer: None,
             },
+            retry_after: None,
         }
     }
 
@@ -72,7 +75,13 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, axum::Json(ErrorBody { error: self.detail })).into_response()
+        let mut response = (self.status, axum::Json(ErrorBody { error: self.detail })).into_response();
+        if let Some(seconds) = self.retry_after {
+            response
+                .headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, seconds.into());
+        }
+        response
     }
 }
 

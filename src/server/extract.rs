@@ -29,6 +29,7 @@ const MAX_MAX_TOKENS: usize = 4096;
         (status = 404, description = "Unknown `schema_id`", body = ErrorBody),
         (status = 413, description = "Body over the size limit", body = ErrorBody),
         (status = 422, description = "Unknown, missing or mistyped field", body = ErrorBody),
+        (status = 429, description = "Too many pending requests; see `Retry-After`", body = ErrorBody),
     )
 )]
 pub async fn extract(
@@ -102,6 +103,19 @@ async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<Json<ExtractR
         priority: o.priority.unwrap_or(0),
         constraint: Some(compiled),
     };
+    let stats = state.client.stats();
+    if stats.waiting + stats.running >= state.max_pending {
+        let mut err = ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "queue_full",
+            format!(
+                "{} requests are pending already; retry later",
+                stats.waiting + stats.running
+            ),
+        );
+        err.retry_after = Some(1);
+        return Err(err);
+    }
     // Dropping the stream (the client went away and axum dropped this future) aborts the
     // request in the engine.
     let mut stream = state.client.submit(request).await.map_err(submit_error)?;

@@ -35,6 +35,8 @@ pub struct AppState {
     /// Accepted bearer tokens; none means no authentication.
     pub api_keys: Vec<String>,
     pub metrics: metrics::Metrics,
+    /// Most requests admitted and not finished (waiting or running); past it, 429.
+    pub max_pending: usize,
 }
 
 /// `axum::Json` whose rejections are JSON errors (`ApiError`).
