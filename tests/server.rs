@@ -392,6 +392,34 @@ fn a_full_queue_answers_429_with_retry_after() {
 }
 
 #[test]
+fn sigterm_lets_running_requests_finish() {
+    let Some(mut server) = start(&[]) else { return };
+    let port = server.port;
+    let body = json!({
+        "schema": {"type": "array", "items": {"type": "integer"}, "minItems": 3000},
+        "document": "Write numbers.",
+        "options": {"max_tokens": 48}
+    })
+    .to_string();
+    let client = std::thread::spawn(move || http(port, "POST", "/extract", Some(KEY), body.as_bytes()));
+    let started = Instant::now();
+    while http(port, "GET", "/health", None, b"").1["running"] != 1 {
+        assert!(started.elapsed() < Duration::from_secs(20), "the request never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let killed = Command::new("kill")
+        .args(["-TERM", &server.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let (status, out) = client.join().unwrap();
+    assert_eq!((status, out["outcome"].as_str()), (200, Some("truncated")), "{out}");
+    assert_eq!(out["usage"]["completion_tokens"], 48, "{out}");
+    let exit = server.child.wait().unwrap();
+    assert!(exit.success(), "{exit:?}");
+}
+
+#[test]
 fn the_committed_openapi_document_matches_the_code() {
     let committed = include_str!("../openapi/openapi.json");
     let generated = quarry::server::openapi::spec_json();
