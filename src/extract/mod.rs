@@ -23,14 +23,5 @@ pub fn prompt(
         system.push_str("\n\n");
         system.push_str(extra);
     }
-    // The template marks the turns; the document goes in with its special-token text escaped.
-    let messages = [ChatMessage::new("system", &system), ChatMessage::new("user", "\u{0}")];
-    let rendered = tokenizer.chat_prompt(&messages)?;
-    let (before, after) = rendered.split_once('\u{0}').ok_or_else(|| {
-        TokenizerError::ChatTemplate("the template dropped the user message; cannot place the document".into())
-    })?;
-    let mut ids = tokenizer.encode(before, true)?;
-    ids.extend(tokenizer.encode_fragment(document, false)?);
-    ids.extend(tokenizer.encode_fragment(after, true)?);
-    Ok(ids)
+    tokenizer.encode_chat(&[ChatMessage::new("system", &system), ChatMessage::new("user", document)])
 }

@@ -147,6 +147,41 @@ impl Tokenizer {
             .render(messages)
     }
 
+    /// The token ids of a chat prompt: the template's own text with its special tokens parsed,
+    /// each message's content as plain text, so a message can never open a turn of its own by
+    /// spelling a control token.
+    pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, TokenizerError> {
+        // Private-use markers stand in for the contents while the template renders.
+        let marker = |i: usize| format!("\u{E000}{i}\u{E001}");
+        let marked: Vec<ChatMessage> = messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| ChatMessage::new(&m.role, &marker(i)))
+            .collect();
+        let mut rest = self.chat_prompt(&marked)?;
+        let mut ids = Vec::new();
+        let mut first = true;
+        for (i, m) in messages.iter().enumerate() {
+            let (before, after) = rest
+                .split_once(&marker(i))
+                .ok_or_else(|| TokenizerError::ChatTemplate(format!("the template dropped or altered message {i}")))?;
+            ids.extend(if first {
+                self.encode(before, true)?
+            } else {
+                self.encode_fragment(before, true)?
+            });
+            ids.extend(self.encode_fragment(&m.content, false)?);
+            first = false;
+            rest = after.to_string();
+        }
+        ids.extend(if first {
+            self.encode(&rest, true)?
+        } else {
+            self.encode_fragment(&rest, true)?
+        });
+        Ok(ids)
+    }
+
     pub fn end_of_generation_ids(&self) -> &[u32] {
         &self.end_of_generation
     }
