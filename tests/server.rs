@@ -420,6 +420,86 @@ fn sigterm_lets_running_requests_finish() {
 }
 
 #[test]
+fn openai_chat_completions_with_json_schema_and_streaming() {
+    let Some(server) = start(&[]) else { return };
+    let port = server.port;
+    let (status, models) = http(port, "GET", "/v1/models", Some(KEY), b"");
+    assert_eq!(status, 200, "{models}");
+    let model = models["data"][0]["id"].as_str().unwrap().to_string();
+    let schema = json!({
+        "type": "object",
+        "properties": {"color": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}},
+        "required": ["color", "n"],
+        "additionalProperties": false
+    });
+    let body = json!({
+        "model": model,
+        "messages": [{"role": "user", "content": "Name a color and a number."}],
+        "temperature": 0.8, "seed": 3, "n": 2, "max_tokens": 60, "logprobs": true, "top_logprobs": 2,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "pick", "schema": schema, "strict": true}}
+    });
+    let (status, out) = http(
+        port,
+        "POST",
+        "/v1/chat/completions",
+        Some(KEY),
+        body.to_string().as_bytes(),
+    );
+    assert_eq!(status, 200, "{out}");
+    assert_eq!(out["object"], "chat.completion");
+    let choices = out["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2);
+    let validator = jsonschema::validator_for(&schema).unwrap();
+    for c in choices {
+        assert_eq!(c["finish_reason"], "stop", "{c}");
+        let value: Value = serde_json::from_str(c["message"]["content"].as_str().unwrap()).unwrap();
+        assert!(validator.is_valid(&value), "{value}");
+        let lp = c["logprobs"]["content"].as_array().unwrap();
+        assert!(
+            !lp.is_empty() && lp.iter().all(|t| t["logprob"].as_f64().unwrap() <= 0.0),
+            "{c}"
+        );
+    }
+    let u = &out["usage"];
+    assert_eq!(
+        u["total_tokens"].as_u64(),
+        Some(u["prompt_tokens"].as_u64().unwrap() + u["completion_tokens"].as_u64().unwrap())
+    );
+
+    let body = json!({
+        "model": model, "messages": [{"role": "user", "content": "Say hi."}],
+        "max_tokens": 8, "stream": true, "stream_options": {"include_usage": true}, "temperature": 0
+    });
+    let (status, text) = http_text(
+        port,
+        "POST",
+        "/v1/chat/completions",
+        Some(KEY),
+        body.to_string().as_bytes(),
+    );
+    assert_eq!(status, 200, "{text}");
+    let events: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    assert_eq!(events.last(), Some(&"[DONE]"), "{text}");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let content: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert!(!content.is_empty());
+    let finish = chunks.iter().find_map(|c| c["choices"][0]["finish_reason"].as_str());
+    assert_eq!(finish, Some("length"));
+    assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 8, "{text}");
+
+    let wrong = json!({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}).to_string();
+    let (status, out) = http(port, "POST", "/v1/chat/completions", Some(KEY), wrong.as_bytes());
+    assert_eq!((status, out["error"]["type"].as_str()), (404, Some("model_not_found")));
+}
+
+#[test]
 fn the_committed_openapi_document_matches_the_code() {
     let committed = include_str!("../openapi/openapi.json");
     let generated = quarry::server::openapi::spec_json();

@@ -180,7 +180,7 @@ fn notes(report: &quarry_grammar::json::CompileReport) -> Vec<KeywordNote> {
         .collect()
 }
 
-fn submit_error(e: SubmitError) -> ApiError {
+pub(super) fn submit_error(e: SubmitError) -> ApiError {
     match e {
         SubmitError::Refused(AddError::Admit(AdmitError::InputTooLong { tokens, limit })) => ApiError::new(
             StatusCode::BAD_REQUEST,

@@ -5,6 +5,7 @@ pub mod api;
 pub mod error;
 mod extract;
 pub mod metrics;
+pub mod openai;
 pub mod openapi;
 pub mod schemas;
 
@@ -49,6 +50,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/extract", post(extract::extract))
         .route("/schemas", post(schemas::register).get(schemas::list))
         .route("/schemas/{id}", get(schemas::get_one))
+        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/models", get(openai::models))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
     Router::new()
         .route("/health", get(health))

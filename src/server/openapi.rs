@@ -7,6 +7,7 @@ use super::api::{
     ExtractOptions, ExtractRequest, ExtractResponse, Health, KeywordNote, Outcome, Timings, Usage, WhitespaceOption,
 };
 use super::error::{ErrorBody, ErrorDetail};
+use super::openai::{ChatCompletionRequest, ChatMessageIn, JsonSchemaFormat, ResponseFormat, StreamOptions};
 use super::schemas::{KeywordEntry, RegisterSchema, SchemaInfo, SchemaList};
 
 #[derive(OpenApi)]
@@ -21,7 +22,9 @@ use super::schemas::{KeywordEntry, RegisterSchema, SchemaInfo, SchemaList};
         super::schemas::list,
         super::schemas::get_one,
         super::health,
-        super::metrics::metrics
+        super::metrics::metrics,
+        super::openai::chat_completions,
+        super::openai::models
     ),
     components(schemas(
         ExtractRequest,
@@ -38,7 +41,12 @@ use super::schemas::{KeywordEntry, RegisterSchema, SchemaInfo, SchemaList};
         RegisterSchema,
         SchemaInfo,
         KeywordEntry,
-        SchemaList
+        SchemaList,
+        ChatCompletionRequest,
+        ChatMessageIn,
+        StreamOptions,
+        ResponseFormat,
+        JsonSchemaFormat
     ))
 )]
 struct ApiDoc;

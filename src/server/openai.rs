@@ -1,0 +1,387 @@
+//! The OpenAI-compatible surface: `POST /v1/chat/completions` (with `response_format`
+//! `json_schema` or `json_object` constrained by the grammar, streaming over SSE, `n`, `stop`,
+//! `logprobs`) and `GET /v1/models`, so OpenAI clients work unchanged.
+
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use quarry_grammar::json::Whitespace;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+use utoipa::ToSchema;
+
+use super::error::{ApiError, ErrorBody};
+use super::{ApiJson, AppState};
+use crate::engine::{Constraint, EngineRequest, FinishReason, RequestOutput, RequestStream};
+use crate::sampling::{SampledToken, SamplingParams};
+use crate::tokenizer::{ChatMessage, Tokenizer};
+
+const MAX_N: usize = 8;
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ChatCompletionRequest {
+    pub model: String,
+    pub messages: Vec<ChatMessageIn>,
+    pub max_tokens: Option<usize>,
+    pub max_completion_tokens: Option<usize>,
+    /// Default 1, as in the OpenAI API; 0 is greedy.
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub seed: Option<u64>,
+    #[schema(value_type = Option<Object>)]
+    pub stop: Option<Value>,
+    /// Choices to generate (at most 8).
+    pub n: Option<usize>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    pub response_format: Option<ResponseFormat>,
+    #[serde(default)]
+    pub logprobs: bool,
+    pub top_logprobs: Option<usize>,
+    pub frequency_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub user: Option<String>,
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ChatMessageIn {
+    pub role: String,
+    /// A string, or a list of `{"type": "text", "text": ...}` parts.
+    #[schema(value_type = Object)]
+    pub content: Value,
+    pub name: Option<String>,
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ResponseFormat {
+    Text,
+    /// Any JSON object.
+    JsonObject,
+    /// JSON matching `json_schema.schema`; `strict` refuses a schema with keywords that cannot
+    /// be enforced.
+    JsonSchema {
+        json_schema: JsonSchemaFormat,
+    },
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+pub struct JsonSchemaFormat {
+    pub name: String,
+    pub description: Option<String>,
+    #[schema(value_type = Option<Object>)]
+    pub schema: Option<Value>,
+    pub strict: Option<bool>,
+}
+
+#[utoipa::path(
+    post,
+    path = "/v1/chat/completions",
+    tag = "openai",
+    request_body = ChatCompletionRequest,
+    responses(
+        (status = 200, description = "A chat.completion object, or with `stream` a text/event-stream of chat.completion.chunk objects ending with `data: [DONE]`", body = Object),
+        (status = 400, description = "Bad request or schema", body = ErrorBody),
+        (status = 404, description = "Unknown model", body = ErrorBody),
+    )
+)]
+pub async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    ApiJson(req): ApiJson<ChatCompletionRequest>,
+) -> Result<Response, ApiError> {
+    if req.model != state.model {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "model_not_found",
+            format!("this server serves `{}`, not `{}`", state.model, req.model),
+        ));
+    }
+    let n = req.n.unwrap_or(1);
+    if n == 0 || n > MAX_N {
+        return Err(ApiError::bad_request(format!("`n` must be 1 to {MAX_N}")));
+    }
+    let messages = req
+        .messages
+        .iter()
+        .map(|m| Ok(ChatMessage::new(&m.role, &text_of(&m.content)?)))
+        .collect::<Result<Vec<_>, ApiError>>()?;
+    let stop = match &req.stop {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) if a.iter().all(Value::is_string) && a.len() <= 4 => {
+            a.iter().filter_map(|v| v.as_str().map(String::from)).collect()
+        }
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "`stop` must be a string or a list of up to 4 strings",
+            ))
+        }
+    };
+    let constraint = match &req.response_format {
+        None | Some(ResponseFormat::Text) => None,
+        Some(ResponseFormat::JsonObject) => Some(Constraint::Json {
+            schema: json!({"type": "object"}),
+            whitespace: Whitespace::Compact,
+            strict: false,
+        }),
+        Some(ResponseFormat::JsonSchema { json_schema }) => Some(Constraint::Json {
+            schema: json_schema.schema.clone().unwrap_or_else(|| json!({})),
+            whitespace: Whitespace::Compact,
+            strict: json_schema.strict.unwrap_or(false),
+        }),
+    };
+    let work = state.clone();
+    let (compiled, prompt) = tokio::task::spawn_blocking(move || {
+        let compiled = constraint
+            .map(|c| work.structured.compile(&c))
+            .transpose()
+            .map_err(ApiError::schema_rejected)?;
+        let prompt = work
+            .tokenizer
+            .encode_chat(&messages)
+            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        Ok::<_, ApiError>((compiled, prompt))
+    })
+    .await
+    .map_err(|e| ApiError::internal(e.to_string()))??;
+    let max_tokens = req.max_completion_tokens.or(req.max_tokens).unwrap_or(4096).max(1);
+    let prompt_tokens = prompt.len();
+    let mut streams = Vec::new();
+    for i in 0..n {
+        let params = SamplingParams {
+            temperature: req.temperature.unwrap_or(1.0),
+            top_p: req.top_p.unwrap_or(1.0),
+            seed: req.seed.map(|s| s.wrapping_add(i as u64)),
+            frequency_penalty: req.frequency_penalty.unwrap_or(0.0),
+            presence_penalty: req.presence_penalty.unwrap_or(0.0),
+            logprobs: req.logprobs.then_some(req.top_logprobs.unwrap_or(0)),
+            stop: stop.clone(),
+            ..SamplingParams::greedy(max_tokens)
+        };
+        let request = EngineRequest {
+            id: 0,
+            prompt: prompt.clone(),
+            params,
+            priority: 0,
+            constraint: compiled.clone(),
+        };
+        streams.push(
+            state
+                .client
+                .submit(request)
+                .await
+                .map_err(super::extract::submit_error)?,
+        );
+    }
+    let id = format!("chatcmpl-{:x}", streams[0].id());
+    let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let head = Head {
+        id,
+        created,
+        model: state.model.clone(),
+        prompt_tokens,
+        logprobs: req.logprobs,
+    };
+    if req.stream {
+        let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
+        return Ok(stream_response(state, head, streams, include_usage));
+    }
+    let mut choices = Vec::new();
+    let mut completion_tokens = 0;
+    let mut cached = 0;
+    for (index, mut stream) in streams.into_iter().enumerate() {
+        let (mut text, mut tokens, mut finish) = (String::new(), Vec::new(), None);
+        while let Some(out) = stream.next().await {
+            text.push_str(&out.text);
+            tokens.extend(out.tokens.iter().cloned());
+            if let Some(f) = out.finished {
+                finish = Some(f);
+                cached = cached.max(out.metrics.map_or(0, |m| m.cached_tokens));
+            }
+        }
+        completion_tokens += tokens.len();
+        choices.push(json!({
+            "index": index,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": head.logprobs.then(|| json!({"content": token_logprobs(&state.tokenizer, &tokens)})),
+            "finish_reason": finish_reason(finish),
+        }));
+    }
+    Ok(Json(json!({
+        "id": head.id, "object": "chat.completion", "created": head.created, "model": head.model,
+        "choices": choices,
+        "usage": usage(prompt_tokens, completion_tokens, cached),
+    }))
+    .into_response())
+}
+
+/// What every chunk of one completion repeats.
+struct Head {
+    id: String,
+    created: u64,
+    model: String,
+    prompt_tokens: usize,
+    logprobs: bool,
+}
+
+/// Server-sent events: a role delta per choice, content deltas as they come, a finish chunk
+/// per choice, the usage chunk when asked for, then `[DONE]`. Dropping the response (the
+/// client left) drops the streams, which aborts the requests.
+fn stream_response(state: Arc<AppState>, head: Head, streams: Vec<RequestStream>, include_usage: bool) -> Response {
+    let (tx, rx) = mpsc::channel::<(usize, RequestOutput)>(64);
+    let n = streams.len();
+    for (index, mut stream) in streams.into_iter().enumerate() {
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            while let Some(out) = stream.next().await {
+                if tx.send((index, out)).await.is_err() {
+                    return; // the client left: dropping `stream` aborts the request
+                }
+            }
+        });
+    }
+    drop(tx);
+    let chunk = move |head: &Head, choices: Value, usage: Option<Value>| -> Event {
+        let mut c = json!({
+            "id": head.id, "object": "chat.completion.chunk", "created": head.created,
+            "model": head.model, "choices": choices,
+        });
+        if let Some(u) = usage {
+            c["usage"] = u;
+        }
+        Event::default().data(c.to_string())
+    };
+    struct Progress {
+        rx: mpsc::Receiver<(usize, RequestOutput)>,
+        head: Head,
+        started: Vec<bool>,
+        completion_tokens: usize,
+        cached: usize,
+        pending: std::collections::VecDeque<Event>,
+        done: bool,
+    }
+    let progress = Progress {
+        rx,
+        head,
+        started: vec![false; n],
+        completion_tokens: 0,
+        cached: 0,
+        pending: Default::default(),
+        done: false,
+    };
+    let events = futures_util::stream::unfold(progress, move |mut p| {
+        let state = state.clone();
+        async move {
+            loop {
+                if let Some(e) = p.pending.pop_front() {
+                    return Some((Ok::<_, std::convert::Infallible>(e), p));
+                }
+                if p.done {
+                    return None;
+                }
+                match p.rx.recv().await {
+                    Some((index, out)) => {
+                        if !p.started[index] {
+                            p.started[index] = true;
+                            let role = json!([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]);
+                            p.pending.push_back(chunk(&p.head, role, None));
+                        }
+                        p.completion_tokens += out.tokens.len();
+                        if !out.text.is_empty() || (p.head.logprobs && !out.tokens.is_empty()) {
+                            let logprobs = p
+                                .head
+                                .logprobs
+                                .then(|| json!({"content": token_logprobs(&state.tokenizer, &out.tokens)}));
+                            let delta = json!([{"index": index, "delta": {"content": out.text}, "logprobs": logprobs, "finish_reason": null}]);
+                            p.pending.push_back(chunk(&p.head, delta, None));
+                        }
+                        if let Some(f) = out.finished {
+                            p.cached = p.cached.max(out.metrics.map_or(0, |m| m.cached_tokens));
+                            let fin = json!([{"index": index, "delta": {}, "logprobs": null, "finish_reason": finish_reason(Some(f))}]);
+                            p.pending.push_back(chunk(&p.head, fin, None));
+                        }
+                    }
+                    None => {
+                        if include_usage {
+                            let u = usage(p.head.prompt_tokens, p.completion_tokens, p.cached);
+                            p.pending.push_back(chunk(&p.head, json!([]), Some(u)));
+                        }
+                        p.pending.push_back(Event::default().data("[DONE]"));
+                        p.done = true;
+                    }
+                }
+            }
+        }
+    });
+    Sse::new(events).into_response()
+}
+
+fn finish_reason(f: Option<FinishReason>) -> &'static str {
+    match f {
+        Some(FinishReason::Length) => "length",
+        _ => "stop",
+    }
+}
+
+fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    })
+}
+
+fn token_logprobs(tokenizer: &Tokenizer, tokens: &[SampledToken]) -> Vec<Value> {
+    let entry = |id: u32, logprob: f32| {
+        let text = tokenizer.decode(&[id], false).unwrap_or_default();
+        json!({"token": text, "logprob": logprob, "bytes": text.as_bytes()})
+    };
+    tokens
+        .iter()
+        .map(|t| {
+            let mut e = entry(t.token, t.logprob.unwrap_or(0.0));
+            e["top_logprobs"] = t.top.iter().map(|a| entry(a.token, a.logprob)).collect();
+            e
+        })
+        .collect()
+}
+
+/// A message's text: a string, or the text parts of a list.
+fn text_of(content: &Value) -> Result<String, ApiError> {
+    match content {
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(parts) => parts
+            .iter()
+            .map(|p| match (p["type"].as_str(), p["text"].as_str()) {
+                (Some("text"), Some(t)) => Ok(t.to_string()),
+                _ => Err(ApiError::bad_request("only text content parts are supported")),
+            })
+            .collect(),
+        Value::Null => Ok(String::new()),
+        _ => Err(ApiError::bad_request(
+            "`content` must be a string or a list of text parts",
+        )),
+    }
+}
+
+#[utoipa::path(get, path = "/v1/models", tag = "openai", responses((status = 200, body = Object)))]
+pub async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{"id": state.model, "object": "model", "created": 0, "owned_by": "quarry"}],
+    }))
+}
