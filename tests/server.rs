@@ -499,6 +499,33 @@ fn openai_chat_completions_with_json_schema_and_streaming() {
     assert_eq!((status, out["error"]["type"].as_str()), (404, Some("model_not_found")));
 }
 
+/// The official OpenAI Python client, from the venv scripts/test sets up
+/// (`$QUARRY_CLIENT_PYTHON`, made by scripts/setup-clients).
+#[test]
+fn the_official_openai_python_client_works_unchanged() {
+    let Some(python) = std::env::var_os("QUARRY_CLIENT_PYTHON") else {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI must run the tests through scripts/test"
+        );
+        eprintln!("skipping: QUARRY_CLIENT_PYTHON unset (scripts/test sets it up)");
+        return;
+    };
+    let Some(server) = start(&[]) else { return };
+    let out = Command::new(python)
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/clients/openai_client.py"))
+        .arg(format!("http://127.0.0.1:{}/v1", server.port))
+        .arg(KEY)
+        .output()
+        .expect("run the client");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    eprintln!("{stdout}");
+}
+
 #[test]
 fn the_committed_openapi_document_matches_the_code() {
     let committed = include_str!("../openapi/openapi.json");
