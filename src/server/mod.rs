@@ -51,6 +51,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/schemas", post(schemas::register).get(schemas::list))
         .route("/schemas/{id}", get(schemas::get_one))
         .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/completions", post(openai::completions))
         .route("/v1/models", get(openai::models))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
     Router::new()

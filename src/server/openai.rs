@@ -104,34 +104,14 @@ pub async fn chat_completions(
     State(state): State<Arc<AppState>>,
     ApiJson(req): ApiJson<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
-    if req.model != state.model {
-        return Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            "model_not_found",
-            format!("this server serves `{}`, not `{}`", state.model, req.model),
-        ));
-    }
-    let n = req.n.unwrap_or(1);
-    if n == 0 || n > MAX_N {
-        return Err(ApiError::bad_request(format!("`n` must be 1 to {MAX_N}")));
-    }
+    check_model(&state, &req.model)?;
+    let n = check_n(req.n)?;
     let messages = req
         .messages
         .iter()
         .map(|m| Ok(ChatMessage::new(&m.role, &text_of(&m.content)?)))
         .collect::<Result<Vec<_>, ApiError>>()?;
-    let stop = match &req.stop {
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::String(s)) => vec![s.clone()],
-        Some(Value::Array(a)) if a.iter().all(Value::is_string) && a.len() <= 4 => {
-            a.iter().filter_map(|v| v.as_str().map(String::from)).collect()
-        }
-        Some(_) => {
-            return Err(ApiError::bad_request(
-                "`stop` must be a string or a list of up to 4 strings",
-            ))
-        }
-    };
+    let stop = parse_stop(&req.stop)?;
     let constraint = match &req.response_format {
         None | Some(ResponseFormat::Text) => None,
         Some(ResponseFormat::JsonObject) => Some(Constraint::Json {
@@ -161,24 +141,44 @@ pub async fn chat_completions(
     .map_err(|e| ApiError::internal(e.to_string()))??;
     let max_tokens = req.max_completion_tokens.or(req.max_tokens).unwrap_or(4096).max(1);
     let prompt_tokens = prompt.len();
+    let params = SamplingParams {
+        temperature: req.temperature.unwrap_or(1.0),
+        top_p: req.top_p.unwrap_or(1.0),
+        seed: req.seed,
+        frequency_penalty: req.frequency_penalty.unwrap_or(0.0),
+        presence_penalty: req.presence_penalty.unwrap_or(0.0),
+        logprobs: req.logprobs.then_some(req.top_logprobs.unwrap_or(0)),
+        stop,
+        ..SamplingParams::greedy(max_tokens)
+    };
+    let streams = submit_n(&state, &prompt, n, &params, compiled).await?;
+    let head = Head::new(Api::Chat, &streams, &state.model, prompt_tokens, req.logprobs);
+    if req.stream {
+        let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
+        return Ok(stream_response(state, head, streams, include_usage));
+    }
+    Ok(Json(complete(&state, &head, streams).await).into_response())
+}
+
+/// `n` requests of the same prompt, the i-th with seed `seed + i`.
+async fn submit_n(
+    state: &AppState,
+    prompt: &[u32],
+    n: usize,
+    params: &SamplingParams,
+    constraint: Option<crate::engine::CompiledConstraint>,
+) -> Result<Vec<RequestStream>, ApiError> {
     let mut streams = Vec::new();
     for i in 0..n {
-        let params = SamplingParams {
-            temperature: req.temperature.unwrap_or(1.0),
-            top_p: req.top_p.unwrap_or(1.0),
-            seed: req.seed.map(|s| s.wrapping_add(i as u64)),
-            frequency_penalty: req.frequency_penalty.unwrap_or(0.0),
-            presence_penalty: req.presence_penalty.unwrap_or(0.0),
-            logprobs: req.logprobs.then_some(req.top_logprobs.unwrap_or(0)),
-            stop: stop.clone(),
-            ..SamplingParams::greedy(max_tokens)
-        };
         let request = EngineRequest {
             id: 0,
-            prompt: prompt.clone(),
-            params,
+            prompt: prompt.to_vec(),
+            params: SamplingParams {
+                seed: params.seed.map(|s| s.wrapping_add(i as u64)),
+                ..params.clone()
+            },
             priority: 0,
-            constraint: compiled.clone(),
+            constraint: constraint.clone(),
         };
         streams.push(
             state
@@ -188,55 +188,206 @@ pub async fn chat_completions(
                 .map_err(super::extract::submit_error)?,
         );
     }
-    let id = format!("chatcmpl-{:x}", streams[0].id());
-    let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    let head = Head {
-        id,
-        created,
-        model: state.model.clone(),
-        prompt_tokens,
-        logprobs: req.logprobs,
+    Ok(streams)
+}
+
+fn check_n(n: Option<usize>) -> Result<usize, ApiError> {
+    match n.unwrap_or(1) {
+        n @ 1..=MAX_N => Ok(n),
+        _ => Err(ApiError::bad_request(format!("`n` must be 1 to {MAX_N}"))),
+    }
+}
+
+fn parse_stop(stop: &Option<Value>) -> Result<Vec<String>, ApiError> {
+    match stop {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::String(s)) => Ok(vec![s.clone()]),
+        Some(Value::Array(a)) if a.iter().all(Value::is_string) && a.len() <= 4 => {
+            Ok(a.iter().filter_map(|v| v.as_str().map(String::from)).collect())
+        }
+        Some(_) => Err(ApiError::bad_request(
+            "`stop` must be a string or a list of up to 4 strings",
+        )),
+    }
+}
+
+fn check_model(state: &AppState, model: &str) -> Result<(), ApiError> {
+    if model == state.model {
+        return Ok(());
+    }
+    Err(ApiError::new(
+        StatusCode::NOT_FOUND,
+        "model_not_found",
+        format!("this server serves `{}`, not `{model}`", state.model),
+    ))
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CompletionRequest {
+    pub model: String,
+    /// The prompt: a string (or a list holding one string).
+    #[schema(value_type = Object)]
+    pub prompt: Value,
+    /// Default 16, as in the OpenAI API.
+    pub max_tokens: Option<usize>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub seed: Option<u64>,
+    #[schema(value_type = Option<Object>)]
+    pub stop: Option<Value>,
+    pub n: Option<usize>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    /// Alternatives to report per token (legacy format).
+    pub logprobs: Option<usize>,
+    pub frequency_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    #[serde(default)]
+    pub echo: bool,
+    pub user: Option<String>,
+}
+
+#[utoipa::path(
+    post,
+    path = "/v1/completions",
+    tag = "openai",
+    request_body = CompletionRequest,
+    responses(
+        (status = 200, description = "A text_completion object, or with `stream` a text/event-stream of them ending with `data: [DONE]`", body = Object),
+        (status = 400, description = "Bad request", body = ErrorBody),
+        (status = 404, description = "Unknown model", body = ErrorBody),
+    )
+)]
+pub async fn completions(
+    State(state): State<Arc<AppState>>,
+    ApiJson(req): ApiJson<CompletionRequest>,
+) -> Result<Response, ApiError> {
+    check_model(&state, &req.model)?;
+    let n = check_n(req.n)?;
+    if req.echo {
+        return Err(ApiError::bad_request("`echo` is not supported"));
+    }
+    let text = match &req.prompt {
+        Value::String(s) => s.clone(),
+        Value::Array(a) if a.len() == 1 && a[0].is_string() => a[0].as_str().unwrap_or_default().to_string(),
+        _ => {
+            return Err(ApiError::bad_request(
+                "`prompt` must be a string (or a list of one string)",
+            ))
+        }
     };
+    let work = state.clone();
+    let prompt = tokio::task::spawn_blocking(move || work.tokenizer.encode(&text, false))
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))?
+        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let params = SamplingParams {
+        temperature: req.temperature.unwrap_or(1.0),
+        top_p: req.top_p.unwrap_or(1.0),
+        seed: req.seed,
+        frequency_penalty: req.frequency_penalty.unwrap_or(0.0),
+        presence_penalty: req.presence_penalty.unwrap_or(0.0),
+        logprobs: req.logprobs,
+        stop: parse_stop(&req.stop)?,
+        ..SamplingParams::greedy(req.max_tokens.unwrap_or(16).max(1))
+    };
+    let streams = submit_n(&state, &prompt, n, &params, None).await?;
+    let head = Head::new(Api::Text, &streams, &state.model, prompt.len(), req.logprobs.is_some());
     if req.stream {
         let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
         return Ok(stream_response(state, head, streams, include_usage));
     }
-    let mut choices = Vec::new();
-    let mut completion_tokens = 0;
+    Ok(Json(complete(&state, &head, streams).await).into_response())
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Api {
+    Chat,
+    Text,
+}
+
+/// One choice, collected.
+struct Generation {
+    text: String,
+    tokens: Vec<SampledToken>,
+    finish: Option<FinishReason>,
+}
+
+/// Every choice to its end; the whole response object.
+async fn complete(state: &AppState, head: &Head, streams: Vec<RequestStream>) -> Value {
+    let mut generations = Vec::new();
     let mut cached = 0;
-    for (index, mut stream) in streams.into_iter().enumerate() {
-        let (mut text, mut tokens, mut finish) = (String::new(), Vec::new(), None);
+    for mut stream in streams {
+        let mut g = Generation {
+            text: String::new(),
+            tokens: Vec::new(),
+            finish: None,
+        };
         while let Some(out) = stream.next().await {
-            text.push_str(&out.text);
-            tokens.extend(out.tokens.iter().cloned());
+            g.text.push_str(&out.text);
+            g.tokens.extend(out.tokens.iter().cloned());
             if let Some(f) = out.finished {
-                finish = Some(f);
+                g.finish = Some(f);
                 cached = cached.max(out.metrics.map_or(0, |m| m.cached_tokens));
             }
         }
-        completion_tokens += tokens.len();
-        choices.push(json!({
-            "index": index,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": head.logprobs.then(|| json!({"content": token_logprobs(&state.tokenizer, &tokens)})),
-            "finish_reason": finish_reason(finish),
-        }));
+        generations.push(g);
     }
-    Ok(Json(json!({
-        "id": head.id, "object": "chat.completion", "created": head.created, "model": head.model,
+    let completion_tokens = generations.iter().map(|g| g.tokens.len()).sum();
+    let choices: Vec<Value> = generations
+        .into_iter()
+        .enumerate()
+        .map(|(index, g)| {
+            let logprobs = head
+                .logprobs
+                .then(|| logprobs_json(head.api, &state.tokenizer, &g.tokens));
+            let mut c = json!({"index": index, "logprobs": logprobs, "finish_reason": finish_reason(g.finish)});
+            match head.api {
+                Api::Chat => c["message"] = json!({"role": "assistant", "content": g.text}),
+                Api::Text => c["text"] = json!(g.text),
+            }
+            c
+        })
+        .collect();
+    json!({
+        "id": head.id, "object": head.object(false), "created": head.created, "model": head.model,
         "choices": choices,
-        "usage": usage(prompt_tokens, completion_tokens, cached),
-    }))
-    .into_response())
+        "usage": usage(head.prompt_tokens, completion_tokens, cached),
+    })
 }
 
 /// What every chunk of one completion repeats.
 struct Head {
+    api: Api,
     id: String,
     created: u64,
     model: String,
     prompt_tokens: usize,
     logprobs: bool,
+}
+
+impl Head {
+    fn new(api: Api, streams: &[RequestStream], model: &str, prompt_tokens: usize, logprobs: bool) -> Self {
+        let prefix = if api == Api::Chat { "chatcmpl" } else { "cmpl" };
+        Head {
+            api,
+            id: format!("{prefix}-{:x}", streams.first().map_or(0, |s| s.id())),
+            created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+            model: model.to_string(),
+            prompt_tokens,
+            logprobs,
+        }
+    }
+
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.api, chunk) {
+            (Api::Chat, false) => "chat.completion",
+            (Api::Chat, true) => "chat.completion.chunk",
+            (Api::Text, _) => "text_completion",
+        }
+    }
 }
 
 /// Server-sent events: a role delta per choice, content deltas as they come, a finish chunk
@@ -258,7 +409,7 @@ fn stream_response(state: Arc<AppState>, head: Head, streams: Vec<RequestStream>
     drop(tx);
     let chunk = move |head: &Head, choices: Value, usage: Option<Value>| -> Event {
         let mut c = json!({
-            "id": head.id, "object": "chat.completion.chunk", "created": head.created,
+            "id": head.id, "object": head.object(true), "created": head.created,
             "model": head.model, "choices": choices,
         });
         if let Some(u) = usage {
@@ -296,7 +447,8 @@ fn stream_response(state: Arc<AppState>, head: Head, streams: Vec<RequestStream>
                 }
                 match p.rx.recv().await {
                     Some((index, out)) => {
-                        if !p.started[index] {
+                        let chat = p.head.api == Api::Chat;
+                        if chat && !p.started[index] {
                             p.started[index] = true;
                             let role = json!([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]);
                             p.pending.push_back(chunk(&p.head, role, None));
@@ -306,13 +458,24 @@ fn stream_response(state: Arc<AppState>, head: Head, streams: Vec<RequestStream>
                             let logprobs = p
                                 .head
                                 .logprobs
-                                .then(|| json!({"content": token_logprobs(&state.tokenizer, &out.tokens)}));
-                            let delta = json!([{"index": index, "delta": {"content": out.text}, "logprobs": logprobs, "finish_reason": null}]);
+                                .then(|| logprobs_json(p.head.api, &state.tokenizer, &out.tokens));
+                            let mut choice = json!({"index": index, "logprobs": logprobs, "finish_reason": null});
+                            match chat {
+                                true => choice["delta"] = json!({"content": out.text}),
+                                false => choice["text"] = json!(out.text),
+                            }
+                            let delta = json!([choice]);
                             p.pending.push_back(chunk(&p.head, delta, None));
                         }
                         if let Some(f) = out.finished {
                             p.cached = p.cached.max(out.metrics.map_or(0, |m| m.cached_tokens));
-                            let fin = json!([{"index": index, "delta": {}, "logprobs": null, "finish_reason": finish_reason(Some(f))}]);
+                            let mut choice =
+                                json!({"index": index, "logprobs": null, "finish_reason": finish_reason(Some(f))});
+                            match chat {
+                                true => choice["delta"] = json!({}),
+                                false => choice["text"] = json!(""),
+                            }
+                            let fin = json!([choice]);
                             p.pending.push_back(chunk(&p.head, fin, None));
                         }
                     }
@@ -342,6 +505,29 @@ fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
     json!({
         "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
+    })
+}
+
+/// Chat: `{"content": [{token, logprob, bytes, top_logprobs}]}`; completions: the legacy
+/// `{tokens, token_logprobs, top_logprobs, text_offset}`.
+fn logprobs_json(api: Api, tokenizer: &Tokenizer, tokens: &[SampledToken]) -> Value {
+    if api == Api::Chat {
+        return json!({"content": token_logprobs(tokenizer, tokens)});
+    }
+    let text = |id: u32| tokenizer.decode(&[id], false).unwrap_or_default();
+    let mut offset = 0;
+    let mut offsets = Vec::new();
+    for t in tokens {
+        offsets.push(offset);
+        offset += text(t.token).len();
+    }
+    json!({
+        "tokens": tokens.iter().map(|t| text(t.token)).collect::<Vec<_>>(),
+        "token_logprobs": tokens.iter().map(|t| t.logprob.unwrap_or(0.0)).collect::<Vec<_>>(),
+        "top_logprobs": tokens.iter().map(|t| {
+            t.top.iter().map(|a| (text(a.token), json!(a.logprob))).collect::<serde_json::Map<_, _>>()
+        }).collect::<Vec<_>>(),
+        "text_offset": offsets,
     })
 }
 

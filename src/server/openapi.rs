@@ -7,7 +7,9 @@ use super::api::{
     ExtractOptions, ExtractRequest, ExtractResponse, Health, KeywordNote, Outcome, Timings, Usage, WhitespaceOption,
 };
 use super::error::{ErrorBody, ErrorDetail};
-use super::openai::{ChatCompletionRequest, ChatMessageIn, JsonSchemaFormat, ResponseFormat, StreamOptions};
+use super::openai::{
+    ChatCompletionRequest, ChatMessageIn, CompletionRequest, JsonSchemaFormat, ResponseFormat, StreamOptions,
+};
 use super::schemas::{KeywordEntry, RegisterSchema, SchemaInfo, SchemaList};
 
 #[derive(OpenApi)]
@@ -24,6 +26,7 @@ use super::schemas::{KeywordEntry, RegisterSchema, SchemaInfo, SchemaList};
         super::health,
         super::metrics::metrics,
         super::openai::chat_completions,
+        super::openai::completions,
         super::openai::models
     ),
     components(schemas(
@@ -46,7 +49,8 @@ use super::schemas::{KeywordEntry, RegisterSchema, SchemaInfo, SchemaList};
         ChatMessageIn,
         StreamOptions,
         ResponseFormat,
-        JsonSchemaFormat
+        JsonSchemaFormat,
+        CompletionRequest
     ))
 )]
 struct ApiDoc;

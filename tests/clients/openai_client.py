@@ -1,5 +1,5 @@
 """Drives a running `quarry serve` with the official OpenAI Python client: a json_schema chat
-completion and a streamed one. Prints one JSON line with what it saw; exits non-zero on any
+completion, a streamed one, and a legacy completion with logprobs. Prints one JSON line with what it saw; exits non-zero on any
 mismatch. Usage: openai_client.py BASE_URL API_KEY"""
 import json
 import sys
@@ -47,10 +47,16 @@ assert "".join(pieces), "the stream carried no text"
 assert finish in ("stop", "length"), finish
 assert usage is not None and usage.completion_tokens >= 1, usage
 
+legacy = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4, temperature=0, logprobs=2)
+assert legacy.choices[0].text and legacy.choices[0].finish_reason == "length", legacy
+assert len(legacy.choices[0].logprobs.tokens) == 4 and len(legacy.choices[0].logprobs.top_logprobs[0]) == 2, legacy
+assert legacy.usage.completion_tokens == 4, legacy.usage
+
 try:
     client.chat.completions.create(model="not-this-one", messages=[{"role": "user", "content": "x"}])
     raise AssertionError("a wrong model was accepted")
 except openai.NotFoundError:
     pass
 
-print(json.dumps({"model": model, "answer": answer, "streamed": "".join(pieces), "openai": openai.__version__}))
+print(json.dumps({"model": model, "answer": answer, "streamed": "".join(pieces), "completion": legacy.choices[0].text,
+                  "openai": openai.__version__}))
