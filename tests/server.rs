@@ -527,6 +527,103 @@ fn the_official_openai_python_client_works_unchanged() {
 }
 
 #[test]
+fn a_jsonl_batch_job_runs_every_item_once_and_retries_the_failed() {
+    let Some(server) = start(&[]) else { return };
+    let port = server.port;
+    let names = [
+        "Ada Lovelace",
+        "Grace Hopper",
+        "Alan Turing",
+        "Edsger Dijkstra",
+        "Barbara Liskov",
+    ];
+    let mut body = String::new();
+    let mut ids = Vec::new();
+    for i in 0..40 {
+        let name = names[i % names.len()];
+        let id = format!("doc-{i}");
+        // Item 7 is far too long for the model: it fails alone, the job goes on.
+        let document = if i == 7 {
+            "word ".repeat(20_000)
+        } else {
+            format!(
+                "{name} <{}@example.org>, phone +1 555 01{i:02}, works at Initech.",
+                name.split(' ').next().unwrap().to_lowercase()
+            )
+        };
+        body.push_str(&json!({"id": id, "document": document}).to_string());
+        body.push('\n');
+        ids.push(id);
+    }
+    let (status, job) = http(port, "POST", "/jobs?schema_id=contact", Some(KEY), body.as_bytes());
+    assert_eq!(status, 202, "{job}");
+    assert_eq!(job["total"], 40);
+    let id = job["job_id"].as_str().unwrap().to_string();
+    let wait = |what: &str| {
+        let started = Instant::now();
+        loop {
+            let (_, st) = http(port, "GET", &format!("/jobs/{id}"), Some(KEY), b"");
+            if st["done"] == true {
+                return st;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(300),
+                "{what} never finished: {st}"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+    let st = wait("the job");
+    assert_eq!(
+        (st["ok"].as_u64().unwrap() + st["failed"].as_u64().unwrap()),
+        40,
+        "{st}"
+    );
+    assert!(st["failed"].as_u64().unwrap() >= 1, "{st}");
+    let (status, text) = http_text(port, "GET", &format!("/jobs/{id}/results"), Some(KEY), b"");
+    assert_eq!(status, 200);
+    let lines: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let got: Vec<&str> = lines.iter().map(|l| l["id"].as_str().unwrap()).collect();
+    assert_eq!(
+        got,
+        ids.iter().map(String::as_str).collect::<Vec<_>>(),
+        "every item once, in order"
+    );
+    assert_eq!(lines[7]["outcome"], "input_too_long", "{}", lines[7]);
+    let contact: Value = serde_json::from_str(include_str!("../schemas/contact.json")).unwrap();
+    let validator = jsonschema::validator_for(&contact).unwrap();
+    for l in lines.iter().filter(|l| l["outcome"] == "ok") {
+        assert!(validator.is_valid(&l["data"]), "{l}");
+    }
+    let ok_before = st["ok"].clone();
+    let (status, again) = http(port, "POST", &format!("/jobs/{id}/retry"), Some(KEY), b"");
+    assert_eq!(status, 202, "{again}");
+    let st = wait("the retry");
+    assert_eq!(
+        st["ok"], ok_before,
+        "a retry leaves the items that succeeded alone: {st}"
+    );
+    let (_, text) = http_text(port, "GET", &format!("/jobs/{id}/results"), Some(KEY), b"");
+    assert_eq!(text.lines().count(), 40);
+
+    let (status, out) = http(
+        port,
+        "POST",
+        "/jobs?schema_id=contact",
+        Some(KEY),
+        b"{\"document\": \"a\"}\nnot json\n",
+    );
+    assert_eq!(
+        (status, out["error"]["type"].as_str()),
+        (400, Some("bad_request")),
+        "{out}"
+    );
+    assert!(out["error"]["message"].as_str().unwrap().starts_with("line 2"), "{out}");
+    let (status, out) = http(port, "GET", "/jobs/job-999", Some(KEY), b"");
+    assert_eq!((status, out["error"]["type"].as_str()), (404, Some("unknown_job")));
+}
+
+#[test]
 fn the_committed_openapi_document_matches_the_code() {
     let committed = include_str!("../openapi/openapi.json");
     let generated = quarry::server::openapi::spec_json();

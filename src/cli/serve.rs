@@ -45,6 +45,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         api_keys: args.api_key,
         metrics: Default::default(),
         max_pending: args.max_pending,
+        jobs: Default::default(),
     });
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(server::serve(state, SocketAddr::new(args.host, args.port)))

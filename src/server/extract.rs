@@ -36,7 +36,12 @@ pub async fn extract(
     State(state): State<Arc<AppState>>,
     ApiJson(req): ApiJson<ExtractRequest>,
 ) -> Result<Json<ExtractResponse>, ApiError> {
-    let result = run(&state, req).await;
+    extract_one(&state, req).await.map(Json)
+}
+
+/// One extraction, counted in the metrics by its outcome or error type (also for batch jobs).
+pub(super) async fn extract_one(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractResponse, ApiError> {
+    let result = run(state, req).await;
     match &result {
         Ok(out) => state.metrics.outcome(outcome_name(out.outcome)),
         Err(e) => state.metrics.outcome(&e.detail.kind),
@@ -44,7 +49,7 @@ pub async fn extract(
     result
 }
 
-fn outcome_name(o: Outcome) -> &'static str {
+pub(super) fn outcome_name(o: Outcome) -> &'static str {
     match o {
         Outcome::Ok => "ok",
         Outcome::Truncated => "truncated",
@@ -53,7 +58,7 @@ fn outcome_name(o: Outcome) -> &'static str {
     }
 }
 
-async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<Json<ExtractResponse>, ApiError> {
+async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractResponse, ApiError> {
     let schema = match (req.schema, &req.schema_id) {
         (Some(s), None) => s,
         (None, Some(id)) => state.schemas.get(id).ok_or_else(|| super::schemas::unknown(id))?,
@@ -142,7 +147,7 @@ async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<Json<ExtractR
         Some(FinishReason::Aborted) => (Outcome::Cancelled, None),
         Some(FinishReason::Internal) | None => (Outcome::Internal, None),
     };
-    Ok(Json(ExtractResponse {
+    Ok(ExtractResponse {
         data,
         outcome,
         partial: (outcome != Outcome::Ok).then_some(text),
@@ -157,7 +162,7 @@ async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<Json<ExtractR
             total_ms: ms(m.e2e),
         },
         notes,
-    }))
+    })
 }
 
 fn notes(report: &quarry_grammar::json::CompileReport) -> Vec<KeywordNote> {

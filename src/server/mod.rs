@@ -4,6 +4,7 @@
 pub mod api;
 pub mod error;
 mod extract;
+pub mod jobs;
 pub mod metrics;
 pub mod openai;
 pub mod openapi;
@@ -38,6 +39,7 @@ pub struct AppState {
     pub metrics: metrics::Metrics,
     /// Most requests admitted and not finished (waiting or running); past it, 429.
     pub max_pending: usize,
+    pub jobs: jobs::JobStore,
 }
 
 /// `axum::Json` whose rejections are JSON errors (`ApiError`).
@@ -50,6 +52,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/extract", post(extract::extract))
         .route("/schemas", post(schemas::register).get(schemas::list))
         .route("/schemas/{id}", get(schemas::get_one))
+        .route("/jobs", post(jobs::create))
+        .route("/jobs/{id}", get(jobs::status))
+        .route("/jobs/{id}/results", get(jobs::results))
+        .route("/jobs/{id}/retry", post(jobs::retry))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/models", get(openai::models))

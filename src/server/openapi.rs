@@ -7,6 +7,7 @@ use super::api::{
     ExtractOptions, ExtractRequest, ExtractResponse, Health, KeywordNote, Outcome, Timings, Usage, WhitespaceOption,
 };
 use super::error::{ErrorBody, ErrorDetail};
+use super::jobs::JobStatus;
 use super::openai::{
     ChatCompletionRequest, ChatMessageIn, CompletionRequest, JsonSchemaFormat, ResponseFormat, StreamOptions,
 };
@@ -25,6 +26,10 @@ use super::schemas::{KeywordEntry, RegisterSchema, SchemaInfo, SchemaList};
         super::schemas::get_one,
         super::health,
         super::metrics::metrics,
+        super::jobs::create,
+        super::jobs::status,
+        super::jobs::results,
+        super::jobs::retry,
         super::openai::chat_completions,
         super::openai::completions,
         super::openai::models
@@ -50,7 +55,8 @@ use super::schemas::{KeywordEntry, RegisterSchema, SchemaInfo, SchemaList};
         StreamOptions,
         ResponseFormat,
         JsonSchemaFormat,
-        CompletionRequest
+        CompletionRequest,
+        JobStatus
     ))
 )]
 struct ApiDoc;
