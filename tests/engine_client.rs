@@ -117,22 +117,14 @@ struct Seen {
     finish: FinishReason,
 }
 
-async fn collect(mut stream: quarry::engine::RequestStream) -> (Seen, usize) {
-    let mut seen = Seen {
-        tokens: Vec::new(),
-        text: String::new(),
-        finish: FinishReason::Aborted,
+async fn collect(stream: quarry::engine::RequestStream) -> (Seen, usize) {
+    let c = stream.collect().await.expect("the engine finished the request");
+    let seen = Seen {
+        tokens: c.tokens,
+        text: c.text,
+        finish: c.finish,
     };
-    let mut preemptions = 0;
-    while let Some(out) = stream.next().await {
-        seen.tokens.extend(out.tokens.iter().map(|t| t.token));
-        seen.text.push_str(&out.text);
-        if let Some(f) = out.finished {
-            seen.finish = f;
-            preemptions = out.metrics.map_or(0, |m| m.preemptions);
-        }
-    }
-    (seen, preemptions)
+    (seen, c.metrics.preemptions)
 }
 
 /// Runs every job through a client, all at once (`together`) or one after another; returns

@@ -9,7 +9,7 @@ use std::thread::JoinHandle;
 
 use tokio::sync::{mpsc as async_mpsc, oneshot};
 
-use super::core::{AddError, EngineCore, EngineRequest, RequestOutput};
+use super::core::{AddError, Completion, Completions, EngineCore, EngineRequest, RequestOutput};
 use super::kv_cache_manager::{PrefixCacheStats, RequestId};
 
 /// A snapshot of the engine, refreshed after every step (for metrics and admission control).
@@ -73,6 +73,17 @@ impl RequestStream {
             _ => self.done = true,
         }
         out
+    }
+}
+
+impl RequestStream {
+    /// Every output to the last, gathered; `None` when the engine stopped first.
+    pub async fn collect(mut self) -> Option<Completion> {
+        let mut all = Completions::default();
+        while let Some(out) = self.next().await {
+            all.push(&out);
+        }
+        all.done.pop()
     }
 }
 

@@ -414,21 +414,23 @@ impl EngineCore {
         let Some(matcher) = state.matcher.as_mut() else {
             return Vec::new();
         };
-        let tokenizer = &self.tokenizer;
-        let Ok(before) = tokenizer.decode(&[last], false) else {
-            return Vec::new();
-        };
-        if room == 0 || before.is_empty() || before.ends_with('\u{FFFD}') {
+        if room == 0 {
             return Vec::new();
         }
-        let mut forced = matcher.forced_tokens(&|text: &str| match tokenizer
-            .encode_fragment(&format!("{before}{text}"), false)
-        {
-            Ok(mut t) if t.first() == Some(&last) => {
-                t.remove(0);
-                t
+        let tokenizer = &self.tokenizer;
+        // Called only when the grammar forces some text, so most steps decode nothing here.
+        let mut forced = matcher.forced_tokens(&|text: &str| {
+            let before = match tokenizer.decode(&[last], false) {
+                Ok(b) if !b.is_empty() && !b.ends_with('\u{FFFD}') => b,
+                _ => return Vec::new(),
+            };
+            match tokenizer.encode_fragment(&format!("{before}{text}"), false) {
+                Ok(mut t) if t.first() == Some(&last) => {
+                    t.remove(0);
+                    t
+                }
+                _ => Vec::new(),
             }
-            _ => Vec::new(),
         });
         forced.truncate(room);
         forced

@@ -1,5 +1,6 @@
 //! The JSON shapes of the HTTP API; utoipa derives the OpenAPI schemas from them.
 
+use quarry_grammar::json::{CompileReport, KeywordStatus};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::ToSchema;
@@ -68,8 +69,8 @@ pub struct ExtractResponse {
     pub partial: Option<String>,
     pub usage: Usage,
     pub timings: Timings,
-    /// Schema keywords that are not fully enforced, with how they were handled.
-    pub notes: Vec<KeywordNote>,
+    /// Schema keywords that are approximated or not enforced, with how they were handled.
+    pub notes: Vec<KeywordEntry>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -87,13 +88,45 @@ pub struct Timings {
     pub total_ms: f64,
 }
 
+/// One keyword of a schema, at its JSON pointer, and what the grammar makes of it.
 #[derive(Debug, Serialize, ToSchema)]
-pub struct KeywordNote {
+pub struct KeywordEntry {
     pub keyword: String,
     pub pointer: String,
-    /// `approximated` or `rejected`.
+    /// `enforced`, `approximated`, `rejected` (not enforced) or `annotation`.
     pub status: String,
-    pub detail: String,
+    /// How it is approximated, or why it is not enforced.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+}
+
+impl KeywordEntry {
+    /// Every keyword of a compile report.
+    pub fn from_report(report: &CompileReport) -> Vec<KeywordEntry> {
+        report
+            .keywords
+            .iter()
+            .map(|k| {
+                let (status, detail) = match &k.status {
+                    KeywordStatus::Enforced => ("enforced", None),
+                    KeywordStatus::Approximated(how) => ("approximated", Some(how.clone())),
+                    KeywordStatus::Rejected(why) => ("rejected", Some(why.clone())),
+                    KeywordStatus::Annotation => ("annotation", None),
+                };
+                KeywordEntry {
+                    keyword: k.keyword.clone(),
+                    pointer: k.pointer.clone(),
+                    status: status.into(),
+                    detail,
+                }
+            })
+            .collect()
+    }
+
+    /// Approximated or not enforced.
+    pub fn is_caveat(&self) -> bool {
+        self.detail.is_some()
+    }
 }
 
 #[derive(Debug, Serialize, ToSchema)]

@@ -6,10 +6,10 @@ use std::sync::Arc;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
-use quarry_grammar::json::{KeywordStatus, Whitespace};
+use quarry_grammar::json::Whitespace;
 use serde_json::Value;
 
-use super::api::{ExtractRequest, ExtractResponse, KeywordNote, Outcome, Timings, Usage, WhitespaceOption};
+use super::api::{ExtractRequest, ExtractResponse, KeywordEntry, Outcome, Timings, Usage, WhitespaceOption};
 use super::error::{ApiError, ErrorBody};
 use super::{ApiJson, AppState};
 use crate::engine::{AddError, AdmitError, Constraint, EngineRequest, FinishReason, SubmitError};
@@ -94,7 +94,8 @@ async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractRespon
     })
     .await
     .map_err(|e| ApiError::internal(e.to_string()))??;
-    let notes = compiled.report().map(notes).unwrap_or_default();
+    let mut notes = compiled.report().map(KeywordEntry::from_report).unwrap_or_default();
+    notes.retain(KeywordEntry::is_caveat);
 
     let params = SamplingParams {
         temperature: o.temperature.unwrap_or(0.0),
@@ -123,29 +124,22 @@ async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractRespon
     }
     // Dropping the stream (the client went away and axum dropped this future) aborts the
     // request in the engine.
-    let mut stream = state.client.submit(request).await.map_err(submit_error)?;
-    let mut text = String::new();
-    let mut tokens = 0;
-    let mut last = None;
-    while let Some(out) = stream.next().await {
-        text.push_str(&out.text);
-        tokens += out.tokens.len();
-        if out.finished.is_some() {
-            last = Some(out);
-        }
-    }
-    let last = last.ok_or_else(|| ApiError::internal("the engine stopped before the request finished"))?;
-    let m = last.metrics.unwrap_or_default();
+    let stream = state.client.submit(request).await.map_err(submit_error)?;
+    let c = stream
+        .collect()
+        .await
+        .ok_or_else(|| ApiError::internal("the engine stopped before the request finished"))?;
+    let (m, text, tokens) = (c.metrics, c.text, c.tokens.len());
     state.metrics.observe(&m, tokens);
     let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
-    let (outcome, data) = match last.finished {
-        Some(FinishReason::Stop) => match serde_json::from_str::<Value>(&text) {
+    let (outcome, data) = match c.finish {
+        FinishReason::Stop => match serde_json::from_str::<Value>(&text) {
             Ok(v) => (Outcome::Ok, Some(v)),
             Err(_) => (Outcome::Internal, None),
         },
-        Some(FinishReason::Length) => (Outcome::Truncated, None),
-        Some(FinishReason::Aborted) => (Outcome::Cancelled, None),
-        Some(FinishReason::Internal) | None => (Outcome::Internal, None),
+        FinishReason::Length => (Outcome::Truncated, None),
+        FinishReason::Aborted => (Outcome::Cancelled, None),
+        FinishReason::Internal => (Outcome::Internal, None),
     };
     Ok(ExtractResponse {
         data,
@@ -163,26 +157,6 @@ async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractRespon
         },
         notes,
     })
-}
-
-fn notes(report: &quarry_grammar::json::CompileReport) -> Vec<KeywordNote> {
-    report
-        .keywords
-        .iter()
-        .filter_map(|k| {
-            let (status, detail) = match &k.status {
-                KeywordStatus::Approximated(how) => ("approximated", how),
-                KeywordStatus::Rejected(why) => ("rejected", why),
-                _ => return None,
-            };
-            Some(KeywordNote {
-                keyword: k.keyword.clone(),
-                pointer: k.pointer.clone(),
-                status: status.into(),
-                detail: detail.clone(),
-            })
-        })
-        .collect()
 }
 
 pub(super) fn submit_error(e: SubmitError) -> ApiError {

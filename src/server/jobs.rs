@@ -77,13 +77,15 @@ pub struct JobStatus {
 impl Job {
     fn status(&self) -> JobStatus {
         let states = self.states.lock().unwrap_or_else(|e| e.into_inner());
-        let count = |f: &dyn Fn(&ItemState) -> bool| states.iter().filter(|s| f(s)).count();
-        let (queued, running) = (
-            count(&|s| matches!(s, ItemState::Queued)),
-            count(&|s| matches!(s, ItemState::Running)),
-        );
-        let ok = count(&|s| matches!(s, ItemState::Done(_, true)));
-        let failed = count(&|s| matches!(s, ItemState::Done(_, false)));
+        let (mut queued, mut running, mut ok, mut failed) = (0, 0, 0, 0);
+        for s in states.iter() {
+            match s {
+                ItemState::Queued => queued += 1,
+                ItemState::Running => running += 1,
+                ItemState::Done(_, true) => ok += 1,
+                ItemState::Done(_, false) => failed += 1,
+            }
+        }
         JobStatus {
             job_id: self.id.clone(),
             schema_id: self.schema_id.clone(),

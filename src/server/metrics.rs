@@ -4,7 +4,7 @@
 //! usage, prefix-cache hit rate, preemptions).
 
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use axum::extract::State;
 use axum::http::header;
@@ -40,8 +40,6 @@ pub struct Metrics {
     kv_usage: Gauge<f64, AtomicU64>,
     prefix_hit_rate: Gauge<f64, AtomicU64>,
     preemptions: Gauge,
-    /// Scrapes render one at a time (the registry encoder takes `&Registry`).
-    render: Mutex<()>,
 }
 
 impl Default for Metrics {
@@ -62,7 +60,6 @@ impl Default for Metrics {
             kv_usage: Gauge::default(),
             prefix_hit_rate: Gauge::default(),
             preemptions: Gauge::default(),
-            render: Mutex::new(()),
         };
         let r = &mut m.registry;
         r.register(
@@ -149,10 +146,7 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
     m.prefix_hit_rate.set(s.prefix_cache.hit_rate());
     m.preemptions.set(s.preemptions as i64);
     let mut text = String::new();
-    {
-        let _one = m.render.lock().unwrap_or_else(|e| e.into_inner());
-        let _ = encode(&mut text, &m.registry);
-    }
+    let _ = encode(&mut text, &m.registry);
     (
         [(
             header::CONTENT_TYPE,

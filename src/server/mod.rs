@@ -81,8 +81,7 @@ pub async fn serve(state: Arc<AppState>, addr: SocketAddr) -> anyhow::Result<()>
         .with_graceful_shutdown(shutdown_signal())
         .await?;
     eprintln!("quarry: draining running requests");
-    let client_state = state;
-    tokio::task::spawn_blocking(move || client_state.client.shutdown()).await?;
+    tokio::task::spawn_blocking(move || state.client.shutdown()).await?;
     Ok(())
 }
 

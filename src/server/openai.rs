@@ -142,14 +142,16 @@ pub async fn chat_completions(
     let max_tokens = req.max_completion_tokens.or(req.max_tokens).unwrap_or(4096).max(1);
     let prompt_tokens = prompt.len();
     let params = SamplingParams {
-        temperature: req.temperature.unwrap_or(1.0),
-        top_p: req.top_p.unwrap_or(1.0),
-        seed: req.seed,
-        frequency_penalty: req.frequency_penalty.unwrap_or(0.0),
-        presence_penalty: req.presence_penalty.unwrap_or(0.0),
         logprobs: req.logprobs.then_some(req.top_logprobs.unwrap_or(0)),
         stop,
-        ..SamplingParams::greedy(max_tokens)
+        ..openai_defaults(
+            max_tokens,
+            req.temperature,
+            req.top_p,
+            req.seed,
+            req.frequency_penalty,
+            req.presence_penalty,
+        )
     };
     let streams = submit_n(&state, &prompt, n, &params, compiled).await?;
     let head = Head::new(Api::Chat, &streams, &state.model, prompt_tokens, req.logprobs);
@@ -157,7 +159,7 @@ pub async fn chat_completions(
         let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
         return Ok(stream_response(state, head, streams, include_usage));
     }
-    Ok(Json(complete(&state, &head, streams).await).into_response())
+    Ok(Json(complete(&state, &head, streams).await?).into_response())
 }
 
 /// `n` requests of the same prompt, the i-th with seed `seed + i`.
@@ -189,6 +191,25 @@ async fn submit_n(
         );
     }
     Ok(streams)
+}
+
+/// The sampling fields both endpoints share, with the OpenAI API's defaults (temperature 1).
+fn openai_defaults(
+    max_tokens: usize,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    seed: Option<u64>,
+    frequency_penalty: Option<f32>,
+    presence_penalty: Option<f32>,
+) -> SamplingParams {
+    SamplingParams {
+        temperature: temperature.unwrap_or(1.0),
+        top_p: top_p.unwrap_or(1.0),
+        seed,
+        frequency_penalty: frequency_penalty.unwrap_or(0.0),
+        presence_penalty: presence_penalty.unwrap_or(0.0),
+        ..SamplingParams::greedy(max_tokens)
+    }
 }
 
 fn check_n(n: Option<usize>) -> Result<usize, ApiError> {
@@ -283,15 +304,18 @@ pub async fn completions(
         .await
         .map_err(|e| ApiError::internal(e.to_string()))?
         .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let max_tokens = req.max_tokens.unwrap_or(16).max(1);
     let params = SamplingParams {
-        temperature: req.temperature.unwrap_or(1.0),
-        top_p: req.top_p.unwrap_or(1.0),
-        seed: req.seed,
-        frequency_penalty: req.frequency_penalty.unwrap_or(0.0),
-        presence_penalty: req.presence_penalty.unwrap_or(0.0),
         logprobs: req.logprobs,
         stop: parse_stop(&req.stop)?,
-        ..SamplingParams::greedy(req.max_tokens.unwrap_or(16).max(1))
+        ..openai_defaults(
+            max_tokens,
+            req.temperature,
+            req.top_p,
+            req.seed,
+            req.frequency_penalty,
+            req.presence_penalty,
+        )
     };
     let streams = submit_n(&state, &prompt, n, &params, None).await?;
     let head = Head::new(Api::Text, &streams, &state.model, prompt.len(), req.logprobs.is_some());
@@ -299,7 +323,7 @@ pub async fn completions(
         let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
         return Ok(stream_response(state, head, streams, include_usage));
     }
-    Ok(Json(complete(&state, &head, streams).await).into_response())
+    Ok(Json(complete(&state, &head, streams).await?).into_response())
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -308,54 +332,36 @@ enum Api {
     Text,
 }
 
-/// One choice, collected.
-struct Generation {
-    text: String,
-    tokens: Vec<SampledToken>,
-    finish: Option<FinishReason>,
-}
-
 /// Every choice to its end; the whole response object.
-async fn complete(state: &AppState, head: &Head, streams: Vec<RequestStream>) -> Value {
-    let mut generations = Vec::new();
-    let mut cached = 0;
-    for mut stream in streams {
-        let mut g = Generation {
-            text: String::new(),
-            tokens: Vec::new(),
-            finish: None,
-        };
-        while let Some(out) = stream.next().await {
-            g.text.push_str(&out.text);
-            g.tokens.extend(out.tokens.iter().cloned());
-            if let Some(f) = out.finished {
-                g.finish = Some(f);
-                cached = cached.max(out.metrics.map_or(0, |m| m.cached_tokens));
-            }
-        }
-        generations.push(g);
+async fn complete(state: &AppState, head: &Head, streams: Vec<RequestStream>) -> Result<Value, ApiError> {
+    let mut done = Vec::new();
+    for stream in streams {
+        let c = stream.collect().await;
+        done.push(c.ok_or_else(|| ApiError::internal("the engine stopped before the request finished"))?);
     }
-    let completion_tokens = generations.iter().map(|g| g.tokens.len()).sum();
-    let choices: Vec<Value> = generations
+    let completion_tokens = done.iter().map(|c| c.tokens.len()).sum();
+    let cached = done.iter().map(|c| c.metrics.cached_tokens).max().unwrap_or(0);
+    let choices: Vec<Value> = done
         .into_iter()
         .enumerate()
-        .map(|(index, g)| {
+        .map(|(index, c)| {
             let logprobs = head
                 .logprobs
-                .then(|| logprobs_json(head.api, &state.tokenizer, &g.tokens));
-            let mut c = json!({"index": index, "logprobs": logprobs, "finish_reason": finish_reason(g.finish)});
+                .then(|| logprobs_json(head.api, &state.tokenizer, &c.sampled));
+            let mut choice =
+                json!({"index": index, "logprobs": logprobs, "finish_reason": finish_reason(Some(c.finish))});
             match head.api {
-                Api::Chat => c["message"] = json!({"role": "assistant", "content": g.text}),
-                Api::Text => c["text"] = json!(g.text),
+                Api::Chat => choice["message"] = json!({"role": "assistant", "content": c.text}),
+                Api::Text => choice["text"] = json!(c.text),
             }
-            c
+            choice
         })
         .collect();
-    json!({
+    Ok(json!({
         "id": head.id, "object": head.object(false), "created": head.created, "model": head.model,
         "choices": choices,
         "usage": usage(head.prompt_tokens, completion_tokens, cached),
-    })
+    }))
 }
 
 /// What every chunk of one completion repeats.

@@ -4,14 +4,14 @@
 use utoipa::OpenApi;
 
 use super::api::{
-    ExtractOptions, ExtractRequest, ExtractResponse, Health, KeywordNote, Outcome, Timings, Usage, WhitespaceOption,
+    ExtractOptions, ExtractRequest, ExtractResponse, Health, KeywordEntry, Outcome, Timings, Usage, WhitespaceOption,
 };
 use super::error::{ErrorBody, ErrorDetail};
 use super::jobs::JobStatus;
 use super::openai::{
     ChatCompletionRequest, ChatMessageIn, CompletionRequest, JsonSchemaFormat, ResponseFormat, StreamOptions,
 };
-use super::schemas::{KeywordEntry, RegisterSchema, SchemaInfo, SchemaList};
+use super::schemas::{RegisterSchema, SchemaInfo, SchemaList};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -42,13 +42,12 @@ use super::schemas::{KeywordEntry, RegisterSchema, SchemaInfo, SchemaList};
         Outcome,
         Usage,
         Timings,
-        KeywordNote,
+        KeywordEntry,
         Health,
         ErrorBody,
         ErrorDetail,
         RegisterSchema,
         SchemaInfo,
-        KeywordEntry,
         SchemaList,
         ChatCompletionRequest,
         ChatMessageIn,

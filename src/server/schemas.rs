@@ -8,11 +8,12 @@ use std::sync::{Arc, RwLock};
 use axum::extract::{Path as UrlPath, State};
 use axum::http::StatusCode;
 use axum::Json;
-use quarry_grammar::json::{CompileReport, KeywordStatus, Whitespace};
+use quarry_grammar::json::Whitespace;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::ToSchema;
 
+use super::api::KeywordEntry;
 use super::error::{ApiError, ErrorBody};
 use super::{ApiJson, AppState};
 use crate::engine::Constraint;
@@ -23,7 +24,8 @@ const MAX_REGISTERED: usize = 10_000;
 #[derive(Default)]
 pub struct SchemaRegistry {
     by_id: RwLock<BTreeMap<String, Value>>,
-    registered: RwLock<usize>,
+    /// Loaded from the folder at start: the rest were registered over the API.
+    ready_made: usize,
 }
 
 impl SchemaRegistry {
@@ -44,8 +46,8 @@ impl SchemaRegistry {
             }
         }
         Ok(SchemaRegistry {
+            ready_made: by_id.len(),
             by_id: RwLock::new(by_id),
-            registered: RwLock::new(0),
         })
     }
 
@@ -69,15 +71,13 @@ impl SchemaRegistry {
         if by_id.contains_key(&id) {
             return Ok(id);
         }
-        let mut registered = self.registered.write().unwrap_or_else(|e| e.into_inner());
-        if *registered >= MAX_REGISTERED {
+        if by_id.len() - self.ready_made >= MAX_REGISTERED {
             return Err(ApiError::new(
                 StatusCode::INSUFFICIENT_STORAGE,
                 "registry_full",
                 format!("{MAX_REGISTERED} schemas are registered already"),
             ));
         }
-        *registered += 1;
         by_id.insert(id.clone(), schema);
         Ok(id)
     }
@@ -110,39 +110,8 @@ pub struct SchemaInfo {
 }
 
 #[derive(Debug, Serialize, ToSchema)]
-pub struct KeywordEntry {
-    pub keyword: String,
-    pub pointer: String,
-    /// `enforced`, `approximated`, `rejected` (not enforced) or `annotation`.
-    pub status: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub detail: Option<String>,
-}
-
-#[derive(Debug, Serialize, ToSchema)]
 pub struct SchemaList {
     pub schema_ids: Vec<String>,
-}
-
-fn entries(report: &CompileReport) -> Vec<KeywordEntry> {
-    report
-        .keywords
-        .iter()
-        .map(|k| {
-            let (status, detail) = match &k.status {
-                KeywordStatus::Enforced => ("enforced", None),
-                KeywordStatus::Approximated(how) => ("approximated", Some(how.clone())),
-                KeywordStatus::Rejected(why) => ("rejected", Some(why.clone())),
-                KeywordStatus::Annotation => ("annotation", None),
-            };
-            KeywordEntry {
-                keyword: k.keyword.clone(),
-                pointer: k.pointer.clone(),
-                status: status.into(),
-                detail,
-            }
-        })
-        .collect()
 }
 
 /// Compiles `schema` off the async threads (cached, so the first extraction with it is fast).
@@ -157,7 +126,7 @@ async fn preflight(state: &Arc<AppState>, schema: &Value, strict: bool) -> Resul
         .await
         .map_err(|e| ApiError::internal(e.to_string()))?
         .map_err(ApiError::schema_rejected)?;
-    Ok(compiled.report().map(entries).unwrap_or_default())
+    Ok(compiled.report().map(KeywordEntry::from_report).unwrap_or_default())
 }
 
 #[utoipa::path(

@@ -4,10 +4,8 @@
 use clap::Args;
 use serde_json::json;
 
-use super::{bench_prompt, percentile};
+use super::{bench_prompt, fixed_length, percentile};
 use crate::cli::ModelArgs;
-use crate::engine::EngineRequest;
-use crate::sampling::SamplingParams;
 
 #[derive(Args)]
 pub struct LatencyArgs {
@@ -39,17 +37,9 @@ pub fn run(args: LatencyArgs) -> anyhow::Result<()> {
         let started = std::time::Instant::now();
         for b in 0..args.batch_size {
             let id = (iter * args.batch_size + b) as u64;
-            engine.add_request(EngineRequest {
-                id,
-                // A fresh prompt every time: no iteration finds another's prefix cached.
-                prompt: bench_prompt(args.input_len, tokenizer.vocab_size(), id as usize),
-                params: SamplingParams {
-                    ignore_eos: true,
-                    ..SamplingParams::greedy(args.output_len)
-                },
-                priority: 0,
-                constraint: None,
-            })?;
+            // A fresh prompt every time: no iteration finds another's prefix cached.
+            let prompt = bench_prompt(args.input_len, tokenizer.vocab_size(), id as usize);
+            engine.add_request(fixed_length(id, prompt, args.output_len))?;
         }
         engine.run_until_idle(|_| {})?;
         if iter > 0 {

@@ -40,6 +40,20 @@ pub fn bench_prompt(len: usize, vocab: usize, variant: usize) -> Vec<u32> {
         .collect()
 }
 
+/// A greedy request that decodes exactly `output_len` tokens, end-of-generation or not.
+fn fixed_length(id: u64, prompt: Vec<u32>, output_len: usize) -> crate::engine::EngineRequest {
+    crate::engine::EngineRequest {
+        id,
+        prompt,
+        params: crate::sampling::SamplingParams {
+            ignore_eos: true,
+            ..crate::sampling::SamplingParams::greedy(output_len)
+        },
+        priority: 0,
+        constraint: None,
+    }
+}
+
 fn median(v: &mut [f64]) -> f64 {
     percentile(v, 50.0)
 }

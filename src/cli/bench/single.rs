@@ -3,10 +3,8 @@
 
 use clap::Args;
 
-use super::{bench_prompt, median};
+use super::{bench_prompt, fixed_length, median};
 use crate::cli::ModelArgs;
-use crate::engine::EngineRequest;
-use crate::sampling::SamplingParams;
 
 #[derive(Args)]
 pub struct SingleArgs {
@@ -32,19 +30,10 @@ pub fn run(args: SingleArgs) -> anyhow::Result<()> {
     let mut prefill = Vec::new();
     let mut decode = Vec::new();
     for rep in 0..=args.repeats {
-        engine.add_request(EngineRequest {
-            id: rep as u64,
-            // Each repeat differs in its first token, so none finds the others' prefix cached.
-            prompt: std::iter::once(rep as u32 + 1)
-                .chain(prompt[1..].iter().copied())
-                .collect(),
-            params: SamplingParams {
-                ignore_eos: true,
-                ..SamplingParams::greedy(args.output_len)
-            },
-            priority: 0,
-            constraint: None,
-        })?;
+        // Each repeat differs in its first token, so none finds the others' prefix cached.
+        let first = std::iter::once(rep as u32 + 1);
+        let prompt = first.chain(prompt[1..].iter().copied()).collect();
+        engine.add_request(fixed_length(rep as u64, prompt, args.output_len))?;
         let c = engine.run_until_idle(|_| {})?.remove(0);
         let m = &c.metrics;
         if rep > 0 {

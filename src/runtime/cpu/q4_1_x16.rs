@@ -182,6 +182,15 @@ mod x86 {
     }
 }
 
+/// A fixed pseudo-random stream of u32 for the kernel tests.
+#[cfg(test)]
+pub(crate) fn test_rng(mut seed: u64) -> impl FnMut() -> u32 {
+    move || {
+        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (seed >> 33) as u32
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -195,11 +204,7 @@ mod tests {
         }
         let (rows, k) = (32, 256);
         let kb = k / QK;
-        let mut seed = 11u64;
-        let mut next = || {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            (seed >> 33) as u32
-        };
+        let mut next = test_rng(11);
         let blocks: Vec<BlockQ4_1> = (0..rows * kb)
             .map(|_| BlockQ4_1 {
                 d: f16::from_f32((next() % 1000) as f32 / 1e4),

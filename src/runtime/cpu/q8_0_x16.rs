@@ -132,11 +132,7 @@ mod tests {
         }
         let (rows, k) = (32, 128);
         let kb = k / QK;
-        let mut seed = 5u64;
-        let mut next = || {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            (seed >> 33) as u32
-        };
+        let mut next = crate::runtime::cpu::q4_1_x16::test_rng(5);
         let mut raw = Vec::new();
         for _ in 0..rows * kb {
             raw.extend(f16::from_f32((next() % 1000) as f32 / 1e4 + 1e-3).to_le_bytes());
