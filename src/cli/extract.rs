@@ -1,11 +1,22 @@
-use std::path::PathBuf;
+//! `quarry extract`: one document (`--document`, the record on stdout) or a batch
+//! (`--input FILE.jsonl|csv`, results to `--output FILE.jsonl|csv` in input order) through the
+//! same extraction path as the HTTP service, offline.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use clap::Args;
 use quarry_grammar::json::{KeywordStatus, Whitespace};
+use serde_json::Value;
 
+use super::progress::Progress;
 use super::ModelArgs;
-use crate::engine::{Constraint, EngineRequest, FinishReason, StructuredOutputs};
-use crate::sampling::SamplingParams;
+use crate::engine::{Constraint, EngineClient, StructuredOutputs};
+use crate::extract::records::{self, Format, Record, RecordResult};
+use crate::extract::table::Table;
+use crate::extract::{ExtractError, Extraction, Extractor, Outcome, Task};
 
 #[derive(Args)]
 pub struct ExtractArgs {
@@ -14,9 +25,26 @@ pub struct ExtractArgs {
     /// JSON Schema file the output must validate against.
     #[arg(long)]
     schema: PathBuf,
-    /// Text file to extract from.
+    /// Text file to extract from; the record is printed on stdout.
+    #[arg(long, required_unless_present = "input", conflicts_with = "input")]
+    document: Option<PathBuf>,
+    /// A batch: JSONL (one {"id"?, "document"} per line) or CSV (`.csv`, with a header row).
     #[arg(long)]
-    document: PathBuf,
+    input: Option<PathBuf>,
+    /// Where batch results go: `.csv` gets schema-shaped columns, anything else JSONL
+    /// [default: JSONL on stdout].
+    #[arg(long, requires = "input")]
+    output: Option<PathBuf>,
+    /// The CSV input column holding the text.
+    #[arg(long, default_value = "document", requires = "input")]
+    text_column: String,
+    /// For CSV output, the dotted path of one array of the schema to spread over one row per
+    /// element.
+    #[arg(long, requires = "output")]
+    explode: Option<String>,
+    /// Documents in flight at once in a batch.
+    #[arg(long, default_value_t = 64)]
+    concurrency: usize,
     /// Extra instructions for the model.
     #[arg(long)]
     instructions: Option<String>,
@@ -28,65 +56,195 @@ pub struct ExtractArgs {
     strict: bool,
 }
 
-/// Prints one JSON object that validates against the schema; any other outcome is an error
-/// that names it (`truncated`, `schema_rejected`, `input_too_long`, `internal`).
 pub fn run(args: ExtractArgs) -> anyhow::Result<()> {
-    let read = |p: &PathBuf| std::fs::read_to_string(p).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()));
-    let schema: serde_json::Value = serde_json::from_str(&read(&args.schema)?)
+    let schema: Value = serde_json::from_str(&read(&args.schema)?)
         .map_err(|e| anyhow::anyhow!("{}: not JSON: {e}", args.schema.display()))?;
-    let document = read(&args.document)?;
-    let (mut engine, tokenizer) = args.model.engine()?;
+    anyhow::ensure!(args.concurrency > 0, "--concurrency must be at least 1");
+    // Bad input and output options fail before the model loads.
+    let batch = match &args.input {
+        Some(input) => {
+            let body = std::fs::read(input).map_err(|e| anyhow::anyhow!("{}: {e}", input.display()))?;
+            let items = records::parse(&body, Format::of_path(input), Some(&args.text_column))
+                .map_err(|e| anyhow::anyhow!("{}: {e}", input.display()))?;
+            let table = match &args.output {
+                Some(out) if Format::of_path(out) == Format::Csv => {
+                    Some(Table::from_schema(&schema, args.explode.as_deref())?)
+                }
+                _ => None,
+            };
+            Some((items, table))
+        }
+        None => None,
+    };
+    let (engine, tokenizer) = args.model.engine()?;
     let structured = StructuredOutputs::new(&tokenizer);
-    let constraint = structured
+    // Compile once up front: a schema that cannot compile is one error, not one per item.
+    let compiled = structured
         .compile(&Constraint::Json {
             schema: schema.clone(),
             whitespace: Whitespace::Compact,
             strict: args.strict,
         })
         .map_err(|e| anyhow::anyhow!("schema_rejected: {e}"))?;
-    if let Some(report) = constraint.report() {
-        for k in &report.keywords {
-            match &k.status {
-                KeywordStatus::Approximated(how) => {
-                    eprintln!("note: `{}` at {:?} approximated: {how}", k.keyword, k.pointer)
-                }
-                KeywordStatus::Rejected(why) => {
-                    eprintln!("note: `{}` at {:?} not enforced: {why}", k.keyword, k.pointer)
-                }
-                _ => {}
+    for k in compiled.report().map(|r| &r.keywords[..]).unwrap_or_default() {
+        match &k.status {
+            KeywordStatus::Approximated(how) => {
+                eprintln!("note: `{}` at {:?} approximated: {how}", k.keyword, k.pointer)
             }
+            KeywordStatus::Rejected(why) => eprintln!("note: `{}` at {:?} not enforced: {why}", k.keyword, k.pointer),
+            _ => {}
         }
     }
-    let prompt = crate::extract::prompt(&tokenizer, &schema, &document, args.instructions.as_deref())?;
-    engine
-        .add_request(EngineRequest {
-            id: 0,
-            prompt,
-            params: SamplingParams::greedy(args.max_tokens),
-            priority: 0,
-            constraint: Some(constraint),
-        })
-        .map_err(|e| anyhow::anyhow!("input_too_long: {e}"))?;
-    let c = engine.run_until_idle(|_| {})?.remove(0);
-    match c.finish {
-        FinishReason::Stop => {
-            let value: serde_json::Value = serde_json::from_str(&c.text)
-                .map_err(|e| anyhow::anyhow!("internal: the constrained output is not JSON ({e}): {}", c.text))?;
-            println!("{value}");
-            let m = &c.metrics;
+    let extractor = Arc::new(Extractor {
+        client: EngineClient::start(engine),
+        tokenizer,
+        structured,
+    });
+    let task = Task {
+        instructions: args.instructions.clone(),
+        max_tokens: args.max_tokens,
+        strict: args.strict,
+        ..Task::new(schema, String::new())
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    let result = match (batch, &args.document) {
+        (Some((items, table)), _) => {
+            let sink = Sink::open(args.output.as_deref(), table)?;
+            runtime.block_on(run_batch(&extractor, &task, items, sink, args.concurrency))
+        }
+        (None, Some(document)) => {
+            let task = Task {
+                document: read(document)?,
+                ..task
+            };
+            let x = runtime.block_on(extractor.run(task));
+            print_one(x, args.max_tokens)
+        }
+        (None, None) => unreachable!("clap requires --document or --input"),
+    };
+    extractor.client.shutdown();
+    result
+}
+
+fn read(p: &Path) -> anyhow::Result<String> {
+    std::fs::read_to_string(p).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))
+}
+
+/// Prints the record; any other outcome is an error that names it (`truncated`,
+/// `input_too_long`, `internal`).
+fn print_one(x: Result<Extraction, ExtractError>, max_tokens: usize) -> anyhow::Result<()> {
+    let x = x.map_err(|e| anyhow::anyhow!("{}: {e}", e.kind()))?;
+    match x.outcome {
+        Outcome::Ok => {
+            println!("{}", x.data.unwrap_or_default());
+            let m = &x.metrics;
             eprintln!(
-                "outcome: ok | prompt {} tokens, output {} tokens | {:.0} ms",
+                "outcome: ok | prompt {} tokens ({} cached), output {} tokens | {:.0} ms",
                 m.prompt_tokens,
-                c.tokens.len(),
+                m.cached_tokens,
+                x.completion_tokens,
                 m.e2e.as_secs_f64() * 1e3
             );
             Ok(())
         }
-        FinishReason::Length => anyhow::bail!(
-            "truncated: the output did not close within {} tokens (raise --max-tokens); partial output: {}",
-            args.max_tokens,
-            c.text
+        Outcome::Truncated => anyhow::bail!(
+            "truncated: the output did not close within {max_tokens} tokens (raise --max-tokens); partial output: {}",
+            x.text
         ),
-        FinishReason::Aborted | FinishReason::Internal => anyhow::bail!("internal: generation ended early: {}", c.text),
+        o => anyhow::bail!("{}: generation ended early: {}", o.name(), x.text),
+    }
+}
+
+fn record_result(x: Result<Extraction, ExtractError>) -> RecordResult {
+    match x {
+        Ok(x) => RecordResult::finished(x.outcome, x.data, x.text, x.completion_tokens),
+        Err(e) => RecordResult::failed(e.kind(), e.to_string()),
+    }
+}
+
+/// Runs every item, `concurrency` at a time, writing results in input order as soon as all
+/// earlier ones are written.
+async fn run_batch(
+    extractor: &Arc<Extractor>,
+    task: &Task,
+    items: Vec<Record>,
+    mut sink: Sink,
+    concurrency: usize,
+) -> anyhow::Result<()> {
+    let mut progress = Progress::new(items.len());
+    let mut tasks = tokio::task::JoinSet::new();
+    let mut finished: BTreeMap<usize, RecordResult> = BTreeMap::new();
+    let mut next_out = 0;
+    let mut pending = items.iter().enumerate();
+    loop {
+        while tasks.len() < concurrency {
+            let Some((i, item)) = pending.next() else { break };
+            let (extractor, task) = (
+                extractor.clone(),
+                Task {
+                    document: item.document.clone(),
+                    ..task.clone()
+                },
+            );
+            tasks.spawn(async move { (i, record_result(extractor.run(task).await)) });
+        }
+        let Some(joined) = tasks.join_next().await else { break };
+        let (i, result) = joined?;
+        progress.item_done(result.ok());
+        finished.insert(i, result);
+        while let Some(r) = finished.remove(&next_out) {
+            sink.write(&items[next_out].id, &r)?;
+            next_out += 1;
+        }
+    }
+    sink.close()?;
+    progress.finish();
+    Ok(())
+}
+
+enum Sink {
+    Jsonl(Box<dyn Write>),
+    Csv(Box<csv::Writer<Box<dyn Write>>>, Table),
+}
+
+impl Sink {
+    fn open(path: Option<&Path>, table: Option<Table>) -> anyhow::Result<Sink> {
+        let out: Box<dyn Write> = match path {
+            Some(p) => Box::new(std::io::BufWriter::new(
+                std::fs::File::create(p).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?,
+            )),
+            None => Box::new(std::io::BufWriter::new(std::io::stdout())),
+        };
+        Ok(match table {
+            Some(table) => {
+                let mut w = csv::Writer::from_writer(out);
+                w.write_record(table.header())?;
+                Sink::Csv(Box::new(w), table)
+            }
+            None => Sink::Jsonl(out),
+        })
+    }
+
+    fn write(&mut self, id: &str, r: &RecordResult) -> anyhow::Result<()> {
+        match self {
+            Sink::Jsonl(w) => writeln!(w, "{}", r.json_line(id))?,
+            Sink::Csv(w, table) => {
+                for row in table.rows(id, &r.outcome, r.data.as_ref(), r.error.as_deref()) {
+                    w.write_record(row)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn close(self) -> anyhow::Result<()> {
+        match self {
+            Sink::Jsonl(mut w) => w.flush()?,
+            Sink::Csv(mut w, _) => w.flush()?,
+        }
+        Ok(())
     }
 }

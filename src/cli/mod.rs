@@ -3,6 +3,7 @@
 mod bench;
 mod extract;
 mod generate;
+mod progress;
 mod serve;
 
 use std::path::PathBuf;
@@ -29,7 +30,8 @@ pub struct Cli {
 enum Command {
     /// Generate text from a prompt, streaming tokens to stdout.
     Generate(generate::GenerateArgs),
-    /// Extract one JSON object matching a schema from a document.
+    /// Extract one JSON object matching a schema from a document, or one per document of a
+    /// JSONL or CSV batch.
     Extract(extract::ExtractArgs),
     /// Measure the engine's speed.
     #[command(subcommand)]

@@ -8,6 +8,7 @@ use clap::Args;
 
 use super::ModelArgs;
 use crate::engine::{EngineClient, StructuredOutputs};
+use crate::extract::Extractor;
 use crate::server::{self, AppState};
 
 #[derive(Args)]
@@ -37,9 +38,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let model = args.model.model_name();
     let structured = StructuredOutputs::new(&tokenizer);
     let state = Arc::new(AppState {
-        client: EngineClient::start(engine),
-        tokenizer,
-        structured,
+        extractor: Arc::new(Extractor {
+            client: EngineClient::start(engine),
+            tokenizer,
+            structured,
+        }),
         schemas,
         model,
         api_keys: args.api_key,

@@ -1,5 +1,13 @@
-//! Extraction requests: the prompt that tells the model the schema and the task (the grammar
-//! then guarantees the shape), and the outcome of one extraction.
+//! Extraction: the prompt that tells the model the schema and the task (the grammar then
+//! guarantees the shape), one extraction over the engine and how it ended, batch input
+//! (JSONL, CSV), records as schema-shaped CSV rows, and grounding of values in the document.
+
+mod extractor;
+pub mod grounding;
+pub mod records;
+pub mod table;
+
+pub use extractor::{ExtractError, Extraction, Extractor, Outcome, Task};
 
 use serde_json::Value;
 

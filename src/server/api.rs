@@ -5,6 +5,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::ToSchema;
 
+pub use crate::extract::grounding::{Grounding, Span};
+pub use crate::extract::Outcome;
+
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ExtractRequest {
@@ -19,6 +22,9 @@ pub struct ExtractRequest {
     pub instructions: Option<String>,
     #[serde(default)]
     pub options: ExtractOptions,
+    /// Also return where each string of the record occurs in the document.
+    #[serde(default)]
+    pub grounding: bool,
 }
 
 #[derive(Debug, Default, Serialize, Deserialize, ToSchema)]
@@ -45,20 +51,6 @@ pub enum WhitespaceOption {
     Pretty,
 }
 
-/// How an extraction ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum Outcome {
-    /// `data` validates against the schema.
-    Ok,
-    /// The answer did not close within `max_tokens`: `data` is null, `partial` holds the text.
-    Truncated,
-    /// The request was cancelled before it finished.
-    Cancelled,
-    /// The engine failed; nothing is returned.
-    Internal,
-}
-
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ExtractResponse {
     #[schema(value_type = Option<Object>)]
@@ -71,6 +63,11 @@ pub struct ExtractResponse {
     pub timings: Timings,
     /// Schema keywords that are approximated or not enforced, with how they were handled.
     pub notes: Vec<KeywordEntry>,
+    /// With `grounding: true` and outcome `ok`: for each non-blank string of `data`, its
+    /// character span in the document (matched ignoring case and line breaks), or null where
+    /// the document does not contain it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grounding: Option<Vec<Grounding>>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]

@@ -1,7 +1,7 @@
 //! Every failure the API reports: an HTTP status and a JSON body naming the problem, the
 //! field or schema keyword and its JSON pointer where there is one.
 
-use axum::extract::rejection::JsonRejection;
+use axum::extract::rejection::{BytesRejection, JsonRejection, QueryRejection};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use quarry_grammar::GrammarError;
@@ -16,7 +16,7 @@ pub struct ErrorBody {
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ErrorDetail {
     /// A stable machine-readable kind: `bad_request`, `invalid_json`, `unknown_field`,
-    /// `invalid_field`, `body_too_large`, `queue_full`, `schema_rejected`, `unknown_schema_id`, `input_too_long`,
+    /// `invalid_field`, `invalid_query`, `body_too_large`, `queue_full`, `unknown_job`, `schema_rejected`, `unknown_schema_id`, `input_too_long`,
     /// `unauthorized`, `internal`.
     #[serde(rename = "type")]
     pub kind: String,
@@ -82,6 +82,25 @@ impl IntoResponse for ApiError {
                 .insert(axum::http::header::RETRY_AFTER, seconds.into());
         }
         response
+    }
+}
+
+/// A bad query string names the parameter (400).
+impl From<QueryRejection> for ApiError {
+    fn from(r: QueryRejection) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid_query", r.body_text())
+    }
+}
+
+/// A raw body over the limit (413) or unreadable.
+impl From<BytesRejection> for ApiError {
+    fn from(r: BytesRejection) -> Self {
+        let kind = if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            "body_too_large"
+        } else {
+            "bad_request"
+        };
+        Self::new(r.status(), kind, r.body_text())
     }
 }
 

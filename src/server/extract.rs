@@ -7,16 +7,15 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
 use quarry_grammar::json::Whitespace;
-use serde_json::Value;
 
-use super::api::{ExtractRequest, ExtractResponse, KeywordEntry, Outcome, Timings, Usage, WhitespaceOption};
+use super::api::{ExtractRequest, ExtractResponse, KeywordEntry, Timings, Usage, WhitespaceOption};
 use super::error::{ApiError, ErrorBody};
 use super::{ApiJson, AppState};
-use crate::engine::{AddError, AdmitError, Constraint, EngineRequest, FinishReason, SubmitError};
-use crate::sampling::SamplingParams;
+use crate::engine::{AddError, AdmitError, SubmitError};
+use crate::extract::{ExtractError, Outcome, Task};
 
 const DEFAULT_MAX_TOKENS: usize = 512;
-const MAX_MAX_TOKENS: usize = 4096;
+pub(super) const MAX_MAX_TOKENS: usize = 4096;
 
 #[utoipa::path(
     post,
@@ -43,19 +42,10 @@ pub async fn extract(
 pub(super) async fn extract_one(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractResponse, ApiError> {
     let result = run(state, req).await;
     match &result {
-        Ok(out) => state.metrics.outcome(outcome_name(out.outcome)),
+        Ok(out) => state.metrics.outcome(out.outcome.name()),
         Err(e) => state.metrics.outcome(&e.detail.kind),
     }
     result
-}
-
-pub(super) fn outcome_name(o: Outcome) -> &'static str {
-    match o {
-        Outcome::Ok => "ok",
-        Outcome::Truncated => "truncated",
-        Outcome::Cancelled => "cancelled",
-        Outcome::Internal => "internal",
-    }
 }
 
 async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractResponse, ApiError> {
@@ -71,45 +61,21 @@ async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractRespon
             "`options.max_tokens` must be 1 to {MAX_MAX_TOKENS}"
         )));
     }
-    let whitespace = match o.whitespace.unwrap_or(WhitespaceOption::Compact) {
-        WhitespaceOption::Compact => Whitespace::Compact,
-        WhitespaceOption::Pretty => Whitespace::Flexible { max_run: 8 },
-    };
-    let constraint = Constraint::Json {
-        schema: schema.clone(),
-        whitespace,
-        strict: o.strict.unwrap_or(false),
-    };
-    // Compiling and tokenizing are CPU work: off the async threads.
-    let work = state.clone();
-    let (document, instructions) = (req.document, req.instructions);
-    let (compiled, prompt) = tokio::task::spawn_blocking(move || {
-        let compiled = work
-            .structured
-            .compile(&constraint)
-            .map_err(ApiError::schema_rejected)?;
-        let prompt = crate::extract::prompt(&work.tokenizer, &schema, &document, instructions.as_deref())
-            .map_err(|e| ApiError::internal(e.to_string()))?;
-        Ok::<_, ApiError>((compiled, prompt))
-    })
-    .await
-    .map_err(|e| ApiError::internal(e.to_string()))??;
-    let mut notes = compiled.report().map(KeywordEntry::from_report).unwrap_or_default();
-    notes.retain(KeywordEntry::is_caveat);
-
-    let params = SamplingParams {
+    let task = Task {
+        instructions: req.instructions,
+        max_tokens,
         temperature: o.temperature.unwrap_or(0.0),
         seed: o.seed,
-        ..SamplingParams::greedy(max_tokens)
-    };
-    let request = EngineRequest {
-        id: 0,
-        prompt,
-        params,
+        whitespace: match o.whitespace.unwrap_or(WhitespaceOption::Compact) {
+            WhitespaceOption::Compact => Whitespace::Compact,
+            WhitespaceOption::Pretty => Whitespace::Flexible { max_run: 8 },
+        },
         priority: o.priority.unwrap_or(0),
-        constraint: Some(compiled),
+        strict: o.strict.unwrap_or(false),
+        grounding: req.grounding,
+        ..Task::new(schema, req.document)
     };
-    let stats = state.client.stats();
+    let stats = state.extractor.client.stats();
     if stats.waiting + stats.running >= state.max_pending {
         let mut err = ApiError::new(
             StatusCode::TOO_MANY_REQUESTS,
@@ -122,32 +88,23 @@ async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractRespon
         err.retry_after = Some(1);
         return Err(err);
     }
-    // Dropping the stream (the client went away and axum dropped this future) aborts the
-    // request in the engine.
-    let stream = state.client.submit(request).await.map_err(submit_error)?;
-    let c = stream
-        .collect()
-        .await
-        .ok_or_else(|| ApiError::internal("the engine stopped before the request finished"))?;
-    let (m, text, tokens) = (c.metrics, c.text, c.tokens.len());
-    state.metrics.observe(&m, tokens);
+    let x = state.extractor.run(task).await.map_err(|e| match e {
+        ExtractError::SchemaRejected(e) => ApiError::schema_rejected(e),
+        ExtractError::Refused(e) => submit_error(e),
+        ExtractError::Internal(m) => ApiError::internal(m),
+    })?;
+    let m = &x.metrics;
+    state.metrics.observe(m, x.completion_tokens);
     let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
-    let (outcome, data) = match c.finish {
-        FinishReason::Stop => match serde_json::from_str::<Value>(&text) {
-            Ok(v) => (Outcome::Ok, Some(v)),
-            Err(_) => (Outcome::Internal, None),
-        },
-        FinishReason::Length => (Outcome::Truncated, None),
-        FinishReason::Aborted => (Outcome::Cancelled, None),
-        FinishReason::Internal => (Outcome::Internal, None),
-    };
+    let mut notes = x.compiled.report().map(KeywordEntry::from_report).unwrap_or_default();
+    notes.retain(KeywordEntry::is_caveat);
     Ok(ExtractResponse {
-        data,
-        outcome,
-        partial: (outcome != Outcome::Ok).then_some(text),
+        partial: (x.outcome != Outcome::Ok).then(|| x.text.clone()),
+        data: x.data,
+        outcome: x.outcome,
         usage: Usage {
             prompt_tokens: m.prompt_tokens,
-            completion_tokens: tokens,
+            completion_tokens: x.completion_tokens,
             cached_tokens: m.cached_tokens,
         },
         timings: Timings {
@@ -156,6 +113,7 @@ async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractRespon
             total_ms: ms(m.e2e),
         },
         notes,
+        grounding: x.grounding,
     })
 }
 

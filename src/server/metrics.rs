@@ -138,7 +138,7 @@ impl Metrics {
 )]
 pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
     let m = &state.metrics;
-    let s = state.client.stats();
+    let s = state.extractor.client.stats();
     m.waiting.set(s.waiting as i64);
     m.running.set(s.running as i64);
     let used = s.kv_blocks_total.saturating_sub(s.kv_blocks_free);

@@ -13,25 +13,25 @@ pub mod schemas;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use axum::extract::{DefaultBodyLimit, FromRequest, Request, State};
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, FromRequest, FromRequestParts, Query, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 
-use crate::engine::{EngineClient, StructuredOutputs};
-use crate::tokenizer::Tokenizer;
+use crate::extract::Extractor;
 use api::Health;
 use error::ApiError;
 
 /// Largest request body: a document of a few hundred pages.
 pub const MAX_BODY_BYTES: usize = 4 << 20;
+/// Largest batch job body: tens of thousands of documents.
+pub const MAX_JOB_BYTES: usize = 256 << 20;
 
 pub struct AppState {
-    pub client: EngineClient,
-    pub tokenizer: Arc<Tokenizer>,
-    pub structured: StructuredOutputs,
+    pub extractor: Arc<Extractor>,
     pub schemas: schemas::SchemaRegistry,
     pub model: String,
     /// Accepted bearer tokens; none means no authentication.
@@ -47,12 +47,28 @@ pub struct AppState {
 #[from_request(via(Json), rejection(ApiError))]
 pub struct ApiJson<T>(pub T);
 
+/// `axum::extract::Query` whose rejections are JSON errors.
+#[derive(FromRequestParts)]
+#[from_request(via(Query), rejection(ApiError))]
+pub struct ApiQuery<T>(pub T);
+
+/// A raw body whose rejections (over the size limit) are JSON errors.
+pub struct ApiBody(pub Bytes);
+
+impl<S: Send + Sync> FromRequest<S> for ApiBody {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        Ok(ApiBody(Bytes::from_request(req, state).await?))
+    }
+}
+
 pub fn router(state: Arc<AppState>) -> Router {
     let protected = Router::new()
         .route("/extract", post(extract::extract))
         .route("/schemas", post(schemas::register).get(schemas::list))
         .route("/schemas/{id}", get(schemas::get_one))
-        .route("/jobs", post(jobs::create))
+        .route("/jobs", post(jobs::create).layer(DefaultBodyLimit::max(MAX_JOB_BYTES)))
         .route("/jobs/{id}", get(jobs::status))
         .route("/jobs/{id}/results", get(jobs::results))
         .route("/jobs/{id}/retry", post(jobs::retry))
@@ -81,7 +97,7 @@ pub async fn serve(state: Arc<AppState>, addr: SocketAddr) -> anyhow::Result<()>
         .with_graceful_shutdown(shutdown_signal())
         .await?;
     eprintln!("quarry: draining running requests");
-    tokio::task::spawn_blocking(move || state.client.shutdown()).await?;
+    tokio::task::spawn_blocking(move || state.extractor.client.shutdown()).await?;
     Ok(())
 }
 
@@ -125,7 +141,7 @@ async fn require_key(State(state): State<Arc<AppState>>, request: Request, next:
 
 #[utoipa::path(get, path = "/health", tag = "service", responses((status = 200, body = Health)))]
 async fn health(State(state): State<Arc<AppState>>) -> Json<Health> {
-    let s = state.client.stats();
+    let s = state.extractor.client.stats();
     Json(Health {
         status: "ok".into(),
         model: state.model.clone(),

@@ -128,10 +128,11 @@ pub async fn chat_completions(
     let work = state.clone();
     let (compiled, prompt) = tokio::task::spawn_blocking(move || {
         let compiled = constraint
-            .map(|c| work.structured.compile(&c))
+            .map(|c| work.extractor.structured.compile(&c))
             .transpose()
             .map_err(ApiError::schema_rejected)?;
         let prompt = work
+            .extractor
             .tokenizer
             .encode_chat(&messages)
             .map_err(|e| ApiError::bad_request(e.to_string()))?;
@@ -184,6 +185,7 @@ async fn submit_n(
         };
         streams.push(
             state
+                .extractor
                 .client
                 .submit(request)
                 .await
@@ -300,7 +302,7 @@ pub async fn completions(
         }
     };
     let work = state.clone();
-    let prompt = tokio::task::spawn_blocking(move || work.tokenizer.encode(&text, false))
+    let prompt = tokio::task::spawn_blocking(move || work.extractor.tokenizer.encode(&text, false))
         .await
         .map_err(|e| ApiError::internal(e.to_string()))?
         .map_err(|e| ApiError::bad_request(e.to_string()))?;
@@ -347,7 +349,7 @@ async fn complete(state: &AppState, head: &Head, streams: Vec<RequestStream>) ->
         .map(|(index, c)| {
             let logprobs = head
                 .logprobs
-                .then(|| logprobs_json(head.api, &state.tokenizer, &c.sampled));
+                .then(|| logprobs_json(head.api, &state.extractor.tokenizer, &c.sampled));
             let mut choice =
                 json!({"index": index, "logprobs": logprobs, "finish_reason": finish_reason(Some(c.finish))});
             match head.api {
@@ -464,7 +466,7 @@ fn stream_response(state: Arc<AppState>, head: Head, streams: Vec<RequestStream>
                             let logprobs = p
                                 .head
                                 .logprobs
-                                .then(|| logprobs_json(p.head.api, &state.tokenizer, &out.tokens));
+                                .then(|| logprobs_json(p.head.api, &state.extractor.tokenizer, &out.tokens));
                             let mut choice = json!({"index": index, "logprobs": logprobs, "finish_reason": null});
                             match chat {
                                 true => choice["delta"] = json!({"content": out.text}),

@@ -4,10 +4,11 @@
 use utoipa::OpenApi;
 
 use super::api::{
-    ExtractOptions, ExtractRequest, ExtractResponse, Health, KeywordEntry, Outcome, Timings, Usage, WhitespaceOption,
+    ExtractOptions, ExtractRequest, ExtractResponse, Grounding, Health, KeywordEntry, Outcome, Span, Timings, Usage,
+    WhitespaceOption,
 };
 use super::error::{ErrorBody, ErrorDetail};
-use super::jobs::JobStatus;
+use super::jobs::{BatchFormat, JobStatus, RetryRequest};
 use super::openai::{
     ChatCompletionRequest, ChatMessageIn, CompletionRequest, JsonSchemaFormat, ResponseFormat, StreamOptions,
 };
@@ -55,7 +56,11 @@ use super::schemas::{RegisterSchema, SchemaInfo, SchemaList};
         ResponseFormat,
         JsonSchemaFormat,
         CompletionRequest,
-        JobStatus
+        JobStatus,
+        BatchFormat,
+        RetryRequest,
+        Grounding,
+        Span
     ))
 )]
 struct ApiDoc;

@@ -122,7 +122,7 @@ async fn preflight(state: &Arc<AppState>, schema: &Value, strict: bool) -> Resul
         strict,
     };
     let work = state.clone();
-    let compiled = tokio::task::spawn_blocking(move || work.structured.compile(&constraint))
+    let compiled = tokio::task::spawn_blocking(move || work.extractor.structured.compile(&constraint))
         .await
         .map_err(|e| ApiError::internal(e.to_string()))?
         .map_err(ApiError::schema_rejected)?;
