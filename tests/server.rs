@@ -347,6 +347,83 @@ fn extract_over_http_with_typed_errors() {
     }
 }
 
+/// Folds case and whitespace runs, as grounding matches.
+fn fold(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ").to_lowercase()
+}
+
+#[test]
+fn ten_documents_over_five_schemas_validate_and_ground() {
+    let Some(server) = start(&[]) else { return };
+    let port = server.port;
+    let cases = [
+        ("contact", include_str!("../examples/documents/contact.txt").to_string()),
+        ("contact", "Call Dr. Wei Zhang (Umbrella Labs) on +44 20 7946 0018 or write to wei.zhang@umbrella.example.".into()),
+        ("invoice", include_str!("../examples/documents/invoice.txt").to_string()),
+        ("invoice", "Invoice INV-2044, 2026-01-15. Two chairs 240.00 EUR, one desk 310.00 EUR. Total 550.00 EUR.".into()),
+        ("receipt", "CORNER CAFE\n2026-02-01 08:14\n2 x Espresso 2.40\n1 x Croissant 1.90\nTax 0.43\nTOTAL 6.70\nPaid by card".into()),
+        ("receipt", "Hardware Hut, 12 May 2026. Hammer 19.99, nails (box) 4.50. Total 24.49, cash.".into()),
+        ("resume", "Priya Nair - priya.nair@mail.example - +91 98200 12345\nSkills: Rust, SQL, Kubernetes\nExperience: Backend engineer at Zeta Systems, 2019-2024.\nEducation: B.Tech, IIT Bombay, 2018".into()),
+        ("resume", "Tom Becker. Python developer at DataWorks since 2021; before that analyst at Finlytics (2017-2021). Skills: Python, pandas, Airflow.".into()),
+        ("job_posting", "Senior Data Engineer at Acme Analytics, Berlin (hybrid). Full-time. 70,000-85,000 EUR per year. Requirements: 5+ years Python, Spark, SQL.".into()),
+        ("job_posting", "Remote internship: Junior Web Developer at Pixel Forge. 15 USD/hour. You know HTML, CSS and JavaScript.".into()),
+    ];
+    // All ten at once, as clients would send them.
+    let handles: Vec<_> = cases
+        .iter()
+        .map(|(schema_id, document)| {
+            let body = json!({"schema_id": schema_id, "document": document, "grounding": true});
+            std::thread::spawn(move || post(port, &body))
+        })
+        .collect();
+    let mut grounded = 0;
+    for ((schema_id, document), h) in cases.iter().zip(handles) {
+        let (status, out) = h.join().unwrap();
+        assert_eq!(status, 200, "{out}");
+        let schema: Value = serde_json::from_str(
+            &std::fs::read_to_string(format!("{}/schemas/{schema_id}.json", env!("CARGO_MANIFEST_DIR"))).unwrap(),
+        )
+        .unwrap();
+        match out["outcome"].as_str().unwrap() {
+            "ok" => assert!(
+                jsonschema::validator_for(&schema).unwrap().is_valid(&out["data"]),
+                "{out}"
+            ),
+            "truncated" => assert!(out["data"].is_null() && out["partial"].is_string(), "{out}"),
+            other => panic!("untyped or unexpected outcome {other}: {out}"),
+        }
+        if out["outcome"] != "ok" {
+            continue;
+        }
+        // Every span slices the document to the value (up to case and whitespace); every
+        // value the document does contain verbatim has a span.
+        let chars: Vec<char> = document.chars().collect();
+        for g in out["grounding"].as_array().expect("grounding was asked for") {
+            let value = out["data"]
+                .pointer(g["pointer"].as_str().unwrap())
+                .unwrap()
+                .as_str()
+                .unwrap();
+            match g["span"].as_object() {
+                Some(span) => {
+                    let (a, b) = (
+                        span["start"].as_u64().unwrap() as usize,
+                        span["end"].as_u64().unwrap() as usize,
+                    );
+                    let text: String = chars[a..b].iter().collect();
+                    assert_eq!(fold(&text), fold(value), "{g} in {document:?}");
+                    grounded += 1;
+                }
+                None => assert!(
+                    !fold(document).contains(&fold(value)),
+                    "{value:?} is in the document: {g}"
+                ),
+            }
+        }
+    }
+    assert!(grounded >= 10, "only {grounded} values grounded");
+}
+
 /// Sends an extraction that would run for thousands of tokens and waits until it runs;
 /// dropping the returned socket hangs up.
 fn start_long_request(port: u16) -> TcpStream {
@@ -503,14 +580,7 @@ fn openai_chat_completions_with_json_schema_and_streaming() {
 /// (`$QUARRY_CLIENT_PYTHON`, made by scripts/setup-clients).
 #[test]
 fn the_official_openai_python_client_works_unchanged() {
-    let Some(python) = std::env::var_os("QUARRY_CLIENT_PYTHON") else {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "CI must run the tests through scripts/test"
-        );
-        eprintln!("skipping: QUARRY_CLIENT_PYTHON unset (scripts/test sets it up)");
-        return;
-    };
+    let Some(python) = client_python() else { return };
     let Some(server) = start(&[]) else { return };
     let out = Command::new(python)
         .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/clients/openai_client.py"))
@@ -526,101 +596,352 @@ fn the_official_openai_python_client_works_unchanged() {
     eprintln!("{stdout}");
 }
 
-#[test]
-fn a_jsonl_batch_job_runs_every_item_once_and_retries_the_failed() {
-    let Some(server) = start(&[]) else { return };
-    let port = server.port;
-    let names = [
+/// Polls `GET /jobs/{id}` until every item has a result.
+fn wait_for_job(port: u16, id: &str) -> Value {
+    let started = Instant::now();
+    loop {
+        let (status, st) = http(port, "GET", &format!("/jobs/{id}"), Some(KEY), b"");
+        assert_eq!(status, 200, "{st}");
+        if st["done"] == true {
+            return st;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(600),
+            "job {id} never finished: {st}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn submit_job(port: u16, query: &str, body: &[u8]) -> String {
+    let (status, job) = http(port, "POST", &format!("/jobs?{query}"), Some(KEY), body);
+    assert_eq!(status, 202, "{job}");
+    job["job_id"].as_str().unwrap().to_string()
+}
+
+fn contact_document(i: usize) -> String {
+    const NAMES: [&str; 5] = [
         "Ada Lovelace",
         "Grace Hopper",
         "Alan Turing",
         "Edsger Dijkstra",
         "Barbara Liskov",
     ];
+    let name = NAMES[i % NAMES.len()];
+    let first = name.split(' ').next().unwrap().to_lowercase();
+    format!("{name} <{first}{i}@example.org>, phone +1 555 {i:04}, works at Initech.")
+}
+
+fn csv_table(text: &str) -> (Vec<String>, Vec<Vec<String>>) {
+    let mut r = csv::Reader::from_reader(text.as_bytes());
+    let header = r.headers().unwrap().iter().map(str::to_string).collect();
+    let rows = r
+        .records()
+        .map(|row| row.unwrap().iter().map(str::to_string).collect())
+        .collect();
+    (header, rows)
+}
+
+#[test]
+fn batch_jobs_over_jsonl_and_csv_run_every_item_once_and_retry_the_failed() {
+    let Some(server) = start(&[]) else { return };
+    let port = server.port;
+    let contact: Value = serde_json::from_str(include_str!("../schemas/contact.json")).unwrap();
+    let valid = jsonschema::validator_for(&contact).unwrap();
+
+    // 200 documents as JSONL; item 7 is far too long for the model: it fails alone.
     let mut body = String::new();
     let mut ids = Vec::new();
-    for i in 0..40 {
-        let name = names[i % names.len()];
+    for i in 0..200 {
         let id = format!("doc-{i}");
-        // Item 7 is far too long for the model: it fails alone, the job goes on.
         let document = if i == 7 {
             "word ".repeat(20_000)
         } else {
-            format!(
-                "{name} <{}@example.org>, phone +1 555 01{i:02}, works at Initech.",
-                name.split(' ').next().unwrap().to_lowercase()
-            )
+            contact_document(i)
         };
         body.push_str(&json!({"id": id, "document": document}).to_string());
         body.push('\n');
         ids.push(id);
     }
-    let (status, job) = http(port, "POST", "/jobs?schema_id=contact", Some(KEY), body.as_bytes());
-    assert_eq!(status, 202, "{job}");
-    assert_eq!(job["total"], 40);
-    let id = job["job_id"].as_str().unwrap().to_string();
-    let wait = |what: &str| {
-        let started = Instant::now();
-        loop {
-            let (_, st) = http(port, "GET", &format!("/jobs/{id}"), Some(KEY), b"");
-            if st["done"] == true {
-                return st;
-            }
-            assert!(
-                started.elapsed() < Duration::from_secs(300),
-                "{what} never finished: {st}"
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    };
-    let st = wait("the job");
+    let job = submit_job(port, "schema_id=contact", body.as_bytes());
+    let st = wait_for_job(port, &job);
     assert_eq!(
-        (st["ok"].as_u64().unwrap() + st["failed"].as_u64().unwrap()),
-        40,
+        (st["total"].as_u64(), st["failed"].as_u64()),
+        (Some(200), Some(1)),
         "{st}"
     );
-    assert!(st["failed"].as_u64().unwrap() >= 1, "{st}");
-    let (status, text) = http_text(port, "GET", &format!("/jobs/{id}/results"), Some(KEY), b"");
+    assert_eq!(
+        (st["ok"].as_u64(), st["progress"].as_f64()),
+        (Some(199), Some(1.0)),
+        "{st}"
+    );
+    let (status, text) = http_text(port, "GET", &format!("/jobs/{job}/results"), Some(KEY), b"");
     assert_eq!(status, 200);
     let lines: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     let got: Vec<&str> = lines.iter().map(|l| l["id"].as_str().unwrap()).collect();
-    assert_eq!(
-        got,
-        ids.iter().map(String::as_str).collect::<Vec<_>>(),
-        "every item once, in order"
-    );
+    assert_eq!(got, ids, "every item exactly once, in input order");
     assert_eq!(lines[7]["outcome"], "input_too_long", "{}", lines[7]);
-    let contact: Value = serde_json::from_str(include_str!("../schemas/contact.json")).unwrap();
-    let validator = jsonschema::validator_for(&contact).unwrap();
     for l in lines.iter().filter(|l| l["outcome"] == "ok") {
-        assert!(validator.is_valid(&l["data"]), "{l}");
+        assert!(valid.is_valid(&l["data"]), "{l}");
     }
-    let ok_before = st["ok"].clone();
-    let (status, again) = http(port, "POST", &format!("/jobs/{id}/retry"), Some(KEY), b"");
-    assert_eq!(status, 202, "{again}");
-    let st = wait("the retry");
-    assert_eq!(
-        st["ok"], ok_before,
-        "a retry leaves the items that succeeded alone: {st}"
-    );
-    let (_, text) = http_text(port, "GET", &format!("/jobs/{id}/results"), Some(KEY), b"");
-    assert_eq!(text.lines().count(), 40);
 
+    // A retry runs the failed item only: the ok count stays, one more input_too_long.
+    let count = |outcome: &str| -> u64 {
+        let (_, m) = http_text(port, "GET", "/metrics", None, b"");
+        let key = format!("quarry_extractions_total{{outcome=\"{outcome}\"}} ");
+        m.lines()
+            .find_map(|l| l.strip_prefix(&key))
+            .map_or(0, |v| v.trim().parse().unwrap())
+    };
+    let (ok_before, long_before) = (count("ok"), count("input_too_long"));
+    let (status, again) = http(port, "POST", &format!("/jobs/{job}/retry"), Some(KEY), b"");
+    assert_eq!(status, 202, "{again}");
+    let st = wait_for_job(port, &job);
+    assert_eq!((st["ok"].as_u64(), st["failed"].as_u64()), (Some(199), Some(1)), "{st}");
+    assert_eq!((count("ok"), count("input_too_long")), (ok_before, long_before + 1));
+    let (_, text) = http_text(port, "GET", &format!("/jobs/{job}/results"), Some(KEY), b"");
+    assert_eq!(text.lines().count(), 200);
+
+    // The same kind of documents as CSV (quoted, with commas), text in a named column;
+    // results as CSV with the schema's columns.
+    let mut w = csv::Writer::from_writer(Vec::new());
+    w.write_record(["ref", "note"]).unwrap();
+    for i in 0..200 {
+        w.write_record([format!("r{i}"), contact_document(i)]).unwrap();
+    }
+    let body = w.into_inner().unwrap();
+    let job = submit_job(port, "schema_id=contact&format=csv&text_column=note", &body);
+    let st = wait_for_job(port, &job);
+    assert_eq!(
+        (st["total"].as_u64(), st["ok"].as_u64()),
+        (Some(200), Some(200)),
+        "{st}"
+    );
+    let (status, head, text) = http_raw(port, "GET", &format!("/jobs/{job}/results?format=csv"), Some(KEY), b"");
+    assert_eq!(status, 200);
+    assert!(head.contains("content-type: text/csv"), "{head}");
+    let (header, rows) = csv_table(&text);
+    assert_eq!(header, ["id", "outcome", "name", "email", "phone", "company", "error"]);
+    assert_eq!(rows.len(), 200);
+    let email = regex_lite_email();
+    for (i, row) in rows.iter().enumerate() {
+        // No `id` column in the input: rows are numbered.
+        assert_eq!(
+            (row[0].as_str(), row[1].as_str()),
+            ((i + 1).to_string().as_str(), "ok"),
+            "{row:?}"
+        );
+        assert!(email(&row[3]), "{row:?}");
+        assert_eq!(row[6], "", "{row:?}");
+    }
+
+    // An exploded array: one row per invoice line, as many as the JSONL results hold.
+    let invoices = [
+        "Invoice INV-1 dated 2026-03-02. Widgets 120.00 USD, shipping 15.50 USD. Total 135.50 USD.",
+        "Invoice INV-2 dated 2026-03-05. Consulting EUR 480.00. Total EUR 480.00.",
+        "Invoice INV-3 dated 2026-03-09. License GBP 990.00, support GBP 10.00. Total GBP 1000.00.",
+    ];
+    let body: String = invoices
+        .iter()
+        .map(|d| json!({"document": d}).to_string() + "\n")
+        .collect();
+    let job = submit_job(port, "schema_id=invoice", body.as_bytes());
+    wait_for_job(port, &job);
+    let (_, text) = http_text(port, "GET", &format!("/jobs/{job}/results"), Some(KEY), b"");
+    let lines: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let (status, text) = http_text(
+        port,
+        "GET",
+        &format!("/jobs/{job}/results?format=csv&explode=lines"),
+        Some(KEY),
+        b"",
+    );
+    assert_eq!(status, 200, "{text}");
+    let (header, rows) = csv_table(&text);
+    assert_eq!(
+        header,
+        [
+            "id",
+            "outcome",
+            "invoice_number",
+            "date",
+            "total",
+            "currency",
+            "lines.item",
+            "lines.amount",
+            "error"
+        ]
+    );
+    let mut want = Vec::new();
+    for l in &lines {
+        match l["data"]["lines"].as_array() {
+            Some(items) => want.extend(items.iter().map(|x| (l["id"].clone(), x["item"].clone()))),
+            None => want.push((l["id"].clone(), Value::Null)),
+        }
+    }
+    let got: Vec<(Value, Value)> = rows.iter().map(|r| (json!(r[0]), json!(r[6]))).collect();
+    assert_eq!(got.len(), want.len(), "{text}");
+    for ((gid, gitem), (wid, witem)) in got.iter().zip(&want) {
+        assert_eq!(gid, wid);
+        assert!(witem.is_null() || gitem == witem, "{gitem} != {witem}");
+    }
     let (status, out) = http(
         port,
-        "POST",
-        "/jobs?schema_id=contact",
+        "GET",
+        &format!("/jobs/{job}/results?format=csv&explode=total"),
         Some(KEY),
-        b"{\"document\": \"a\"}\nnot json\n",
+        b"",
     );
     assert_eq!(
         (status, out["error"]["type"].as_str()),
         (400, Some("bad_request")),
         "{out}"
     );
-    assert!(out["error"]["message"].as_str().unwrap().starts_with("line 2"), "{out}");
+
+    // Too small an output budget truncates every item; a retry with a larger one fixes them.
+    let body: String = (0..5)
+        .map(|i| json!({"document": contact_document(i)}).to_string() + "\n")
+        .collect();
+    let job = submit_job(port, "schema_id=contact&max_tokens=6", body.as_bytes());
+    let st = wait_for_job(port, &job);
+    assert_eq!(st["failed"], 5, "{st}");
+    let (_, text) = http_text(port, "GET", &format!("/jobs/{job}/results"), Some(KEY), b"");
+    for l in text.lines().map(|l| serde_json::from_str::<Value>(l).unwrap()) {
+        assert_eq!(l["outcome"], "truncated", "{l}");
+        assert!(
+            l["data"].is_null() && l["partial"].as_str().is_some_and(|p| !p.is_empty()),
+            "{l}"
+        );
+    }
+    let (status, _) = http(
+        port,
+        "POST",
+        &format!("/jobs/{job}/retry"),
+        Some(KEY),
+        br#"{"max_tokens": 128}"#,
+    );
+    assert_eq!(status, 202);
+    let st = wait_for_job(port, &job);
+    assert_eq!((st["ok"].as_u64(), st["failed"].as_u64()), (Some(5), Some(0)), "{st}");
+
+    // Bad job requests: 4xx JSON bodies naming the line, the column or the parameter.
+    let bad: Vec<(&str, &[u8], u16, &str, &str)> = vec![
+        (
+            "schema_id=contact",
+            b"{\"document\": \"a\"}\nnot json\n",
+            400,
+            "bad_request",
+            "line 2",
+        ),
+        (
+            "schema_id=contact&format=csv",
+            b"id,text\n1,hello\n",
+            400,
+            "bad_request",
+            "`document` column",
+        ),
+        ("schema_id=contact", b"", 400, "bad_request", "no items"),
+        (
+            "schema_id=nope",
+            b"{\"document\": \"a\"}\n",
+            404,
+            "unknown_schema_id",
+            "nope",
+        ),
+        (
+            "schema_id=contact&format=xml",
+            b"{\"document\": \"a\"}\n",
+            400,
+            "invalid_query",
+            "format",
+        ),
+        (
+            "schema_id=contact&max_tokens=0",
+            b"{\"document\": \"a\"}\n",
+            400,
+            "bad_request",
+            "max_tokens",
+        ),
+    ];
+    for (query, body, want_status, want_type, mentions) in bad {
+        let (status, out) = http(port, "POST", &format!("/jobs?{query}"), Some(KEY), body);
+        assert_eq!(
+            (status, out["error"]["type"].as_str()),
+            (want_status, Some(want_type)),
+            "{query}: {out}"
+        );
+        assert!(
+            out["error"]["message"].as_str().unwrap().contains(mentions),
+            "{query}: {out}"
+        );
+    }
     let (status, out) = http(port, "GET", "/jobs/job-999", Some(KEY), b"");
     assert_eq!((status, out["error"]["type"].as_str()), (404, Some("unknown_job")));
+}
+
+/// The contact schema's email pattern, checked by hand (no regex crate in the tests).
+fn regex_lite_email() -> impl Fn(&str) -> bool {
+    |s: &str| {
+        let part = |p: &str| {
+            (1..=24).contains(&p.len())
+                && p.chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '.')
+        };
+        matches!(s.split_once('@'), Some((a, b)) if part(a) && part(b))
+    }
+}
+
+/// The clients venv's python (scripts/test sets it up), or `None` with a message outside CI.
+fn client_python() -> Option<std::path::PathBuf> {
+    let Some(python) = std::env::var_os("QUARRY_CLIENT_PYTHON") else {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI must run the tests through scripts/test"
+        );
+        eprintln!("skipping: QUARRY_CLIENT_PYTHON unset (scripts/test sets it up)");
+        return None;
+    };
+    Some(python.into())
+}
+
+#[test]
+fn the_spec_validates_and_a_client_generated_from_it_extracts() {
+    let Some(python) = client_python() else { return };
+    let root = env!("CARGO_MANIFEST_DIR");
+    let run = |cmd: &mut Command| {
+        let out = cmd.output().expect("run");
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        assert!(out.status.success(), "{cmd:?}\n{stdout}\n{stderr}");
+        stdout.to_string()
+    };
+    // An OpenAPI validator from PyPI accepts the committed document.
+    run(Command::new(&python).args(["-m", "openapi_spec_validator", &format!("{root}/openapi/openapi.json")]));
+    // A client generated from it now, as a user would, drives a live server.
+    let dir = std::env::temp_dir().join(format!("quarry-client-{}", std::process::id()));
+    let generator = python.with_file_name("openapi-python-client");
+    run(Command::new(format!("{root}/examples/python/generate-client.sh"))
+        .arg(dir.join("quarry_client"))
+        .env("OPENAPI_PYTHON_CLIENT", generator));
+    let Some(server) = start(&[]) else { return };
+    let stdout = run(Command::new(&python)
+        .arg(format!("{root}/examples/python/extract.py"))
+        .arg(format!("http://127.0.0.1:{}", server.port))
+        .arg(KEY)
+        .env("QUARRY_CLIENT_DIR", &dir));
+    std::fs::remove_dir_all(&dir).ok();
+    let out: Value = serde_json::from_str(stdout.trim()).unwrap();
+    let contact: Value = serde_json::from_str(include_str!("../schemas/contact.json")).unwrap();
+    assert_eq!(out["outcome"], "ok", "{out}");
+    assert!(
+        jsonschema::validator_for(&contact).unwrap().is_valid(&out["data"]),
+        "{out}"
+    );
+    assert!(out["usage"]["completion_tokens"].as_u64().unwrap() > 0, "{out}");
+    assert!(out["grounding"].as_array().is_some_and(|g| !g.is_empty()), "{out}");
+    assert_eq!(out["error_type"], "unknown_schema_id", "{out}");
 }
 
 #[test]

@@ -66,6 +66,7 @@ pub enum BatchFormat {
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct JobParams {
     /// The schema every item is extracted with (ready-made or registered).
@@ -79,6 +80,7 @@ pub struct JobParams {
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct ResultParams {
     /// `jsonl` (default): one `{id, outcome, data, partial?, error?}` object per item; `csv`:
@@ -162,7 +164,11 @@ fn max_tokens_ok(n: Option<usize>) -> Result<(), ApiError> {
     path = "/jobs",
     tag = "jobs",
     params(JobParams),
-    request_body(content = String, description = "JSONL (one {\"id\"?, \"document\"} object per line) or CSV with a header row (a `document` column, or the one `text_column` names, and an optional `id` column)", content_type = "application/jsonl"),
+    request_body(description = "JSONL (one {\"id\"?, \"document\"} object per line) or CSV with a header row (a `document` column, or the one `text_column` names, and an optional `id` column); `text/csv` reads it as CSV, other content types by `format`", content(
+        (String = "application/jsonl"),
+        (String = "text/csv"),
+        (Vec<u8> = "application/octet-stream"),
+    )),
     responses(
         (status = 202, description = "Accepted; the items run in the background", body = JobStatus),
         (status = 400, description = "A bad line or row (named), no items, or no text column", body = ErrorBody),
