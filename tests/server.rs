@@ -210,6 +210,11 @@ fn extract_over_http_with_typed_errors() {
         (&json!("schema_rejected"), &json!("$ref"), &json!("/properties/a")),
         "{out}"
     );
+    // Refused before its body is read: the connection is closed, and the client told so.
+    let big = json!({"schema_id": "invoice", "document": "x".repeat(5 << 20)}).to_string();
+    let (status, head, _) = http_raw(port, "POST", "/extract", Some(KEY), big.as_bytes());
+    assert_eq!(status, 413);
+    assert!(head.contains("connection: close"), "{head}");
     let (status, out) = http(port, "POST", "/extract", None, b"{}");
     assert_eq!((status, out["error"]["type"].as_str()), (401, Some("unauthorized")));
     let (status, out) = http(port, "POST", "/extract", Some("wrong"), b"{}");

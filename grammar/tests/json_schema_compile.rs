@@ -161,6 +161,17 @@ fn recursion_becomes_a_cycle_and_bad_references_are_typed_errors() {
         compile_schema(&json!({"minLength": -1, "type": "string"}), &lenient()),
         Err(GrammarError::InvalidSchema { .. })
     ));
+    // A pattern that is no regex at all is an error even when compiling leniently; one that
+    // merely cannot be enforced (a backreference) is reported and skipped.
+    let broken = json!({"properties": {"code": {"type": "string", "pattern": "([A-Z]+"}}});
+    match compile_schema(&broken, &lenient()) {
+        Err(GrammarError::InvalidSchema { pointer, keyword, .. }) => {
+            assert_eq!((pointer.as_str(), keyword.as_str()), ("/properties/code", "pattern"))
+        }
+        other => panic!("{other:?}"),
+    }
+    let unenforceable = json!({"type": "string", "pattern": "(a)\\1"});
+    assert!(compile_schema(&unenforceable, &lenient()).is_ok());
 }
 
 #[test]

@@ -70,6 +70,9 @@ pub struct ModelArgs {
     /// Turn off automatic prefix caching.
     #[arg(long)]
     no_prefix_caching: bool,
+    /// Take the KV cache's memory at start (servers), not as blocks are first used.
+    #[arg(skip)]
+    prefault_kv: bool,
 }
 
 /// `512MiB`, `2GiB`, `1.5GB`, or plain bytes.
@@ -121,10 +124,12 @@ impl ModelArgs {
         let options = match self.kv_cache_tokens {
             Some(tokens) => CpuOptions {
                 kv_cache_tokens: tokens,
+                prefault_kv: self.prefault_kv,
                 ..Default::default()
             },
             None => CpuOptions {
                 kv_cache_bytes: Some(self.kv_cache_memory.unwrap_or_else(default_kv_cache_memory)),
+                prefault_kv: self.prefault_kv,
                 ..Default::default()
             },
         };

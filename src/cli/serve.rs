@@ -32,7 +32,9 @@ pub struct ServeArgs {
     schemas: PathBuf,
 }
 
-pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
+    // A server's memory is claimed at start: its footprint stays flat under load.
+    args.model.prefault_kv = true;
     let schemas = server::schemas::SchemaRegistry::load(&args.schemas)?;
     let (engine, tokenizer) = args.model.engine()?;
     let model = args.model.model_name();

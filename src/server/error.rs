@@ -76,6 +76,21 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut response = (self.status, axum::Json(ErrorBody { error: self.detail })).into_response();
+        // These are answered before the request body is read; the unread rest would be taken
+        // for the next request on a kept-alive connection, so the server closes it, and says
+        // so, lest the client reuse it and see a reset.
+        if matches!(
+            self.status,
+            StatusCode::UNAUTHORIZED
+                | StatusCode::PAYLOAD_TOO_LARGE
+                | StatusCode::UNSUPPORTED_MEDIA_TYPE
+                | StatusCode::NOT_FOUND
+        ) {
+            response.headers_mut().insert(
+                axum::http::header::CONNECTION,
+                axum::http::HeaderValue::from_static("close"),
+            );
+        }
         if let Some(seconds) = self.retry_after {
             response
                 .headers_mut()

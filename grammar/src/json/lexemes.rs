@@ -149,6 +149,24 @@ fn restrict(pattern: &str) -> String {
 
 /// ECMA-262 escapes that differ from Rust's regex syntax: `\d`, `\w` and `\s` are ASCII (and
 /// ECMA whitespace) there; `\/` is a plain slash.
+/// Why `pattern` is not a regular expression at all (an unclosed group or class, a
+/// quantifier with nothing to repeat), as opposed to one that merely uses features the
+/// automata cannot enforce (backreferences, lookaround), which a lenient compile reports and
+/// skips. Only errors that ECMA-262 shares are named, so no valid schema is refused.
+pub fn malformed_pattern(pattern: &str) -> Option<String> {
+    use regex_syntax::ast::ErrorKind;
+    let translated = ecma_to_rust(pattern).ok()?;
+    let err = regex_syntax::ast::parse::Parser::new().parse(&translated).err()?;
+    // ECMA's empty classes `[]` and `[^]` read as unclosed classes in Rust's syntax.
+    let empty_class = translated.contains("[]") || translated.contains("[^]");
+    match err.kind() {
+        ErrorKind::GroupUnclosed | ErrorKind::GroupUnopened | ErrorKind::RepetitionMissing => {}
+        ErrorKind::ClassUnclosed if !empty_class => {}
+        _ => return None,
+    }
+    Some(format!("not a regular expression: {}", err.kind()))
+}
+
 fn ecma_to_rust(p: &str) -> Result<String, String> {
     let mut out = String::with_capacity(p.len());
     let mut chars = p.chars();
@@ -343,6 +361,26 @@ mod tests {
                 pattern_body(smuggled).is_err(),
                 "{smuggled} would put a raw quote, backslash or control in a string"
             );
+        }
+    }
+
+    #[test]
+    fn malformed_patterns_are_told_apart_from_unsupported_ones() {
+        for broken in ["(unclosed", "a)", "[abc", "*a", "a|+"] {
+            assert!(malformed_pattern(broken).is_some(), "{broken} is not a regex");
+        }
+        // Valid ECMA-262 that the automata cannot enforce, or that Rust's syntax reads
+        // differently, is never called malformed.
+        for fine in [
+            r"(a)\1",
+            "(?=x)y",
+            "a{",
+            r"^\d{3}-\w+$",
+            "[^]",
+            r"\cJ",
+            "(?<year>[0-9]{4})",
+        ] {
+            assert_eq!(malformed_pattern(fine), None, "{fine}");
         }
     }
 

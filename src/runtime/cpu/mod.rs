@@ -30,6 +30,8 @@ pub struct CpuOptions {
     pub kv_cache_tokens: usize,
     /// KV cache capacity in bytes of host memory; overrides `kv_cache_tokens` when set.
     pub kv_cache_bytes: Option<u64>,
+    /// Take the KV cache's memory at load instead of as blocks are first used.
+    pub prefault_kv: bool,
 }
 
 impl Default for CpuOptions {
@@ -37,6 +39,7 @@ impl Default for CpuOptions {
         CpuOptions {
             kv_cache_tokens: 16 * 1024,
             kv_cache_bytes: None,
+            prefault_kv: false,
         }
     }
 }
@@ -72,6 +75,9 @@ impl CpuBackend {
             block_size,
         };
         let kv = KvCache::new(layout, config.num_layers, config.kv_size());
+        if options.prefault_kv {
+            kv.prefault();
+        }
         Ok(CpuBackend {
             config,
             weights,

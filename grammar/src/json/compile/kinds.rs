@@ -4,7 +4,7 @@
 use serde_json::{Map, Value};
 
 use super::super::ir::{ArrayRules, Node, NodeId, NumberRules, ObjectRules, StringFormat, StringRules};
-use super::super::lexemes::{number_lexeme, pattern_body, string_body, MAX_MULTIPLE};
+use super::super::lexemes::{malformed_pattern, number_lexeme, pattern_body, string_body, MAX_MULTIPLE};
 use super::super::report::KeywordStatus;
 use super::{bad, escape, Compiler};
 use crate::dfa::{ByteDfa, DfaLimits, StateId, DEAD};
@@ -102,11 +102,11 @@ impl Compiler<'_> {
             ..Default::default()
         };
         if let Some(v) = obj.get("pattern") {
-            r.pattern = Some(
-                v.as_str()
-                    .ok_or_else(|| bad(pointer, "pattern", "must be a string"))?
-                    .to_string(),
-            );
+            let p = v.as_str().ok_or_else(|| bad(pointer, "pattern", "must be a string"))?;
+            if let Some(why) = malformed_pattern(p) {
+                return Err(bad(pointer, "pattern", why));
+            }
+            r.pattern = Some(p.to_string());
             self.enforced(pointer, "pattern");
         }
         if let Some(v) = obj.get("format") {

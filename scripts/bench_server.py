@@ -1,0 +1,276 @@
+"""Load and abuse benchmarks of a running `quarry serve` (scripts/bench-load, scripts/bench-abuse
+start one and call this). Needs httpx (in the clients venv of scripts/setup-clients).
+
+  bench_server.py load  URL KEY PID [--clients 64] [--seconds 60] [--job-items 100]
+  bench_server.py abuse URL KEY PID [--bad 1000]
+
+load: CLIENTS concurrent clients post /extract back to back for SECONDS while a batch job of
+JOB_ITEMS documents runs beside them; prints latency percentiles, throughput, status counts,
+the server's memory over time, and checks the job's results hold every item exactly once.
+abuse: BAD malformed, oversized or unauthorized requests interleaved with good extractions;
+every bad one must get a 4xx with a JSON error body, every good one an `ok` record.
+Exits non-zero when a check fails."""
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+
+import httpx
+
+NAMES = ["Ada Lovelace", "Grace Hopper", "Alan Turing", "Edsger Dijkstra", "Barbara Liskov", "Ken Thompson"]
+COMPANIES = ["Initech", "Globex", "Umbrella", "Hooli", "Acme", "Stark Industries"]
+
+
+def contact_document(i):
+    name = NAMES[i % len(NAMES)]
+    first = name.split()[0].lower()
+    return f"{name} <{first}{i}@example.org>, phone +1 555 {i % 10000:04d}, works at {COMPANIES[i % len(COMPANIES)]}."
+
+
+def rss_mib(pid):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def percentile(xs, p):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
+
+
+async def load(args):
+    headers = {"authorization": f"Bearer {args.key}"}
+    limits = httpx.Limits(max_connections=args.clients + 8, max_keepalive_connections=args.clients + 8)
+    failures = []
+    async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=600, limits=limits) as http:
+        # A batch job beside the interactive traffic.
+        ids = [f"job-item-{i}" for i in range(args.job_items)]
+        body = "".join(json.dumps({"id": id_, "document": contact_document(1000 + i)}) + "\n" for i, id_ in enumerate(ids))
+        r = await http.post("/jobs", params={"schema_id": "contact"}, content=body)
+        job = r.json()["job_id"] if r.status_code == 202 else None
+        if job is None:
+            failures.append(f"job not accepted: {r.status_code} {r.text}")
+
+        latencies, statuses, outcomes, tokens = [], {}, {}, 0
+        deadline = time.monotonic() + args.seconds
+        counter = iter(range(10**9))
+        memory = [(0.0, rss_mib(args.pid))]
+        started = time.monotonic()
+
+        async def client():
+            nonlocal tokens
+            while time.monotonic() < deadline:
+                i = next(counter)
+                t = time.monotonic()
+                try:
+                    r = await http.post("/extract", json={"schema_id": "contact", "document": contact_document(i)})
+                except httpx.HTTPError as e:
+                    statuses["transport"] = statuses.get("transport", 0) + 1
+                    failures.append(f"transport error: {e!r}")
+                    continue
+                latencies.append(time.monotonic() - t)
+                statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+                if r.status_code == 200:
+                    out = r.json()
+                    outcomes[out["outcome"]] = outcomes.get(out["outcome"], 0) + 1
+                    tokens += out["usage"]["completion_tokens"]
+
+        async def sample_memory():
+            while time.monotonic() < deadline:
+                await asyncio.sleep(5)
+                memory.append((time.monotonic() - started, rss_mib(args.pid)))
+
+        await asyncio.gather(sample_memory(), *(client() for _ in range(args.clients)))
+        elapsed = time.monotonic() - started
+        memory.append((elapsed, rss_mib(args.pid)))
+
+        job_line = "no job"
+        if job:
+            while True:
+                st = (await http.get(f"/jobs/{job}")).json()
+                if st["done"]:
+                    break
+                await asyncio.sleep(0.5)
+            text = (await http.get(f"/jobs/{job}/results")).text
+            got = [json.loads(line)["id"] for line in text.splitlines()]
+            lost = set(ids) - set(got)
+            dup = len(got) - len(set(got))
+            job_line = f"{len(got)} results for {len(ids)} items, {len(lost)} lost, {dup} duplicated, {st['ok']} ok"
+            if lost or dup or got != ids:
+                failures.append(f"job results wrong: {job_line}")
+        health = (await http.get("/health")).json()
+
+    n = len(latencies)
+    fivexx = sum(c for s, c in statuses.items() if isinstance(s, int) and s >= 500)
+    if fivexx:
+        failures.append(f"{fivexx} responses were 5xx")
+    mem = [m for _, m in memory]
+    print(f"## load: {args.clients} clients, {args.seconds} s, POST /extract (contact schema), a {args.job_items}-item job beside")
+    print()
+    print("| requests | req/s | output tok/s | p50 s | p90 s | p99 s | max s | statuses | outcomes |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        f"| {n} | {n / elapsed:.2f} | {tokens / elapsed:.1f} | {percentile(latencies, 50):.2f} | "
+        f"{percentile(latencies, 90):.2f} | {percentile(latencies, 99):.2f} | {max(latencies, default=float('nan')):.2f} | "
+        f"{json.dumps({str(k): v for k, v in statuses.items()})} | {json.dumps(outcomes)} |"
+    )
+    print()
+    print(f"job: {job_line}")
+    print("server RSS (MiB) every 5 s: " + " ".join(f"{m:.0f}" for m in mem))
+    # Stable: over the second half of the run memory stays within 10% (allocator noise).
+    warm = mem[len(mem) // 2 :]
+    growth = (max(warm) - warm[0]) / warm[0] if warm and warm[0] else float("nan")
+    print(f"RSS growth over the second half: {growth * 100:.1f}%")
+    if growth > 0.10:
+        failures.append(f"memory grew {growth * 100:.1f}% under steady load")
+    if health["kv_blocks_free"] != health["kv_blocks_total"] or health["running"] or health["waiting"]:
+        failures.append(f"after the run the engine is not idle with every KV block free: {health}")
+    print(f"after: {health}")
+    return failures
+
+
+def bad_requests(rng, key):
+    """(method, path, headers, body, expected status or None for any 4xx), varied."""
+    auth = {"authorization": f"Bearer {key}", "content-type": "application/json"}
+    big = "x" * (5 << 20)
+    deep = {"type": "object", "properties": {}}
+    node = deep
+    for _ in range(200):
+        child = {"type": "object", "properties": {}}
+        node["properties"]["a"] = child
+        node = child
+    cases = [
+        ("POST", "/extract", auth, b'{"schema_id": ', 400),
+        ("POST", "/extract", auth, b"\xff\xfe not utf-8", 400),
+        ("POST", "/extract", auth, json.dumps({"schema_id": "contact", "document": "x", "colour": 1}), 422),
+        ("POST", "/extract", auth, json.dumps({"schema_id": "contact"}), 422),
+        ("POST", "/extract", auth, json.dumps({"schema_id": "contact", "document": 12}), 422),
+        ("POST", "/extract", auth, json.dumps({"schema_id": "no-such", "document": "x"}), 404),
+        ("POST", "/extract", auth, json.dumps({"document": "x"}), 400),
+        ("POST", "/extract", auth, json.dumps({"schema_id": "contact", "document": "x", "options": {"max_tokens": 0}}), 400),
+        ("POST", "/extract", auth, json.dumps({"schema_id": "contact", "document": "x", "options": {"max_tokens": -3}}), 422),
+        ("POST", "/extract", auth, json.dumps({"schema_id": "contact", "document": "x", "options": {"whitespace": "lots"}}), 422),
+        ("POST", "/extract", auth, json.dumps({"schema_id": "contact", "document": big}), 413),
+        ("POST", "/extract", auth, json.dumps({"schema_id": "contact", "document": "word " * 20000}), 400),
+        ("POST", "/extract", auth, json.dumps({"schema": {"type": "object", "properties": {"a": {"$ref": "#/$defs/gone"}}}, "document": "x"}), 400),
+        ("POST", "/extract", auth, json.dumps({"schema": {"type": "strnig"}, "document": "x"}), 400),
+        ("POST", "/extract", auth, json.dumps({"schema": {"type": "string", "pattern": "(unclosed"}, "document": "x"}), 400),
+        ("POST", "/extract", auth, json.dumps({"schema": {"type": "array", "uniqueItems": True}, "document": "x", "options": {"strict": True}}), 400),
+        ("POST", "/extract", auth, json.dumps({"schema": deep, "document": "x"}), None),
+        ("POST", "/extract", auth, json.dumps({"schema": 17, "document": "x"}), None),
+        ("POST", "/extract", {"content-type": "application/json"}, json.dumps({"schema_id": "contact", "document": "x"}), 401),
+        ("POST", "/extract", {**auth, "authorization": "Bearer wrong"}, json.dumps({"schema_id": "contact", "document": "x"}), 401),
+        ("POST", "/extract", {**auth, "content-type": "text/plain"}, json.dumps({"schema_id": "contact", "document": "x"}), 415),
+        ("POST", "/schemas", auth, json.dumps({"schema": {"type": "object", "required": 5}}), 400),
+        ("POST", "/schemas", auth, b"[]", 422),
+        ("GET", "/schemas/s-nope", auth, b"", 404),
+        ("POST", "/jobs?schema_id=contact", auth, b'{"document": "a"}\nnot json\n', 400),
+        ("POST", "/jobs?schema_id=contact&format=csv", auth, b"id,text\n1,a\n", 400),
+        ("POST", "/jobs?schema_id=contact&format=yaml", auth, b'{"document": "a"}\n', 400),
+        ("POST", "/jobs?schema_id=nope", auth, b'{"document": "a"}\n', 404),
+        ("GET", "/jobs/job-999999", auth, b"", 404),
+        ("POST", "/jobs/job-999999/retry", auth, b"", 404),
+        ("GET", "/no/such/route", auth, b"", 404),
+        ("POST", "/v1/chat/completions", auth, json.dumps({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}), 404),
+        ("POST", "/v1/chat/completions", auth, json.dumps({"messages": "hi"}), 422),
+        ("POST", "/v1/chat/completions", auth, json.dumps({"model": "x", "messages": [], "n": 1000}), None),
+        ("POST", "/v1/completions", auth, json.dumps({"model": "x", "prompt": "hi", "max_tokens": -1}), 422),
+    ]
+    while True:
+        yield rng.choice(cases)
+
+
+async def abuse(args):
+    rng = random.Random(7)
+    headers_json = {"authorization": f"Bearer {args.key}"}
+    failures = []
+    bad_statuses, good_outcomes = {}, {}
+    async with httpx.AsyncClient(base_url=args.url, timeout=600, limits=httpx.Limits(max_connections=40)) as http:
+        models = (await http.get("/v1/models", headers=headers_json)).json()
+        model = models["data"][0]["id"]
+        cases = bad_requests(rng, args.key)
+        sem = asyncio.Semaphore(32)
+
+        async def send_bad(case):
+            method, path, headers, body, want = case
+            if path.startswith("/v1/") and "gpt-4" not in str(body) and isinstance(body, str):
+                body = body.replace('"x"', json.dumps(model))
+            async with sem:
+                try:
+                    r = await http.request(method, path, headers=headers, content=body)
+                except httpx.HTTPError as e:
+                    failures.append(f"{method} {path}: transport error {e!r}")
+                    return
+            bad_statuses[r.status_code] = bad_statuses.get(r.status_code, 0) + 1
+            try:
+                err = r.json()["error"]
+                typed = isinstance(err["type"], str) and isinstance(err["message"], str) and err["message"]
+            except (ValueError, KeyError, TypeError):
+                typed = False
+            if not (400 <= r.status_code < 500) or (want is not None and r.status_code != want) or not typed:
+                failures.append(f"{method} {path} {str(body)[:80]!r}: {r.status_code} (want {want or '4xx'}) {r.text[:200]}")
+
+        async def send_good(i):
+            async with sem:
+                r = await http.post("/extract", headers=headers_json, json={"schema_id": "contact", "document": contact_document(i), "options": {"max_tokens": 128}})
+            outcome = r.json().get("outcome") if r.status_code == 200 else r.status_code
+            good_outcomes[outcome] = good_outcomes.get(outcome, 0) + 1
+            if outcome != "ok":
+                failures.append(f"good request {i}: {r.status_code} {r.text[:200]}")
+
+        tasks = []
+        good = 0
+        started = time.monotonic()
+        for i in range(args.bad):
+            tasks.append(send_bad(next(cases)))
+            if i % 10 == 0:
+                tasks.append(send_good(good))
+                good += 1
+        rng.shuffle(tasks)
+        await asyncio.gather(*tasks)
+        elapsed = time.monotonic() - started
+        health = (await http.get("/health")).json()
+    print(f"## abuse: {args.bad} bad requests interleaved with {good} good extractions, {elapsed:.1f} s")
+    print()
+    print(f"bad requests by status: {json.dumps({str(k): v for k, v in sorted(bad_statuses.items())})}")
+    print(f"good requests by outcome: {json.dumps({str(k): v for k, v in good_outcomes.items()})}")
+    print(f"server RSS after: {rss_mib(args.pid):.0f} MiB; {health}")
+    if health["kv_blocks_free"] != health["kv_blocks_total"]:
+        failures.append(f"KV blocks leaked: {health}")
+    return failures
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["load", "abuse"])
+    p.add_argument("url")
+    p.add_argument("key")
+    p.add_argument("pid", type=int)
+    p.add_argument("--clients", type=int, default=64)
+    p.add_argument("--seconds", type=float, default=60)
+    p.add_argument("--job-items", type=int, default=100)
+    p.add_argument("--bad", type=int, default=1000)
+    args = p.parse_args()
+    failures = asyncio.run(load(args) if args.mode == "load" else abuse(args))
+    print()
+    if failures:
+        print(f"FAILED: {len(failures)} problems")
+        kinds = {}
+        for f in failures:
+            kinds.setdefault(f[:160], []).append(f)
+        for same in list(kinds.values())[:30]:
+            print(f"  {len(same)} x {same[0][:400]}")
+        sys.exit(1)
+    print("PASSED: every check held")
+
+
+if __name__ == "__main__":
+    main()
