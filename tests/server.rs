@@ -829,6 +829,32 @@ fn batch_jobs_over_jsonl_and_csv_run_every_item_once_and_retry_the_failed() {
     let st = wait_for_job(port, &job);
     assert_eq!((st["ok"].as_u64(), st["failed"].as_u64()), (Some(5), Some(0)), "{st}");
 
+    // An inline schema (URL-encoded JSON) is compiled and registered for the job.
+    let inline = json!({"type": "object", "properties": {"email": {"type": "string", "maxLength": 40}},
+                        "required": ["email"], "additionalProperties": false});
+    let encoded: String = inline
+        .to_string()
+        .bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect();
+    let body: String = (0..3)
+        .map(|i| json!({"document": contact_document(i)}).to_string() + "\n")
+        .collect();
+    let (status, job) = http(
+        port,
+        "POST",
+        &format!("/jobs?schema={encoded}"),
+        Some(KEY),
+        body.as_bytes(),
+    );
+    assert_eq!(status, 202, "{job}");
+    assert!(job["schema_id"].as_str().unwrap().starts_with("s-"), "{job}");
+    let st = wait_for_job(port, job["job_id"].as_str().unwrap());
+    assert_eq!(st["ok"], 3, "{st}");
+
     // Bad job requests: 4xx JSON bodies naming the line, the column or the parameter.
     let bad: Vec<(&str, &[u8], u16, &str, &str)> = vec![
         (
@@ -866,6 +892,20 @@ fn batch_jobs_over_jsonl_and_csv_run_every_item_once_and_retry_the_failed() {
             400,
             "bad_request",
             "max_tokens",
+        ),
+        (
+            "schema_id=contact&schema=%7B%7D",
+            b"{\"document\": \"a\"}\n",
+            400,
+            "bad_request",
+            "exactly one",
+        ),
+        (
+            "schema=%7Bnope",
+            b"{\"document\": \"a\"}\n",
+            400,
+            "invalid_json",
+            "schema",
         ),
     ];
     for (query, body, want_status, want_type, mentions) in bad {

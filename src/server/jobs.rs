@@ -69,8 +69,11 @@ pub enum BatchFormat {
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct JobParams {
-    /// The schema every item is extracted with (ready-made or registered).
-    pub schema_id: String,
+    /// The schema every item is extracted with (ready-made or registered), or `schema`.
+    pub schema_id: Option<String>,
+    /// A JSON Schema as JSON text (URL-encoded); it is compiled and registered first, and
+    /// the job reports its `schema_id`.
+    pub schema: Option<String>,
     /// The body's format [default: `csv` when the content type is `text/csv`, else `jsonl`].
     pub format: Option<BatchFormat>,
     /// The CSV column holding the text [default: `document`].
@@ -181,10 +184,18 @@ pub async fn create(
     headers: HeaderMap,
     ApiBody(body): ApiBody,
 ) -> Result<impl IntoResponse, ApiError> {
-    if state.schemas.get(&params.schema_id).is_none() {
-        return Err(super::schemas::unknown(&params.schema_id));
-    }
     max_tokens_ok(params.max_tokens)?;
+    let schema_id = match (params.schema_id, params.schema) {
+        (Some(id), None) if state.schemas.get(&id).is_some() => id,
+        (Some(id), None) => return Err(super::schemas::unknown(&id)),
+        (None, Some(text)) => {
+            let schema: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "invalid_json", format!("`schema`: {e}")))?;
+            super::schemas::preflight(&state, &schema, false).await?;
+            state.schemas.register(schema)?
+        }
+        _ => return Err(ApiError::bad_request("give exactly one of `schema_id` and `schema`")),
+    };
     let csv_body = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -201,7 +212,7 @@ pub async fn create(
     let n = state.jobs.next.fetch_add(1, Ordering::Relaxed);
     let job = Arc::new(Job {
         id: format!("job-{n}"),
-        schema_id: params.schema_id,
+        schema_id,
         max_tokens: params.max_tokens,
         states: Mutex::new(vec![ItemState::Queued; items.len()]),
         items,

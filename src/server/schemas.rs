@@ -65,7 +65,7 @@ impl SchemaRegistry {
     }
 
     /// Registers `schema` under an id derived from its text (the same schema, the same id).
-    fn register(&self, schema: Value) -> Result<String, ApiError> {
+    pub(super) fn register(&self, schema: Value) -> Result<String, ApiError> {
         let id = format!("s-{:016x}", fnv1a(schema.to_string().as_bytes()));
         let mut by_id = self.by_id.write().unwrap_or_else(|e| e.into_inner());
         if by_id.contains_key(&id) {
@@ -115,7 +115,11 @@ pub struct SchemaList {
 }
 
 /// Compiles `schema` off the async threads (cached, so the first extraction with it is fast).
-async fn preflight(state: &Arc<AppState>, schema: &Value, strict: bool) -> Result<Vec<KeywordEntry>, ApiError> {
+pub(super) async fn preflight(
+    state: &Arc<AppState>,
+    schema: &Value,
+    strict: bool,
+) -> Result<Vec<KeywordEntry>, ApiError> {
     let constraint = Constraint::Json {
         schema: schema.clone(),
         whitespace: Whitespace::Compact,
