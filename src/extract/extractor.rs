@@ -131,10 +131,14 @@ impl Extractor {
             schema,
             document,
             instructions,
+            max_tokens,
+            temperature,
+            seed,
             whitespace,
+            priority,
             strict,
-            ..
-        } = task.clone();
+            grounding,
+        } = task;
         let (compiled, prompt, document) = tokio::task::spawn_blocking(move || {
             let compiled = work
                 .structured
@@ -155,11 +159,11 @@ impl Extractor {
             id: 0,
             prompt,
             params: SamplingParams {
-                temperature: task.temperature,
-                seed: task.seed,
-                ..SamplingParams::greedy(task.max_tokens)
+                temperature,
+                seed,
+                ..SamplingParams::greedy(max_tokens)
             },
-            priority: task.priority,
+            priority,
             constraint: Some(compiled.clone()),
         };
         // Dropping the stream (the caller went away) aborts the request in the engine.
@@ -177,7 +181,7 @@ impl Extractor {
             FinishReason::Aborted => (Outcome::Cancelled, None),
             FinishReason::Internal => (Outcome::Internal, None),
         };
-        let grounding = match (&data, task.grounding) {
+        let grounding = match (&data, grounding) {
             (Some(d), true) => {
                 let d = d.clone();
                 let spans = tokio::task::spawn_blocking(move || ground(&document, &d));

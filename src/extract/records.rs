@@ -111,9 +111,6 @@ pub fn parse(body: &[u8], format: Format, text_column: Option<&str>) -> Result<V
     if records.is_empty() {
         return Err(RecordError::Empty);
     }
-    if records.len() > MAX_RECORDS {
-        return Err(RecordError::TooMany);
-    }
     Ok(records)
 }
 

@@ -75,17 +75,16 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let mut response = (self.status, axum::Json(ErrorBody { error: self.detail })).into_response();
-        // These are answered before the request body is read; the unread rest would be taken
-        // for the next request on a kept-alive connection, so the server closes it, and says
-        // so, lest the client reuse it and see a reset.
-        if matches!(
+        // These are answered before the request body is read (the key check and the route
+        // come first; a wrong content type or an oversized body stop the read); the unread
+        // rest would be taken for the next request on a kept-alive connection, so the server
+        // closes it, and says so, lest the client reuse it and see a reset.
+        let body_unread = matches!(
             self.status,
-            StatusCode::UNAUTHORIZED
-                | StatusCode::PAYLOAD_TOO_LARGE
-                | StatusCode::UNSUPPORTED_MEDIA_TYPE
-                | StatusCode::NOT_FOUND
-        ) {
+            StatusCode::UNAUTHORIZED | StatusCode::PAYLOAD_TOO_LARGE | StatusCode::UNSUPPORTED_MEDIA_TYPE
+        ) || self.detail.kind == "not_found";
+        let mut response = (self.status, axum::Json(ErrorBody { error: self.detail })).into_response();
+        if body_unread {
             response.headers_mut().insert(
                 axum::http::header::CONNECTION,
                 axum::http::HeaderValue::from_static("close"),

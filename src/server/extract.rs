@@ -99,7 +99,7 @@ async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractRespon
     let mut notes = x.compiled.report().map(KeywordEntry::from_report).unwrap_or_default();
     notes.retain(KeywordEntry::is_caveat);
     Ok(ExtractResponse {
-        partial: (x.outcome != Outcome::Ok).then(|| x.text.clone()),
+        partial: (x.outcome != Outcome::Ok).then_some(x.text),
         data: x.data,
         outcome: x.outcome,
         usage: Usage {
