@@ -12,7 +12,7 @@ use std::sync::Arc;
 use clap::{Args, Parser, Subcommand};
 
 use crate::engine::{EngineConfig, EngineCore};
-use crate::runtime::cpu::{CpuBackend, CpuOptions};
+use crate::runtime::cpu::{CpuBackend, CpuOptions, Prefault};
 use crate::tokenizer::Tokenizer;
 
 #[derive(Parser)]
@@ -72,7 +72,7 @@ pub struct ModelArgs {
     no_prefix_caching: bool,
     /// Take the KV cache's memory at start (servers), not as blocks are first used.
     #[arg(skip)]
-    prefault_kv: bool,
+    prefault_kv: Prefault,
 }
 
 /// `512MiB`, `2GiB`, `1.5GB`, or plain bytes.

@@ -9,6 +9,7 @@ use clap::Args;
 use super::ModelArgs;
 use crate::engine::{EngineClient, StructuredOutputs};
 use crate::extract::Extractor;
+use crate::runtime::cpu::Prefault;
 use crate::server::{self, AppState};
 
 #[derive(Args)]
@@ -34,7 +35,7 @@ pub struct ServeArgs {
 
 pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
     // A server's memory is claimed at start: its footprint stays flat under load.
-    args.model.prefault_kv = true;
+    args.model.prefault_kv = Prefault::Background;
     let schemas = server::schemas::SchemaRegistry::load(&args.schemas)?;
     let (engine, tokenizer) = args.model.engine()?;
     let model = args.model.model_name();

@@ -1,7 +1,15 @@
-//! Causal attention of each query token over its sequence's paged context, reading K and V
-//! through the slots its block table names.
+//! Causal attention of each query token over its sequence's paged context. Keys, values,
+//! queries and attention weights are bf16 in the products, accumulated in f32.
+//!
+//! Work is split by (run, kv head): a run is up to a few consecutive query tokens of one
+//! sequence, so in prefill every key and value read from the pool serves all of the run's
+//! tokens and all query heads sharing the kv head. Every score and every output is computed by
+//! the same operations in the same order whatever it is batched or grouped with, so a
+//! request's output does not depend on the rest of the batch or on how its prompt was chunked.
 
 use std::cell::RefCell;
+
+use half::bf16;
 
 use super::pool::{parallel_for, SyncPtr};
 
@@ -16,75 +24,171 @@ pub struct AttentionInput<'a> {
     /// Rotated queries of every token: row `t` starts at `t * q_stride`.
     pub q: &'a [f32],
     pub q_stride: usize,
-    /// Keys, transposed within each block (see `KvCache`).
-    pub k_pool: &'a [f32],
-    /// Values, one slot after another.
-    pub v_pool: &'a [f32],
-    /// Per sequence, the KV slot of every position of its context.
-    pub seq_slots: &'a [Vec<u32>],
-    /// Per token, its sequence and its position.
-    pub token_seq: &'a [u32],
-    pub positions: &'a [u32],
+    /// Keys and values as `KvCache` lays them out.
+    pub k_pool: &'a [bf16],
+    pub v_pool: &'a [bf16],
+    /// Per sequence, its block table.
+    pub block_tables: &'a [Vec<u32>],
+    pub runs: &'a [Run],
+}
+
+/// Consecutive query tokens of one sequence at consecutive positions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Run {
+    pub first_token: usize,
+    pub len: usize,
+    pub seq: usize,
+    pub first_pos: usize,
+}
+
+/// Cuts the batch's query tokens into runs of at most `max_len` tokens.
+pub fn runs(query_start: &[u32], positions: &[u32], max_len: usize) -> Vec<Run> {
+    let mut out = Vec::new();
+    for (seq, span) in query_start.windows(2).enumerate() {
+        let mut t = span[0] as usize;
+        while t < span[1] as usize {
+            let first_pos = positions[t] as usize;
+            let mut len = 1;
+            while len < max_len && t + len < span[1] as usize && positions[t + len] as usize == first_pos + len {
+                len += 1;
+            }
+            out.push(Run {
+                first_token: t,
+                len,
+                seq,
+                first_pos,
+            });
+            t += len;
+        }
+    }
+    out
+}
+
+/// Query rows (token, head) one score kernel call handles: two accumulators each, plus the
+/// key rows, fit the 32 vector registers.
+const QK_ROWS: usize = 12;
+
+/// Tokens per run for a model with `group` query heads per kv head.
+pub fn run_len(group: usize) -> usize {
+    (QK_ROWS / group.max(1)).max(1)
+}
+
+/// Query rows of one work item at most: a run's tokens times the group's heads.
+const MAX_ROWS: usize = if QK_ROWS > MAX_GROUP { QK_ROWS } else { MAX_GROUP };
+
+/// Per-thread buffers of one work item, kept between items and steps.
+#[derive(Default)]
+struct Scratch {
+    /// The item's query rows in bf16, `head_dim` each.
+    q: Vec<bf16>,
+    /// Scores, `stride` per row.
+    scores: Vec<f32>,
+    /// Attention weights in bf16, `stride` per row, zero past each row's context.
+    probs: Vec<bf16>,
 }
 
 thread_local! {
-    static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
 /// Writes `[tokens, num_heads * head_dim]` into `out`.
 pub fn paged_attention(shape: &AttentionShape, input: &AttentionInput, out: &mut [f32]) {
+    attend(Kernels::pick(shape.head_dim), shape, input, out)
+}
+
+fn attend(kernels: Kernels, shape: &AttentionShape, input: &AttentionInput, out: &mut [f32]) {
     let (hd, kvh) = (shape.head_dim, shape.num_kv_heads);
     let group = shape.num_heads / kvh;
-    let slot_width = kvh * hd;
     let out_width = shape.num_heads * hd;
+    let block_stride = kvh * hd * BLOCK;
     let scale = 1.0 / (hd as f32).sqrt();
     let dst = SyncPtr(out.as_mut_ptr());
-    let tokens = input.token_seq.len();
-    let kernels = Kernels::pick(hd);
-    // One item per (token, kv head): the query heads that share a kv head read each key and
-    // value once between them.
-    parallel_for(tokens * kvh, |items| {
-        SCORES.with(|cell| {
-            let mut scores = cell.borrow_mut();
+    parallel_for(input.runs.len() * kvh, |items| {
+        SCRATCH.with(|cell| {
+            let scratch = &mut *cell.borrow_mut();
             for item in items {
-                let (t, g) = (item / kvh, item % kvh);
-                let ctx = input.positions[t] as usize + 1;
-                let slots = &input.seq_slots[input.token_seq[t] as usize][..ctx];
-                scores.clear();
-                scores.resize(group * ctx, 0.0);
-                let q_of = |j: usize| &input.q[t * input.q_stride + (g * group + j) * hd..][..hd];
-                let mut heads: [&[f32]; MAX_GROUP] = [&[]; MAX_GROUP];
-                for (j, h) in heads.iter_mut().enumerate().take(group) {
-                    *h = q_of(j);
+                let (run, g) = (input.runs[item / kvh], item % kvh);
+                // Row r is token r / group of the run, query head g * group + r % group.
+                let rows = run.len * group;
+                let ctx = run.first_pos + run.len;
+                let stride = ctx.next_multiple_of(BLOCK);
+                scratch.q.clear();
+                for r in 0..rows {
+                    let at = (run.first_token + r / group) * input.q_stride + (g * group + r % group) * hd;
+                    scratch
+                        .q
+                        .extend(input.q[at..at + hd].iter().map(|&x| bf16::from_f32(x)));
                 }
-                let (heads, mut lanes) = (&heads[..group], [[0f32; BLOCK]; MAX_GROUP]);
-                let lanes = &mut lanes[..group];
-                for (b, first) in slots.iter().step_by(BLOCK).enumerate() {
-                    let block = *first as usize / BLOCK;
-                    let kt = &input.k_pool[(block * slot_width + g * hd) * BLOCK..][..hd * BLOCK];
-                    let valid = (ctx - b * BLOCK).min(BLOCK);
-                    kernels.qk(heads, kt, lanes);
-                    for (j, l) in lanes.iter().enumerate() {
-                        for (s, l) in scores[j * ctx + b * BLOCK..][..valid].iter_mut().zip(l) {
-                            *s = l * scale;
-                        }
+                scratch.scores.clear();
+                scratch.scores.resize(rows * stride, 0.0);
+                let table = &input.block_tables[run.seq][..stride / BLOCK];
+                for (b, &block) in table.iter().enumerate() {
+                    let kt = &input.k_pool[block as usize * block_stride + g * hd * BLOCK..][..hd * BLOCK];
+                    for (r0, qs) in scratch.q.chunks(QK_ROWS * hd).enumerate() {
+                        let at = r0 * QK_ROWS * stride + b * BLOCK;
+                        kernels.qk(qs, kt, scale, &mut scratch.scores[at..], stride);
                     }
                 }
-                for p in scores.chunks_exact_mut(ctx) {
-                    kernels.softmax(p);
+                scratch.probs.clear();
+                scratch.probs.resize(rows * stride, bf16::ZERO);
+                for (r, (s, p)) in scratch
+                    .scores
+                    .chunks_exact_mut(stride)
+                    .zip(scratch.probs.chunks_exact_mut(stride))
+                    .enumerate()
+                {
+                    // Causal: the token sees its own position and those before.
+                    let own = run.first_pos + r / group + 1;
+                    kernels.softmax(&mut s[..own], &mut p[..own]);
                 }
-                // SAFETY: (token, head) output rows are disjoint across work items, and the
-                // group's heads are consecutive.
-                let o = unsafe { std::slice::from_raw_parts_mut(dst.at(t * out_width + g * group * hd), group * hd) };
-                kernels.pv(&scores, ctx, slots, input.v_pool, slot_width, g * hd, o);
+                let mut outs = [SyncPtr(std::ptr::null_mut()); MAX_ROWS];
+                for (r, o) in outs.iter_mut().enumerate().take(rows) {
+                    // SAFETY: (token, head) output rows are disjoint across work items.
+                    *o = SyncPtr(unsafe {
+                        dst.at((run.first_token + r / group) * out_width + (g * group + r % group) * hd)
+                    });
+                }
+                let values = Values {
+                    pool: input.v_pool,
+                    table,
+                    offset: g * BLOCK * hd,
+                    block_stride,
+                    ctx,
+                };
+                kernels.pv(&scratch.probs, stride, &values, &outs[..rows], hd);
             }
         })
     });
 }
 
-/// The two inner loops of attention: scores of a block's keys, and the weighted sum of values.
-/// Each computes every output with the same operations in the same order, whatever else is in
-/// the batch.
+/// Where one kv head's values of a sequence lie.
+struct Values<'a> {
+    pool: &'a [bf16],
+    table: &'a [u32],
+    /// Of the kv head within a block.
+    offset: usize,
+    block_stride: usize,
+    /// Slots to read.
+    ctx: usize,
+}
+
+impl Values<'_> {
+    /// Channel `c` of the value of context position `s` (slot pairs interleaved, see
+    /// `KvCache`).
+    fn at(&self, s: usize, c: usize, hd: usize) -> bf16 {
+        let (block, lane) = (self.table[s / BLOCK] as usize, s % BLOCK);
+        self.pool[block * self.block_stride + self.offset + (lane / 2) * hd * 2 + c * 2 + lane % 2]
+    }
+}
+
+/// Channel `d` of key lane `lane` in one kv head's block (channel pairs interleaved).
+fn key_at(kt: &[bf16], d: usize, lane: usize) -> bf16 {
+    kt[(d / 2) * BLOCK * 2 + lane * 2 + d % 2]
+}
+
+/// The inner loops: scores of a block's keys, softmax, and the weighted sum of values.
+/// The AVX-512 ones multiply bf16 pairs (`vdpbf16ps`: on this project's Zen 5 about three
+/// times the multiply-adds per second of f32 FMAs) and accumulate in f32.
 #[derive(Clone, Copy)]
 struct Kernels {
     avx512: bool,
@@ -93,134 +197,202 @@ struct Kernels {
 impl Kernels {
     fn pick(head_dim: usize) -> Self {
         #[cfg(target_arch = "x86_64")]
-        let avx512 = is_x86_feature_detected!("avx512f") && matches!(head_dim, 64 | 128);
+        let avx512 = is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512bf16")
+            && matches!(head_dim, 64 | 128);
         #[cfg(not(target_arch = "x86_64"))]
         let avx512 = false;
         Kernels { avx512 }
     }
 
-    /// `out[j]` = each query `qs[j]` dotted with the block's 16 keys (`kt`: `head_dim` rows of
-    /// `BLOCK` lanes).
-    fn qk(self, qs: &[&[f32]], kt: &[f32], out: &mut [[f32; BLOCK]]) {
+    /// For each query row of `q` (`head_dim` each), its scaled dot products with the block's
+    /// 16 keys into `scores[i * stride..][..BLOCK]`.
+    fn qk(self, q: &[bf16], kt: &[bf16], scale: f32, scores: &mut [f32], stride: usize) {
+        let hd = kt.len() / BLOCK;
+        let n = q.len() / hd;
+        assert!(n <= QK_ROWS && scores.len() >= (n - 1) * stride + BLOCK);
         #[cfg(target_arch = "x86_64")]
         if self.avx512 {
-            // Up to four heads share each loaded key row.
-            for (q, o) in qs.chunks(4).zip(out.chunks_mut(4)) {
-                // SAFETY: `pick` checked the CPU.
+            // SAFETY: `pick` checked the CPU and the head size; the rows of `scores` exist
+            // (asserted above).
+            unsafe {
+                macro_rules! call {
+                    ($($n:literal)*) => {
+                        match n {
+                            $($n => avx512::qk::<$n>(q.as_ptr(), kt.as_ptr(), hd, scale, scores.as_mut_ptr(), stride),)*
+                            _ => unreachable!("at most QK_ROWS queries"),
+                        }
+                    };
+                }
+                call!(1 2 3 4 5 6 7 8 9 10 11 12);
+            }
+            return;
+        }
+        for (i, q) in q.chunks_exact(hd).enumerate() {
+            for l in 0..BLOCK {
+                let dot = (0..hd).fold(0f32, |a, d| q[d].to_f32().mul_add(key_at(kt, d, l).to_f32(), a));
+                scores[i * stride + l] = dot * scale;
+            }
+        }
+    }
+
+    /// Normalizes the scores `s` into the weights `p`.
+    fn softmax(self, s: &mut [f32], p: &mut [bf16]) {
+        #[cfg(target_arch = "x86_64")]
+        if self.avx512 {
+            // SAFETY: `pick` checked the CPU; the two rows have the same length.
+            unsafe { avx512::softmax(s, p) };
+            return;
+        }
+        let max = s.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let mut sum = 0f32;
+        for v in s.iter_mut() {
+            *v = (*v - max).exp();
+            sum += *v;
+        }
+        for (p, &v) in p.iter_mut().zip(s.iter()) {
+            *p = bf16::from_f32(v / sum);
+        }
+    }
+
+    /// Output row `outs[i]` (`hd` floats) = sum over the context of the weight
+    /// `p[i * stride + s]` times the value of position `s`.
+    fn pv(self, p: &[bf16], stride: usize, values: &Values, outs: &[SyncPtr<f32>], hd: usize) {
+        #[cfg(target_arch = "x86_64")]
+        if self.avx512 {
+            // Rows share each loaded value pair, as many as the registers hold.
+            let per_call = if hd == 64 { 6 } else { 3 };
+            for (c, o) in outs.chunks(per_call).enumerate() {
+                let p = &p[c * per_call * stride..];
+                // SAFETY: `pick` checked the CPU and the head size; the caller owns the rows.
                 unsafe {
-                    match q.len() {
-                        1 => avx512::qk::<1>(q, kt, o),
-                        2 => avx512::qk::<2>(q, kt, o),
-                        3 => avx512::qk::<3>(q, kt, o),
-                        _ => avx512::qk::<4>(q, kt, o),
+                    macro_rules! call {
+                        ($c:literal: $($n:literal)*) => {
+                            match o.len() {
+                                $($n => avx512::pv::<$c, $n>(p, stride, values, o),)*
+                                _ => unreachable!("at most {per_call} rows"),
+                            }
+                        };
+                    }
+                    if hd == 64 {
+                        call!(4: 1 2 3 4 5 6)
+                    } else {
+                        call!(8: 1 2 3)
                     }
                 }
             }
             return;
         }
-        for (q, o) in qs.iter().zip(out) {
-            *o = block_scores(q, kt);
-        }
-    }
-
-    /// For each head `j` of the group, `out[j * head_dim..]` = sum over the context of
-    /// `p[j * ctx + s]` times the value row of `slots[s]` (its `head_dim` floats from `offset`
-    /// in a slot of `stride` floats).
-    #[allow(clippy::too_many_arguments)]
-    fn pv(self, p: &[f32], ctx: usize, slots: &[u32], v_pool: &[f32], stride: usize, offset: usize, out: &mut [f32]) {
-        let hd = out.len() / (p.len() / ctx);
-        #[cfg(target_arch = "x86_64")]
-        if self.avx512 {
-            // Heads share each loaded value row, as many as the registers hold.
-            let per_call = if hd == 64 { 3 } else { 1 };
-            for (ps, o) in p.chunks(per_call * ctx).zip(out.chunks_mut(per_call * hd)) {
-                // SAFETY: `pick` checked the CPU and the head size; slots index the pool.
-                unsafe {
-                    match (hd, ps.len() / ctx) {
-                        (64, 3) => avx512::pv::<4, 3>(ps, ctx, slots, v_pool, stride, offset, o),
-                        (64, 2) => avx512::pv::<4, 2>(ps, ctx, slots, v_pool, stride, offset, o),
-                        (64, _) => avx512::pv::<4, 1>(ps, ctx, slots, v_pool, stride, offset, o),
-                        _ => avx512::pv::<8, 1>(ps, ctx, slots, v_pool, stride, offset, o),
-                    }
+        let mut acc = vec![0f32; hd];
+        for (i, o) in outs.iter().enumerate() {
+            acc.fill(0.0);
+            for s in 0..values.ctx {
+                let w = p[i * stride + s].to_f32();
+                for (c, a) in acc.iter_mut().enumerate() {
+                    *a = w.mul_add(values.at(s, c, hd).to_f32(), *a);
                 }
             }
-            return;
+            // SAFETY: the caller owns `hd` floats at each output row.
+            unsafe { std::ptr::copy_nonoverlapping(acc.as_ptr(), o.0, hd) };
         }
-        for (p, o) in p.chunks_exact(ctx).zip(out.chunks_exact_mut(hd)) {
-            o.fill(0.0);
-            for (&w, &slot) in p.iter().zip(slots) {
-                axpy(w, &v_pool[slot as usize * stride + offset..][..hd], o);
-            }
-        }
-    }
-
-    fn softmax(self, s: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if self.avx512 {
-            // SAFETY: `pick` checked the CPU.
-            unsafe { avx512::softmax(s) };
-            return;
-        }
-        softmax(s);
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::BLOCK;
+    use super::{Values, BLOCK};
+    use crate::runtime::cpu::pool::SyncPtr;
+    use half::bf16;
     use std::arch::x86_64::*;
 
-    /// Two accumulators per head (even and odd channels) keep enough FMAs in flight.
+    #[inline(always)]
+    unsafe fn pairs(p: *const bf16) -> __m512bh {
+        std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(p as *const _))
+    }
+
+    /// The bf16 pair at `p`, in every lane.
+    #[inline(always)]
+    unsafe fn pair_everywhere(p: *const bf16) -> __m512bh {
+        std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32((p as *const i32).read_unaligned()))
+    }
+
+    /// Two accumulators per query (even and odd channel pairs) keep enough multiply-adds in
+    /// flight when there are few queries, and make each score's summation order independent
+    /// of N.
     #[allow(clippy::needless_range_loop)]
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn qk<const G: usize>(qs: &[&[f32]], kt: &[f32], out: &mut [[f32; BLOCK]]) {
-        let hd = qs[0].len();
-        debug_assert!(kt.len() >= hd * BLOCK && hd.is_multiple_of(2));
-        let (mut even, mut odd) = ([_mm512_setzero_ps(); G], [_mm512_setzero_ps(); G]);
-        for d in (0..hd).step_by(2) {
-            let k0 = _mm512_loadu_ps(kt.as_ptr().add(d * BLOCK));
-            let k1 = _mm512_loadu_ps(kt.as_ptr().add((d + 1) * BLOCK));
-            for j in 0..G {
-                let q = qs.get_unchecked(j).as_ptr();
-                even[j] = _mm512_fmadd_ps(_mm512_set1_ps(*q.add(d)), k0, even[j]);
-                odd[j] = _mm512_fmadd_ps(_mm512_set1_ps(*q.add(d + 1)), k1, odd[j]);
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub unsafe fn qk<const N: usize>(
+        q: *const bf16,
+        kt: *const bf16,
+        hd: usize,
+        scale: f32,
+        out: *mut f32,
+        stride: usize,
+    ) {
+        let (mut even, mut odd) = ([_mm512_setzero_ps(); N], [_mm512_setzero_ps(); N]);
+        for d in (0..hd).step_by(4) {
+            // Channels d, d + 1 of the 16 keys, then d + 2, d + 3.
+            let k0 = pairs(kt.add(d * BLOCK));
+            let k1 = pairs(kt.add((d + 2) * BLOCK));
+            for i in 0..N {
+                even[i] = _mm512_dpbf16_ps(even[i], pair_everywhere(q.add(i * hd + d)), k0);
+                odd[i] = _mm512_dpbf16_ps(odd[i], pair_everywhere(q.add(i * hd + d + 2)), k1);
             }
         }
-        for j in 0..G {
-            _mm512_storeu_ps(out[j].as_mut_ptr(), _mm512_add_ps(even[j], odd[j]));
+        let scale = _mm512_set1_ps(scale);
+        for i in 0..N {
+            _mm512_storeu_ps(
+                out.add(i * stride),
+                _mm512_mul_ps(_mm512_add_ps(even[i], odd[i]), scale),
+            );
         }
     }
 
-    /// `C` vectors of 16 per head, `G` heads: each value row is loaded once for all of them.
-    #[allow(clippy::needless_range_loop, clippy::too_many_arguments)]
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn pv<const C: usize, const G: usize>(
-        p: &[f32],
-        ctx: usize,
-        slots: &[u32],
-        v_pool: &[f32],
+    /// `C` vectors of 16 channels per output row, `N` rows: each pair of value rows is
+    /// loaded once for all of them.
+    #[allow(clippy::needless_range_loop)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub unsafe fn pv<const C: usize, const N: usize>(
+        p: &[bf16],
         stride: usize,
-        offset: usize,
-        out: &mut [f32],
+        values: &Values,
+        outs: &[SyncPtr<f32>],
     ) {
-        debug_assert_eq!(out.len(), G * C * 16);
-        let mut acc = [[_mm512_setzero_ps(); C]; G];
-        for s in 0..ctx {
-            let v = v_pool.as_ptr().add(*slots.get_unchecked(s) as usize * stride + offset);
-            let mut row = [_mm512_setzero_ps(); C];
-            for c in 0..C {
-                row[c] = _mm512_loadu_ps(v.add(16 * c));
-            }
-            for j in 0..G {
-                let w = _mm512_set1_ps(*p.get_unchecked(j * ctx + s));
+        let hd = C * 16;
+        let mut acc = [[_mm512_setzero_ps(); C]; N];
+        let p = p.as_ptr();
+        for (b, &block) in values.table.iter().enumerate() {
+            let base = values
+                .pool
+                .as_ptr()
+                .add(block as usize * values.block_stride + values.offset);
+            let slots = (values.ctx - b * BLOCK).min(BLOCK);
+            for pair in 0..slots.div_ceil(2) {
+                let row = base.add(pair * hd * 2);
+                // A lone last slot: its partner was never written for this sequence, so it is
+                // not read (a stale NaN times a zero weight would still be NaN).
+                let keep: __mmask32 = if 2 * pair + 1 < slots { !0 } else { 0x5555_5555 };
+                let mut v = [std::mem::transmute::<__m512i, __m512bh>(_mm512_setzero_si512()); C];
                 for c in 0..C {
-                    acc[j][c] = _mm512_fmadd_ps(w, row[c], acc[j][c]);
+                    v[c] = std::mem::transmute::<__m512i, __m512bh>(_mm512_maskz_loadu_epi16(
+                        keep,
+                        row.add(32 * c) as *const i16,
+                    ));
+                }
+                let s = b * BLOCK + 2 * pair;
+                for i in 0..N {
+                    let w = pair_everywhere(p.add(i * stride + s));
+                    for c in 0..C {
+                        acc[i][c] = _mm512_dpbf16_ps(acc[i][c], w, v[c]);
+                    }
                 }
             }
         }
-        for j in 0..G {
+        for i in 0..N {
             for c in 0..C {
-                _mm512_storeu_ps(out.as_mut_ptr().add((j * C + c) * 16), acc[j][c]);
+                _mm512_storeu_ps(outs.get_unchecked(i).0.add(16 * c), acc[i][c]);
             }
         }
     }
@@ -244,10 +416,12 @@ mod avx512 {
         _mm512_scalef_ps(y, n)
     }
 
-    /// In place, 16 scores at a time; the tail is masked.
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn softmax(s: &mut [f32]) {
+    /// Scores `s` to weights `p`, 16 at a time; the tail is masked. `s` is left holding the
+    /// unnormalized exponentials.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    pub unsafe fn softmax(s: &mut [f32], p: &mut [bf16]) {
         let n = s.len();
+        debug_assert_eq!(p.len(), n);
         let tail = |i: usize| -> __mmask16 {
             if n - i >= 16 {
                 0xffff
@@ -272,8 +446,9 @@ mod avx512 {
         let inv = _mm512_set1_ps(1.0 / _mm512_reduce_add_ps(sum));
         for i in (0..n).step_by(16) {
             let k = tail(i);
-            let x = _mm512_maskz_loadu_ps(k, s.as_ptr().add(i));
-            _mm512_mask_storeu_ps(s.as_mut_ptr().add(i), k, _mm512_mul_ps(x, inv));
+            let x = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s.as_ptr().add(i)), inv);
+            let h = std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(x));
+            _mm256_mask_storeu_epi16(p.as_mut_ptr().add(i) as *mut i16, k, h);
         }
     }
 }
@@ -285,32 +460,150 @@ pub const MAX_GROUP: usize = 16;
 /// lanes, so one query meets the whole block in `head_dim` vector FMAs, with no horizontal sums.
 pub const BLOCK: usize = 16;
 
-/// `q` dotted with each of the block's keys (`kt`: `q.len()` rows of `BLOCK`).
-#[inline]
-fn block_scores(q: &[f32], kt: &[f32]) -> [f32; BLOCK] {
-    let mut acc = [0f32; BLOCK];
-    for (&qd, row) in q.iter().zip(kt.chunks_exact(BLOCK)) {
-        for (a, &k) in acc.iter_mut().zip(row) {
-            *a = qd.mul_add(k, *a);
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::batch::KvLayout;
+    use crate::runtime::cpu::kv_cache::KvCache;
+    use crate::runtime::cpu::q4_1_x16::test_rng;
+
+    /// Two sequences in a shuffled pool: one with 7 query tokens at positions 30..37 (a
+    /// prefill chunk past a cached prefix), one decoding at position 19.
+    struct Case {
+        shape: AttentionShape,
+        kv: KvCache,
+        q: Vec<f32>,
+        tables: Vec<Vec<u32>>,
+        query_start: Vec<u32>,
+        positions: Vec<u32>,
+    }
+
+    fn case(num_heads: usize, num_kv_heads: usize, head_dim: usize) -> Case {
+        let mut next = test_rng(7);
+        let mut uniform = move || (next() % 20001) as f32 / 10000.0 - 1.0;
+        let layout = KvLayout {
+            num_blocks: 8,
+            block_size: BLOCK,
+        };
+        let mut kv = KvCache::new(layout, 1, num_kv_heads, head_dim);
+        let tables = vec![vec![5, 2, 7], vec![0, 3]];
+        let width = num_kv_heads * head_dim;
+        for (table, ctx) in tables.iter().zip([37, 20]) {
+            for pos in 0..ctx {
+                let slot = table[pos / BLOCK] as usize * BLOCK + pos % BLOCK;
+                let k: Vec<f32> = (0..width).map(|_| 3.0 * uniform()).collect();
+                let v: Vec<f32> = (0..width).map(|_| uniform()).collect();
+                kv.write(0, slot, &k, &v);
+            }
+        }
+        let positions: Vec<u32> = (30..37).chain([19]).collect();
+        let q = (0..positions.len() * num_heads * head_dim).map(|_| uniform()).collect();
+        Case {
+            shape: AttentionShape {
+                num_heads,
+                num_kv_heads,
+                head_dim,
+            },
+            kv,
+            q,
+            tables,
+            query_start: vec![0, 7, 8],
+            positions,
         }
     }
-    acc
-}
 
-#[inline]
-fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
-    for (y, x) in y.iter_mut().zip(x) {
-        *y = a.mul_add(*x, *y);
+    fn run(c: &Case, kernels: Kernels, run_len: usize) -> Vec<f32> {
+        let (k_pool, v_pool) = c.kv.layer(0);
+        let runs = runs(&c.query_start, &c.positions, run_len);
+        let input = AttentionInput {
+            q: &c.q,
+            q_stride: c.shape.num_heads * c.shape.head_dim,
+            k_pool,
+            v_pool,
+            block_tables: &c.tables,
+            runs: &runs,
+        };
+        let mut out = vec![0f32; c.q.len()];
+        attend(kernels, &c.shape, &input, &mut out);
+        out
     }
-}
 
-fn softmax(s: &mut [f32]) {
-    let max = s.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let mut sum = 0f32;
-    for v in s.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
+    /// Attention in f64 over the bf16-rounded queries, keys and values.
+    fn reference(c: &Case) -> Vec<f32> {
+        let (hd, kvh) = (c.shape.head_dim, c.shape.num_kv_heads);
+        let group = c.shape.num_heads / kvh;
+        let (k_pool, v_pool) = c.kv.layer(0);
+        let round = |x: f32| bf16::from_f32(x).to_f64();
+        let mut out = vec![0f32; c.q.len()];
+        for t in 0..c.positions.len() {
+            let seq = if t < 7 { 0 } else { 1 };
+            let table = &c.tables[seq];
+            let ctx = c.positions[t] as usize + 1;
+            for h in 0..c.shape.num_heads {
+                let g = h / group;
+                let q = &c.q[(t * c.shape.num_heads + h) * hd..][..hd];
+                let scores: Vec<f64> = (0..ctx)
+                    .map(|s| {
+                        let block = table[s / BLOCK] as usize;
+                        let kt = &k_pool[block * kvh * hd * BLOCK + g * hd * BLOCK..][..hd * BLOCK];
+                        (0..hd)
+                            .map(|d| round(q[d]) * key_at(kt, d, s % BLOCK).to_f64())
+                            .sum::<f64>()
+                            / (hd as f64).sqrt()
+                    })
+                    .collect();
+                let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
+                let sum: f64 = e.iter().sum();
+                let values = Values {
+                    pool: v_pool,
+                    table,
+                    offset: g * BLOCK * hd,
+                    block_stride: kvh * hd * BLOCK,
+                    ctx,
+                };
+                for ch in 0..hd {
+                    let o: f64 = (0..ctx).map(|s| e[s] / sum * values.at(s, ch, hd).to_f64()).sum();
+                    out[(t * c.shape.num_heads + h) * hd + ch] = o as f32;
+                }
+            }
+        }
+        out
     }
-    let inv = 1.0 / sum;
-    s.iter_mut().for_each(|v| *v *= inv);
+
+    #[test]
+    fn attention_matches_f64_and_does_not_depend_on_how_tokens_are_grouped() {
+        // SmolLM2 (9 heads over 3, 64 wide) and Llama-3-8B's grouping (4 per kv head, 128 wide).
+        for (heads, kv_heads, hd) in [(9, 3, 64), (8, 2, 128)] {
+            let c = case(heads, kv_heads, hd);
+            let want = reference(&c);
+            let picked = Kernels::pick(hd);
+            for kernels in [Kernels { avx512: false }, picked] {
+                let grouped = run(&c, kernels, run_len(heads / kv_heads));
+                for (i, (&got, &want)) in grouped.iter().zip(&want).enumerate() {
+                    // The weights are rounded to bf16 (8 significant bits) before the values.
+                    assert!(
+                        (got - want).abs() < 1e-2,
+                        "{heads}/{kv_heads}x{hd} output {i}: {got} vs {want}"
+                    );
+                }
+                assert_eq!(grouped, run(&c, kernels, 1), "one token at a time gives the same bits");
+            }
+            if !picked.avx512 {
+                eprintln!("no AVX-512 BF16 here: only the portable kernels were checked");
+            }
+        }
+    }
+
+    #[test]
+    fn runs_split_sequences_at_the_length_limit_and_at_position_gaps() {
+        // Sequence 0: positions 5..12 (7 tokens); sequence 1: one decode token at 40;
+        // sequence 2: positions 0, 1, then 3 (not consecutive).
+        let query_start = [0, 7, 8, 11];
+        let positions = [5, 6, 7, 8, 9, 10, 11, 40, 0, 1, 3];
+        let got = runs(&query_start, &positions, 4);
+        let want = [(0, 4, 0, 5), (4, 3, 0, 9), (7, 1, 1, 40), (8, 2, 2, 0), (10, 1, 2, 3)];
+        let got: Vec<_> = got.iter().map(|r| (r.first_token, r.len, r.seq, r.first_pos)).collect();
+        assert_eq!(got, want);
+    }
 }

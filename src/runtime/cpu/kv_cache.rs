@@ -1,22 +1,27 @@
-//! The paged KV cache in host memory: per layer, one K and one V pool of `num_blocks *
-//! block_size` slots, each slot holding every kv head of one token (keys transposed within
-//! their block). Which block belongs to whom is the block allocator's business; this only
-//! stores and reads slots.
+//! The paged KV cache in host memory: per layer, one K and one V pool of `num_blocks`
+//! blocks. Entries are bf16 (as llama.cpp's `--cache-type-k bf16`): decode attention is
+//! bound by reading the cache, which half-size entries halve, and the attention kernels
+//! multiply bf16 pairs directly. Within a block each kv head's part is contiguous and laid
+//! out for those pair products: keys as, per pair of channels, `block_size` lanes of the two
+//! channels; values as, per pair of slots, `head_dim` channels of the two slots. Which block
+//! belongs to whom is the block allocator's business; this only stores and reads slots.
+
+use half::bf16;
 
 use crate::runtime::batch::KvLayout;
 
 pub struct KvCache {
     layout: KvLayout,
-    /// Floats per slot: kv heads times head dimension.
-    slot_width: usize,
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
+    num_kv_heads: usize,
+    head_dim: usize,
+    k: Vec<Vec<bf16>>,
+    v: Vec<Vec<bf16>>,
 }
 
 /// Asks for transparent huge pages over a fresh (untouched) pool: a 4 GiB cache is then two
 /// thousand page faults instead of a million, and attention's strided reads miss the TLB
 /// less. Advice only: where the kernel declines, nothing changes.
-fn huge_pages(pool: &[f32]) {
+fn huge_pages(pool: &[bf16]) {
     #[cfg(target_os = "linux")]
     {
         const HUGE: usize = 2 << 20;
@@ -35,11 +40,11 @@ fn huge_pages(pool: &[f32]) {
 }
 
 impl KvCache {
-    pub fn new(layout: KvLayout, num_layers: usize, slot_width: usize) -> Self {
+    pub fn new(layout: KvLayout, num_layers: usize, num_kv_heads: usize, head_dim: usize) -> Self {
         let alloc = || {
             (0..num_layers)
                 .map(|_| {
-                    let pool = vec![0f32; layout.num_slots() * slot_width];
+                    let pool = vec![bf16::ZERO; layout.num_slots() * num_kv_heads * head_dim];
                     huge_pages(&pool);
                     pool
                 })
@@ -47,18 +52,19 @@ impl KvCache {
         };
         KvCache {
             layout,
-            slot_width,
+            num_kv_heads,
+            head_dim,
             k: alloc(),
             v: alloc(),
         }
     }
 
-    /// Has the kernel back every page of the pools now, on a background thread, rather than
-    /// page by page as blocks are first used: a server's footprint is flat from its first
-    /// minute, and decode steps do not pay for page faults. MADV_POPULATE_WRITE faults pages
-    /// in without touching their contents, so it is safe beside the engine's own writes; on
-    /// kernels without it (before 5.14) or other systems, pages come in on first use as before.
-    pub fn prefault(&self) {
+    /// Has the kernel back every page of the pools on a background thread (returned, for
+    /// callers that wait), rather than page by page as blocks are first used.
+    /// MADV_POPULATE_WRITE faults pages in without touching their contents, so it is safe
+    /// beside the engine's own writes; on kernels without it (before 5.14) or other systems,
+    /// pages come in on first use as before.
+    pub fn prefault(&self) -> Option<std::thread::JoinHandle<()>> {
         #[cfg(target_os = "linux")]
         {
             // madvise wants page-aligned ranges: the pool's partial first page comes in on use.
@@ -69,7 +75,7 @@ impl KvCache {
                     (aligned, end.saturating_sub(aligned) / 4096 * 4096)
                 })
                 .collect();
-            std::thread::spawn(move || {
+            Some(std::thread::spawn(move || {
                 const CHUNK: usize = 64 << 20;
                 for (start, len) in ranges {
                     for at in (0..len).step_by(CHUNK) {
@@ -88,33 +94,42 @@ impl KvCache {
                         }
                     }
                 }
-            });
+            }))
         }
+        #[cfg(not(target_os = "linux"))]
+        None
     }
 
     /// Host memory one token's keys and values take over every layer.
     pub fn bytes_per_token(num_layers: usize, slot_width: usize) -> usize {
-        2 * num_layers * slot_width * std::mem::size_of::<f32>()
+        2 * num_layers * slot_width * std::mem::size_of::<bf16>()
     }
 
     pub fn layout(&self) -> KvLayout {
         self.layout
     }
 
-    /// Stores one token's K and V (already rotated) in `slot`. Keys are transposed within
-    /// their block (channel-major, one lane per slot), which is how attention reads them.
+    /// Stores one token's K and V (already rotated, every kv head) in `slot`.
     pub fn write(&mut self, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
-        let bs = self.layout.block_size;
+        let (bs, hd) = (self.layout.block_size, self.head_dim);
         let (block, lane) = (slot / bs, slot % bs);
-        let kt = &mut self.k[layer][block * self.slot_width * bs..][..self.slot_width * bs];
-        for (c, &x) in k.iter().enumerate() {
-            kt[c * bs + lane] = x;
+        let head_len = hd * bs;
+        let block_len = self.num_kv_heads * head_len;
+        let kb = &mut self.k[layer][block * block_len..][..block_len];
+        for (h, k) in k.chunks_exact(hd).enumerate() {
+            for (d, &x) in k.iter().enumerate() {
+                kb[h * head_len + (d / 2) * bs * 2 + lane * 2 + d % 2] = bf16::from_f32(x);
+            }
         }
-        let at = slot * self.slot_width;
-        self.v[layer][at..at + self.slot_width].copy_from_slice(v);
+        let vb = &mut self.v[layer][block * block_len..][..block_len];
+        for (h, v) in v.chunks_exact(hd).enumerate() {
+            for (c, &x) in v.iter().enumerate() {
+                vb[h * head_len + (lane / 2) * hd * 2 + c * 2 + lane % 2] = bf16::from_f32(x);
+            }
+        }
     }
 
-    pub fn layer(&self, layer: usize) -> (&[f32], &[f32]) {
+    pub fn layer(&self, layer: usize) -> (&[bf16], &[bf16]) {
         (&self.k[layer], &self.v[layer])
     }
 }

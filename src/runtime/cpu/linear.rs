@@ -157,9 +157,14 @@ impl Linear {
     fn quantize(&self, x: &[f32], m: usize) -> Vec<BlockQ8_1> {
         let kb = self.in_features / QK;
         let mut xq = vec![BlockQ8_1::ZERO; m * kb];
-        for (xr, qr) in x.chunks_exact(self.in_features).zip(xq.chunks_exact_mut(kb)) {
-            q4_1::quantize_row_q8_1(xr, qr);
-        }
+        let dst = SyncPtr(xq.as_mut_ptr());
+        parallel_for(m, |rows| {
+            for r in rows {
+                // SAFETY: each row of `xq` is handed to exactly one call.
+                let qr = unsafe { std::slice::from_raw_parts_mut(dst.at(r * kb), kb) };
+                q4_1::quantize_row_q8_1(&x[r * self.in_features..][..self.in_features], qr);
+            }
+        });
         xq
     }
 

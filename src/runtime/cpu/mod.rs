@@ -25,13 +25,26 @@ use super::error::Result;
 use super::gguf::GgufFile;
 use super::Backend;
 
+/// When the KV pool's pages are backed by memory.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Prefault {
+    /// As blocks are first written (the kernel's default).
+    #[default]
+    OnUse,
+    /// From load on, on a background thread: a server's footprint is flat from its first
+    /// minute and steps do not pay for page faults.
+    Background,
+    /// Before `load` returns: benchmarks time the engine, not the kernel's page zeroing.
+    AtLoad,
+}
+
 pub struct CpuOptions {
     /// KV cache capacity in tokens, rounded up to whole blocks.
     pub kv_cache_tokens: usize,
     /// KV cache capacity in bytes of host memory; overrides `kv_cache_tokens` when set.
     pub kv_cache_bytes: Option<u64>,
-    /// Take the KV cache's memory at load instead of as blocks are first used.
-    pub prefault_kv: bool,
+    /// When the KV cache's memory is taken from the system.
+    pub prefault_kv: Prefault,
 }
 
 impl Default for CpuOptions {
@@ -39,7 +52,7 @@ impl Default for CpuOptions {
         CpuOptions {
             kv_cache_tokens: 16 * 1024,
             kv_cache_bytes: None,
-            prefault_kv: false,
+            prefault_kv: Prefault::OnUse,
         }
     }
 }
@@ -74,9 +87,15 @@ impl CpuBackend {
                 .max(1),
             block_size,
         };
-        let kv = KvCache::new(layout, config.num_layers, config.kv_size());
-        if options.prefault_kv {
-            kv.prefault();
+        let kv = KvCache::new(layout, config.num_layers, config.num_kv_heads, config.head_dim);
+        match options.prefault_kv {
+            Prefault::OnUse => {}
+            Prefault::Background => drop(kv.prefault()),
+            Prefault::AtLoad => {
+                if let Some(filling) = kv.prefault() {
+                    let _ = filling.join();
+                }
+            }
         }
         Ok(CpuBackend {
             config,
@@ -106,22 +125,11 @@ impl Backend for CpuBackend {
         let (t, d) = (batch.num_tokens(), cfg.hidden_size);
         let (q_size, kv_size) = (cfg.q_size(), cfg.kv_size());
         let qkv_width = q_size + 2 * kv_size;
-        let block_size = self.kv.layout().block_size;
-
-        // Per sequence, the slot of every context position; shared by all layers.
-        let seq_slots: Vec<Vec<u32>> = (0..batch.num_seqs())
-            .map(|s| {
-                (0..batch.context_lens[s] as usize)
-                    .map(|p| batch.block_tables[s][p / block_size] * block_size as u32 + (p % block_size) as u32)
-                    .collect()
-            })
-            .collect();
-        let token_seq: Vec<u32> = (0..batch.num_seqs())
-            .flat_map(|s| {
-                let n = batch.query_start[s + 1] - batch.query_start[s];
-                std::iter::repeat_n(s as u32, n as usize)
-            })
-            .collect();
+        let runs = attention::runs(
+            &batch.query_start,
+            &batch.positions,
+            attention::run_len(cfg.num_heads / cfg.num_kv_heads),
+        );
         let shape = AttentionShape {
             num_heads: cfg.num_heads,
             num_kv_heads: cfg.num_kv_heads,
@@ -153,9 +161,8 @@ impl Backend for CpuBackend {
                 q_stride: qkv_width,
                 k_pool,
                 v_pool,
-                seq_slots: &seq_slots,
-                token_seq: &token_seq,
-                positions: &batch.positions,
+                block_tables: &batch.block_tables,
+                runs: &runs,
             };
             paged_attention(&shape, &input, &mut attn);
             layer.attn_out.forward(&attn, t, &mut h)?;

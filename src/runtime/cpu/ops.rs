@@ -1,32 +1,51 @@
 //! The element-wise steps of a transformer layer, on plain slices: candle's versions would
 //! allocate a tensor per call, a real cost at ~200 calls per decoded token of a small model.
+//! The row-wise ones run on every core: in prefill they are a tenth of the work, and on one
+//! thread the other cores would idle through them.
 
+use super::pool::{parallel_for, SyncPtr};
 use crate::runtime::config::RopeStyle;
+
+/// Runs `f(input row, output row)` over every row, rows shared out among the threads.
+fn rows_parallel(x: &[f32], x_width: usize, out: &mut [f32], out_width: usize, f: impl Fn(&[f32], &mut [f32]) + Sync) {
+    let rows = x.len() / x_width;
+    debug_assert_eq!(out.len(), rows * out_width);
+    let dst = SyncPtr(out.as_mut_ptr());
+    parallel_for(rows, |range| {
+        for r in range {
+            // SAFETY: each row of `out` is handed to exactly one call.
+            let o = unsafe { std::slice::from_raw_parts_mut(dst.at(r * out_width), out_width) };
+            f(&x[r * x_width..][..x_width], o);
+        }
+    });
+}
 
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let d = weight.len();
-    for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+    rows_parallel(x, d, out, d, |xr, or| {
         // Squares in f32, summed in f64, as ggml does.
         let ss: f64 = xr.iter().map(|&v| (v * v) as f64).sum();
         let scale = 1.0 / ((ss / d as f64) as f32 + eps).sqrt();
         for ((o, &v), &w) in or.iter_mut().zip(xr).zip(weight) {
             *o = v * scale * w;
         }
-    }
+    });
 }
 
 pub fn add_in_place(x: &mut [f32], y: &[f32]) {
     x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
 }
 
-/// `gate_up` rows hold `[gate | up]`; writes `silu(gate) * up`.
+/// `gate_up` rows hold `[gate | up]`; writes `silu(gate) * up`. The exponential is libm's:
+/// its result then rounds into the next layer's 8-bit activations as the reference's does
+/// (a polynomial accurate to 1e-7 moved a log-probability of the goldens by over one nat).
 pub fn silu_mul(gate_up: &[f32], width: usize, out: &mut [f32]) {
-    for (gu, o) in gate_up.chunks_exact(2 * width).zip(out.chunks_exact_mut(width)) {
+    rows_parallel(gate_up, 2 * width, out, width, |gu, o| {
         let (g, u) = gu.split_at(width);
         for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
             *o = g / (1.0 + (-g).exp()) * u;
         }
-    }
+    });
 }
 
 /// Rotary position embedding tables: `cos[pos * half + i]`, `sin[...]`.
