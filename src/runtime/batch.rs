@@ -91,6 +91,12 @@ impl ForwardBatch {
         if let Some(&s) = self.slot_mapping.iter().find(|&&s| s as usize >= layout.num_slots()) {
             return bad(format!("slot {s} outside the KV pool of {} slots", layout.num_slots()));
         }
+        // Backends write the tokens' keys and values in parallel.
+        let mut slots = self.slot_mapping.clone();
+        slots.sort_unstable();
+        if let Some(w) = slots.windows(2).find(|w| w[0] == w[1]) {
+            return bad(format!("two tokens write KV slot {}", w[0]));
+        }
         for s in 0..seqs {
             let (lo, hi) = (self.query_start[s] as usize, self.query_start[s + 1] as usize);
             if lo >= hi {
@@ -141,5 +147,27 @@ impl Logits {
 
     pub fn row(&self, i: usize) -> &[f32] {
         &self.data[i * self.vocab_size..(i + 1) * self.vocab_size]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_batch_whose_tokens_share_a_kv_slot_is_refused() {
+        let layout = KvLayout {
+            num_blocks: 4,
+            block_size: 16,
+        };
+        let mut batch = ForwardBatch::default();
+        batch.push_sequence(&[1, 2, 3], 0, &[2], 16);
+        batch.logits_rows.push(2);
+        assert!(batch.validate(layout, 100, 64).is_ok());
+        // A second sequence pointing at the same block and positions: its tokens would write
+        // the first one's slots (the backend writes tokens in parallel).
+        batch.push_sequence(&[4], 1, &[2], 16);
+        let err = batch.validate(layout, 100, 64).unwrap_err().to_string();
+        assert!(err.contains("two tokens write KV slot 33"), "{err}");
     }
 }

@@ -493,7 +493,7 @@ mod tests {
                 let slot = table[pos / BLOCK] as usize * BLOCK + pos % BLOCK;
                 let k: Vec<f32> = (0..width).map(|_| 3.0 * uniform()).collect();
                 let v: Vec<f32> = (0..width).map(|_| uniform()).collect();
-                kv.write(0, slot, &k, &v);
+                kv.write(0, &[slot as u32], |_| &k, |_| &v);
             }
         }
         let positions: Vec<u32> = (30..37).chain([19]).collect();

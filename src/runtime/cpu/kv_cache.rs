@@ -8,6 +8,7 @@
 
 use half::bf16;
 
+use super::pool::{parallel_for, SyncPtr};
 use crate::runtime::batch::KvLayout;
 
 pub struct KvCache {
@@ -109,24 +110,39 @@ impl KvCache {
         self.layout
     }
 
-    /// Stores one token's K and V (already rotated, every kv head) in `slot`.
-    pub fn write(&mut self, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
+    /// Stores each token's K and V (already rotated, every kv head): `k(t)` and `v(t)` of
+    /// token `t` go to `slots[t]`, tokens shared out among the threads.
+    pub fn write<'a>(
+        &mut self,
+        layer: usize,
+        slots: &[u32],
+        k: impl Fn(usize) -> &'a [f32] + Sync,
+        v: impl Fn(usize) -> &'a [f32] + Sync,
+    ) {
         let (bs, hd) = (self.layout.block_size, self.head_dim);
-        let (block, lane) = (slot / bs, slot % bs);
         let head_len = hd * bs;
         let block_len = self.num_kv_heads * head_len;
-        let kb = &mut self.k[layer][block * block_len..][..block_len];
-        for (h, k) in k.chunks_exact(hd).enumerate() {
-            for (d, &x) in k.iter().enumerate() {
-                kb[h * head_len + (d / 2) * bs * 2 + lane * 2 + d % 2] = bf16::from_f32(x);
+        debug_assert!(slots.iter().all(|&s| (s as usize) < self.layout.num_slots()));
+        let (kp, vp) = (SyncPtr(self.k[layer].as_mut_ptr()), SyncPtr(self.v[layer].as_mut_ptr()));
+        parallel_for(slots.len(), |tokens| {
+            for t in tokens {
+                let slot = slots[t] as usize;
+                let (block, lane) = (slot / bs, slot % bs);
+                for (h, (k, v)) in k(t).chunks_exact(hd).zip(v(t).chunks_exact(hd)).enumerate() {
+                    let base = block * block_len + h * head_len;
+                    // SAFETY: the slot lies in the pool (the batch was validated) and no two
+                    // tokens of a batch share a slot, so each entry has one writer.
+                    unsafe {
+                        for (d, &x) in k.iter().enumerate() {
+                            *kp.at(base + (d / 2) * bs * 2 + lane * 2 + d % 2) = bf16::from_f32(x);
+                        }
+                        for (c, &x) in v.iter().enumerate() {
+                            *vp.at(base + (lane / 2) * hd * 2 + c * 2 + lane % 2) = bf16::from_f32(x);
+                        }
+                    }
+                }
             }
-        }
-        let vb = &mut self.v[layer][block * block_len..][..block_len];
-        for (h, v) in v.chunks_exact(hd).enumerate() {
-            for (c, &x) in v.iter().enumerate() {
-                vb[h * head_len + (lane / 2) * hd * 2 + c * 2 + lane % 2] = bf16::from_f32(x);
-            }
-        }
+        });
     }
 
     pub fn layer(&self, layer: usize) -> (&[bf16], &[bf16]) {

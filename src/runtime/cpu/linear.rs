@@ -11,6 +11,19 @@ use super::q4_1_x16::{self, BlockQ4_1x16, OutRows};
 use super::q8_0_x16::{self, BlockQ8_0x16};
 use crate::runtime::error::{Result, RuntimeError};
 
+/// Quantized activations of the current call, kept per thread between calls: a prefill chunk's
+/// are megabytes, and fresh ones would be page faults on every projection.
+#[derive(Default)]
+struct Activations {
+    q: Vec<BlockQ8_1>,
+    scales: Vec<[f32; 2]>,
+    shifted: Vec<[u8; QK]>,
+}
+
+thread_local! {
+    static ACTIVATIONS: std::cell::RefCell<Activations> = std::cell::RefCell::new(Activations::default());
+}
+
 pub struct Linear {
     out_features: usize,
     in_features: usize,
@@ -153,40 +166,61 @@ impl Linear {
         Ok(())
     }
 
-    /// Activations quantized once per call (Q8_1, as llama.cpp does).
-    fn quantize(&self, x: &[f32], m: usize) -> Vec<BlockQ8_1> {
+    /// Quantizes the activations once per call (Q8_1, as llama.cpp does) into `acts`, with
+    /// each block's scales as f32 and, for the Q8_0 kernel, the bytes offset to unsigned.
+    fn quantize(&self, x: &[f32], m: usize, shifted: bool, acts: &mut Activations) {
         let kb = self.in_features / QK;
-        let mut xq = vec![BlockQ8_1::ZERO; m * kb];
-        let dst = SyncPtr(xq.as_mut_ptr());
+        acts.q.resize(m * kb, BlockQ8_1::ZERO);
+        acts.scales.resize(m * kb, [0.0; 2]);
+        acts.shifted.resize(if shifted { m * kb } else { 0 }, [0; QK]);
+        let (q, sc, sh) = (
+            SyncPtr(acts.q.as_mut_ptr()),
+            SyncPtr(acts.scales.as_mut_ptr()),
+            SyncPtr(acts.shifted.as_mut_ptr()),
+        );
         parallel_for(m, |rows| {
             for r in rows {
-                // SAFETY: each row of `xq` is handed to exactly one call.
-                let qr = unsafe { std::slice::from_raw_parts_mut(dst.at(r * kb), kb) };
-                q4_1::quantize_row_q8_1(&x[r * self.in_features..][..self.in_features], qr);
+                // SAFETY: each row of the three buffers is handed to exactly one call, and
+                // `shifted` has rows only when asked for.
+                let (q, sc) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut(q.at(r * kb), kb),
+                        std::slice::from_raw_parts_mut(sc.at(r * kb), kb),
+                    )
+                };
+                q4_1::quantize_row_q8_1(&x[r * self.in_features..][..self.in_features], q);
+                q4_1_x16::scales_into(q, sc);
+                if shifted {
+                    let sh = unsafe { std::slice::from_raw_parts_mut(sh.at(r * kb), kb) };
+                    q8_0_x16::shift_into(q, sh);
+                }
             }
         });
-        xq
     }
 
     fn forward_q4_1x16(&self, w: &[BlockQ4_1x16], x: &[f32], m: usize, out: &mut [f32]) {
         let kb = self.in_features / QK;
-        let xq = self.quantize(x, m);
-        let sc = q4_1_x16::scales(&xq);
-        self.tiled(m, out, |g, rows, dst| {
-            let (x, s) = (&xq[rows.start * kb..rows.end * kb], &sc[rows.start * kb..rows.end * kb]);
-            // SAFETY: `tiled` hands each (rows, group) block of the output to one call.
-            unsafe { q4_1_x16::group_dot(&w[g * kb..(g + 1) * kb], x, s, dst) };
+        ACTIVATIONS.with_borrow_mut(|acts| {
+            self.quantize(x, m, false, acts);
+            let (xq, sc) = (&acts.q, &acts.scales);
+            self.tiled(m, out, |g, rows, dst| {
+                let (x, s) = (&xq[rows.start * kb..rows.end * kb], &sc[rows.start * kb..rows.end * kb]);
+                // SAFETY: `tiled` hands each (rows, group) block of the output to one call.
+                unsafe { q4_1_x16::group_dot(&w[g * kb..(g + 1) * kb], x, s, dst) };
+            });
         });
     }
 
     fn forward_q8_0x16(&self, w: &[BlockQ8_0x16], x: &[f32], m: usize, out: &mut [f32]) {
         let kb = self.in_features / QK;
-        let xq = self.quantize(x, m);
-        let (sh, sc) = (q8_0_x16::shifted(&xq), q8_0_x16::scales(&xq));
-        self.tiled(m, out, |g, rows, dst| {
-            let (x, s) = (&sh[rows.start * kb..rows.end * kb], &sc[rows.start * kb..rows.end * kb]);
-            // SAFETY: as above.
-            unsafe { q8_0_x16::group_dot(&w[g * kb..(g + 1) * kb], x, s, dst) };
+        ACTIVATIONS.with_borrow_mut(|acts| {
+            self.quantize(x, m, true, acts);
+            let (sh, sc) = (&acts.shifted, &acts.scales);
+            self.tiled(m, out, |g, rows, dst| {
+                let (x, s) = (&sh[rows.start * kb..rows.end * kb], &sc[rows.start * kb..rows.end * kb]);
+                // SAFETY: as above.
+                unsafe { q8_0_x16::group_dot(&w[g * kb..(g + 1) * kb], x, s, dst) };
+            });
         });
     }
 
@@ -212,7 +246,13 @@ impl Linear {
 
     fn forward_q4_1(&self, w: &[BlockQ4_1x4], x: &[f32], m: usize, out: &mut [f32]) {
         let (n, kb) = (self.out_features, self.in_features / QK);
-        let xq = self.quantize(x, m);
+        ACTIVATIONS.with_borrow_mut(|acts| {
+            self.quantize(x, m, false, acts);
+            Self::quads(w, &acts.q, n, kb, m, out)
+        });
+    }
+
+    fn quads(w: &[BlockQ4_1x4], xq: &[BlockQ8_1], n: usize, kb: usize, m: usize, out: &mut [f32]) {
         let kernel = q4_1::quad_kernel();
         let dst = SyncPtr(out.as_mut_ptr());
         // Quad-major: each weight quad streams in once and meets every activation row while it

@@ -62,6 +62,20 @@ pub struct CpuBackend {
     weights: ModelWeights,
     rope: Rope,
     kv: KvCache,
+    buffers: Buffers,
+}
+
+/// Activations of one forward pass, `[tokens, width]` each.
+#[derive(Default)]
+struct Buffers {
+    /// A normalized residual stream, the input of attention and of the MLP.
+    normed: Vec<f32>,
+    /// The output of attention or of the MLP, before it joins the residual stream.
+    branch: Vec<f32>,
+    qkv: Vec<f32>,
+    attn: Vec<f32>,
+    gate_up: Vec<f32>,
+    act: Vec<f32>,
 }
 
 impl CpuBackend {
@@ -102,6 +116,7 @@ impl CpuBackend {
             weights,
             rope,
             kv,
+            buffers: Buffers::default(),
         })
     }
 }
@@ -137,49 +152,68 @@ impl Backend for CpuBackend {
         };
 
         let mut x = self.weights.embed(&batch.token_ids)?;
-        let mut h = vec![0f32; t * d];
-        let mut qkv = vec![0f32; t * qkv_width];
-        let mut attn = vec![0f32; t * q_size];
-        let mut gate_up = vec![0f32; t * 2 * cfg.intermediate_size];
-        let mut act = vec![0f32; t * cfg.intermediate_size];
+        // Reused from pass to pass: fresh buffers would be page faults every step.
+        let b = &mut self.buffers;
+        let inter = cfg.intermediate_size;
+        for (buf, len) in [
+            (&mut b.normed, t * d),
+            (&mut b.branch, t * d),
+            (&mut b.qkv, t * qkv_width),
+            (&mut b.attn, t * q_size),
+            (&mut b.gate_up, t * 2 * inter),
+            (&mut b.act, t * inter),
+        ] {
+            buf.resize(len, 0.0);
+        }
+        let Buffers {
+            normed,
+            branch,
+            qkv,
+            attn,
+            gate_up,
+            act,
+        } = b;
         for (li, layer) in self.weights.layers.iter().enumerate() {
-            ops::rms_norm(&x, &layer.attn_norm, cfg.rms_norm_eps, &mut h);
-            layer.qkv.forward(&h, t, &mut qkv)?;
-            for (row, (&pos, &slot)) in qkv
-                .chunks_exact_mut(qkv_width)
-                .zip(batch.positions.iter().zip(&batch.slot_mapping))
-            {
-                let (q, kv) = row.split_at_mut(q_size);
-                self.rope.apply(q, pos as usize);
-                let (k, v) = kv.split_at_mut(kv_size);
-                self.rope.apply(k, pos as usize);
-                self.kv.write(li, slot as usize, k, v);
+            // The previous layer's MLP output joins the residual stream here.
+            if li == 0 {
+                ops::rms_norm(&x, &layer.attn_norm, cfg.rms_norm_eps, normed);
+            } else {
+                ops::add_rms_norm(&mut x, branch, &layer.attn_norm, cfg.rms_norm_eps, normed);
             }
+            layer.qkv.forward(normed, t, qkv)?;
+            // Every head of q and of k rotates; v does not.
+            ops::rope_rows(&self.rope, qkv, qkv_width, q_size + kv_size, &batch.positions);
+            let rows: &[f32] = qkv;
+            self.kv.write(
+                li,
+                &batch.slot_mapping,
+                |t| &rows[t * qkv_width + q_size..][..kv_size],
+                |t| &rows[t * qkv_width + q_size + kv_size..][..kv_size],
+            );
             let (k_pool, v_pool) = self.kv.layer(li);
             let input = AttentionInput {
-                q: &qkv,
+                q: qkv,
                 q_stride: qkv_width,
                 k_pool,
                 v_pool,
                 block_tables: &batch.block_tables,
                 runs: &runs,
             };
-            paged_attention(&shape, &input, &mut attn);
-            layer.attn_out.forward(&attn, t, &mut h)?;
-            ops::add_in_place(&mut x, &h);
-
-            ops::rms_norm(&x, &layer.ffn_norm, cfg.rms_norm_eps, &mut h);
-            layer.gate_up.forward(&h, t, &mut gate_up)?;
-            ops::silu_mul(&gate_up, cfg.intermediate_size, &mut act);
-            layer.down.forward(&act, t, &mut h)?;
-            ops::add_in_place(&mut x, &h);
+            paged_attention(&shape, &input, attn);
+            layer.attn_out.forward(attn, t, branch)?;
+            ops::add_rms_norm(&mut x, branch, &layer.ffn_norm, cfg.rms_norm_eps, normed);
+            layer.gate_up.forward(normed, t, gate_up)?;
+            ops::silu_mul(gate_up, inter, act);
+            layer.down.forward(act, t, branch)?;
         }
 
-        // Only the rows whose logits are wanted go through the final norm and the head.
+        // Only the rows whose logits are wanted go through the last residual add, the final
+        // norm and the head.
         let rows = batch.logits_rows.len();
         let mut picked = Vec::with_capacity(rows * d);
         for &r in &batch.logits_rows {
-            picked.extend_from_slice(&x[r as usize * d..(r as usize + 1) * d]);
+            let r = r as usize * d;
+            picked.extend(x[r..r + d].iter().zip(&branch[r..r + d]).map(|(a, b)| a + b));
         }
         let mut normed = vec![0f32; rows * d];
         ops::rms_norm(&picked, &self.weights.output_norm, cfg.rms_norm_eps, &mut normed);

@@ -22,18 +22,50 @@ fn rows_parallel(x: &[f32], x_width: usize, out: &mut [f32], out_width: usize, f
 
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let d = weight.len();
-    rows_parallel(x, d, out, d, |xr, or| {
-        // Squares in f32, summed in f64, as ggml does.
-        let ss: f64 = xr.iter().map(|&v| (v * v) as f64).sum();
-        let scale = 1.0 / ((ss / d as f64) as f32 + eps).sqrt();
-        for ((o, &v), &w) in or.iter_mut().zip(xr).zip(weight) {
-            *o = v * scale * w;
+    rows_parallel(x, d, out, d, |xr, or| norm_row(xr, weight, eps, or));
+}
+
+fn norm_row(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    // Squares in f32, summed in f64, as ggml does.
+    let ss: f64 = x.iter().map(|&v| (v * v) as f64).sum();
+    let scale = 1.0 / ((ss / x.len() as f64) as f32 + eps).sqrt();
+    for ((o, &v), &w) in out.iter_mut().zip(x).zip(weight) {
+        *o = v * scale * w;
+    }
+}
+
+/// Rotates the query and key heads of every token's `[q | k | v]` row in place, tokens
+/// shared out among the threads.
+pub fn rope_rows(rope: &Rope, qkv: &mut [f32], width: usize, rotated: usize, positions: &[u32]) {
+    let rows = SyncPtr(qkv.as_mut_ptr());
+    debug_assert_eq!(qkv.len(), positions.len() * width);
+    parallel_for(positions.len(), |tokens| {
+        for t in tokens {
+            // SAFETY: each row is handed to exactly one call.
+            let row = unsafe { std::slice::from_raw_parts_mut(rows.at(t * width), rotated) };
+            rope.apply(row, positions[t] as usize);
         }
     });
 }
 
-pub fn add_in_place(x: &mut [f32], y: &[f32]) {
-    x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
+/// `x += y` (the residual connection), then `out = rms_norm(x)`, in one pass over the rows.
+pub fn add_rms_norm(x: &mut [f32], y: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let d = weight.len();
+    let (xs, os) = (SyncPtr(x.as_mut_ptr()), SyncPtr(out.as_mut_ptr()));
+    debug_assert!(x.len() == y.len() && x.len() == out.len());
+    parallel_for(y.len() / d, |rows| {
+        for r in rows {
+            // SAFETY: each row of `x` and `out` is handed to exactly one call.
+            let (xr, or) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(xs.at(r * d), d),
+                    std::slice::from_raw_parts_mut(os.at(r * d), d),
+                )
+            };
+            xr.iter_mut().zip(&y[r * d..][..d]).for_each(|(a, b)| *a += b);
+            norm_row(xr, weight, eps, or);
+        }
+    });
 }
 
 /// `gate_up` rows hold `[gate | up]`; writes `silu(gate) * up`. The exponential is libm's:

@@ -87,8 +87,17 @@ pub fn interleave16(blocks: &[BlockQ4_1], rows: usize, kb: usize) -> Vec<BlockQ4
 }
 
 /// The activation scales of a row, as f32: `d` and `s` of every block.
+pub fn scales_into(x: &[BlockQ8_1], out: &mut [[f32; 2]]) {
+    for (o, b) in out.iter_mut().zip(x) {
+        *o = [b.d.to_f32(), b.s.to_f32()];
+    }
+}
+
+#[cfg(test)]
 pub fn scales(x: &[BlockQ8_1]) -> Vec<[f32; 2]> {
-    x.iter().map(|b| [b.d.to_f32(), b.s.to_f32()]).collect()
+    let mut out = vec![[0.0; 2]; x.len()];
+    scales_into(x, &mut out);
+    out
 }
 
 /// Row `i` of `out`, lane `r` = activation row `i` times weight row `r` of the group `w` (its

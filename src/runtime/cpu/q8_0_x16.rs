@@ -8,7 +8,7 @@ use half::f16;
 
 use super::q4_1::{BlockQ8_1, QK};
 use super::q4_1_x16::run_tiles;
-pub use super::q4_1_x16::{available, scales, OutRows, TILE};
+pub use super::q4_1_x16::{available, OutRows, TILE};
 
 /// One block (32 weights) of 16 consecutive rows. `qs[p]` bytes `4 * r..4 * r + 4` are row
 /// `r`'s weights `4 * p..4 * p + 4`; `corr[r]` is `128 * sum(row r's 32 weights)`.
@@ -53,8 +53,10 @@ pub fn interleave16(bytes: &[u8], rows: usize, kb: usize) -> Option<Vec<BlockQ8_
 }
 
 /// Activation quants with the sign bit flipped (`q + 128` as unsigned bytes), per block.
-pub fn shifted(x: &[BlockQ8_1]) -> Vec<[u8; QK]> {
-    x.iter().map(|b| b.qs.map(|q| (q as u8) ^ 0x80)).collect()
+pub fn shift_into(x: &[BlockQ8_1], out: &mut [[u8; QK]]) {
+    for (o, b) in out.iter_mut().zip(x) {
+        *o = b.qs.map(|q| (q as u8) ^ 0x80);
+    }
 }
 
 /// Row `i` of `out`, lane `r` = activation row `i` times weight row `r` of the group `w`, for
@@ -123,6 +125,7 @@ mod x86 {
 mod tests {
     use super::*;
     use crate::runtime::cpu::q4_1::quantize_row_q8_1;
+    use crate::runtime::cpu::q4_1_x16::scales;
 
     #[test]
     fn tiles_match_a_plain_dot_product_for_any_row_count() {
@@ -156,7 +159,14 @@ mod tests {
                 q
             })
             .collect();
-        let sh: Vec<Vec<[u8; QK]>> = acts.iter().map(|a| shifted(a)).collect();
+        let sh: Vec<Vec<[u8; QK]>> = acts
+            .iter()
+            .map(|a| {
+                let mut out = vec![[0; QK]; a.len()];
+                shift_into(a, &mut out);
+                out
+            })
+            .collect();
         let sc: Vec<Vec<[f32; 2]>> = acts.iter().map(|a| scales(a)).collect();
         let one = |i: usize| {
             let mut o = [0f32; 16];
