@@ -119,27 +119,29 @@ fn attend(kernels: Kernels, shape: &AttentionShape, input: &AttentionInput, out:
                         .q
                         .extend(input.q[at..at + hd].iter().map(|&x| bf16::from_f32(x)));
                 }
-                scratch.scores.clear();
-                scratch.scores.resize(rows * stride, 0.0);
+                // Every score up to `stride` is written below, and every weight up to the row's
+                // own context: only the weights past it need clearing, not whole buffers.
+                grow(&mut scratch.scores, rows * stride, 0.0);
+                grow(&mut scratch.probs, rows * stride, bf16::ZERO);
+                let scores = &mut scratch.scores[..rows * stride];
+                let probs = &mut scratch.probs[..rows * stride];
                 let table = &input.block_tables[run.seq][..stride / BLOCK];
                 for (b, &block) in table.iter().enumerate() {
                     let kt = &input.k_pool[block as usize * block_stride + g * hd * BLOCK..][..hd * BLOCK];
                     for (r0, qs) in scratch.q.chunks(QK_ROWS * hd).enumerate() {
                         let at = r0 * QK_ROWS * stride + b * BLOCK;
-                        kernels.qk(qs, kt, scale, &mut scratch.scores[at..], stride);
+                        kernels.qk(qs, kt, scale, &mut scores[at..], stride);
                     }
                 }
-                scratch.probs.clear();
-                scratch.probs.resize(rows * stride, bf16::ZERO);
-                for (r, (s, p)) in scratch
-                    .scores
+                for (r, (s, p)) in scores
                     .chunks_exact_mut(stride)
-                    .zip(scratch.probs.chunks_exact_mut(stride))
+                    .zip(probs.chunks_exact_mut(stride))
                     .enumerate()
                 {
                     // Causal: the token sees its own position and those before.
                     let own = run.first_pos + r / group + 1;
                     kernels.softmax(&mut s[..own], &mut p[..own]);
+                    p[own..].fill(bf16::ZERO);
                 }
                 let mut outs = [SyncPtr(std::ptr::null_mut()); MAX_ROWS];
                 for (r, o) in outs.iter_mut().enumerate().take(rows) {
@@ -155,10 +157,16 @@ fn attend(kernels: Kernels, shape: &AttentionShape, input: &AttentionInput, out:
                     block_stride,
                     ctx,
                 };
-                kernels.pv(&scratch.probs, stride, &values, &outs[..rows], hd);
+                kernels.pv(probs, stride, &values, &outs[..rows], hd);
             }
         })
     });
+}
+
+fn grow<T: Copy>(v: &mut Vec<T>, len: usize, fill: T) {
+    if v.len() < len {
+        v.resize(len, fill);
+    }
 }
 
 /// Where one kv head's values of a sequence lie.
@@ -369,18 +377,7 @@ mod avx512 {
                 .as_ptr()
                 .add(block as usize * values.block_stride + values.offset);
             let slots = (values.ctx - b * BLOCK).min(BLOCK);
-            for pair in 0..slots.div_ceil(2) {
-                let row = base.add(pair * hd * 2);
-                // A lone last slot: its partner was never written for this sequence, so it is
-                // not read (a stale NaN times a zero weight would still be NaN).
-                let keep: __mmask32 = if 2 * pair + 1 < slots { !0 } else { 0x5555_5555 };
-                let mut v = [std::mem::transmute::<__m512i, __m512bh>(_mm512_setzero_si512()); C];
-                for c in 0..C {
-                    v[c] = std::mem::transmute::<__m512i, __m512bh>(_mm512_maskz_loadu_epi16(
-                        keep,
-                        row.add(32 * c) as *const i16,
-                    ));
-                }
+            let step = |acc: &mut [[__m512; C]; N], pair: usize, v: [__m512bh; C]| {
                 let s = b * BLOCK + 2 * pair;
                 for i in 0..N {
                     let w = pair_everywhere(p.add(i * stride + s));
@@ -388,6 +385,23 @@ mod avx512 {
                         acc[i][c] = _mm512_dpbf16_ps(acc[i][c], w, v[c]);
                     }
                 }
+            };
+            let whole = slots / 2;
+            for pair in 0..whole {
+                let row = base.add(pair * hd * 2);
+                step(&mut acc, pair, std::array::from_fn(|c| pairs(row.add(32 * c))));
+            }
+            if slots % 2 == 1 {
+                // A lone last slot: its partner was never written for this sequence, so it is
+                // not read (a stale NaN times a zero weight would still be NaN).
+                let row = base.add(whole * hd * 2);
+                let v = std::array::from_fn(|c| {
+                    std::mem::transmute::<__m512i, __m512bh>(_mm512_maskz_loadu_epi16(
+                        0x5555_5555,
+                        row.add(32 * c) as *const i16,
+                    ))
+                });
+                step(&mut acc, whole, v);
             }
         }
         for i in 0..N {
