@@ -27,8 +27,8 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 
 fn norm_row(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     // Squares in f32, summed in f64, as ggml does; in eight partial sums, since one running
-    // sum is a chain of dependent additions that made norms a tenth of prefill. In f64 the
-    // order moves the sum by ~1e-16, far below what reaches the f32 scale.
+    // sum is a chain of dependent additions (norms were ~4% of prefill). In f64 the order
+    // moves the sum by ~1e-16, far below what reaches the f32 scale.
     let mut partial = [0f64; 8];
     let chunks = x.chunks_exact(8);
     let tail: f64 = chunks.remainder().iter().map(|&v| (v * v) as f64).sum();
