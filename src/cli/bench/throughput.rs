@@ -91,6 +91,10 @@ impl Pass {
     }
 }
 
+/// The least output budget of an extraction request: an invoice answer runs to ~150 tokens, so
+/// a smaller --output-len would truncate them all.
+const MIN_ANSWER_TOKENS: usize = 160;
+
 pub fn run(mut args: ThroughputArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.num_prompts > 0, "--num-prompts must be at least 1");
     anyhow::ensure!(args.output_len >= 2, "--output-len must be at least 2");
@@ -98,7 +102,8 @@ pub fn run(mut args: ThroughputArgs) -> anyhow::Result<()> {
     // prompt's schema and instructions), backed before the clock starts: the passes then
     // time the engine, and the first pass does not pay the kernel for zeroing fresh pages.
     if args.model.kv_cache_tokens.is_none() && args.model.kv_cache_memory.is_none() {
-        args.model.kv_cache_tokens = Some(args.num_prompts * (args.input_len + args.output_len.max(160) + 1024));
+        args.model.kv_cache_tokens =
+            Some(args.num_prompts * (args.input_len + args.output_len.max(MIN_ANSWER_TOKENS) + 1024));
     }
     args.model.prefault_kv = Prefault::AtLoad;
     let (backend, tokenizer, config) = args.model.load_shared()?;
@@ -180,7 +185,7 @@ fn jobs(args: &ThroughputArgs, tokenizer: &Tokenizer) -> anyhow::Result<Vec<Job>
                     let document = workload::invoice_document(tokenizer, i, args.input_len)?;
                     Ok(Job {
                         prompt: crate::extract::prompt(tokenizer, &schema, &document, None)?,
-                        max_tokens: args.output_len.max(160),
+                        max_tokens: args.output_len.max(MIN_ANSWER_TOKENS),
                         constraint: Some(constraint.clone()),
                     })
                 })
