@@ -2,6 +2,7 @@
 //! host KV pool, all cores through candle's barrier pool.
 
 mod attention;
+mod exp;
 mod kv_cache;
 mod linear;
 mod ops;
