@@ -40,12 +40,22 @@ fn huge_pages(pool: &[bf16]) {
     let _ = pool;
 }
 
+/// A pool of zeros the kernel has not yet backed: `vec![bf16::ZERO; n]` would write every
+/// entry (the standard library only knows primitive zeros come free), faulting the whole pool
+/// in small pages before `huge_pages` could advise otherwise.
+fn zeroed(n: usize) -> Vec<bf16> {
+    let mut raw = std::mem::ManuallyDrop::new(vec![0u16; n]);
+    // SAFETY: `bf16` is a transparent u16, so the allocation's layout is the same and all-zero
+    // bits are `bf16::ZERO`; the u16 vector is forgotten, so the memory has one owner.
+    unsafe { Vec::from_raw_parts(raw.as_mut_ptr() as *mut bf16, raw.len(), raw.capacity()) }
+}
+
 impl KvCache {
     pub fn new(layout: KvLayout, num_layers: usize, num_kv_heads: usize, head_dim: usize) -> Self {
         let alloc = || {
             (0..num_layers)
                 .map(|_| {
-                    let pool = vec![bf16::ZERO; layout.num_slots() * num_kv_heads * head_dim];
+                    let pool = zeroed(layout.num_slots() * num_kv_heads * head_dim);
                     huge_pages(&pool);
                     pool
                 })
