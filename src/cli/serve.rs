@@ -34,8 +34,10 @@ pub struct ServeArgs {
 }
 
 pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
-    // A server's memory is claimed at start: its footprint stays flat under load.
-    args.model.prefault_kv = Prefault::Background;
+    // A server's memory is claimed before it reports ready: its footprint stays flat under
+    // load. Backing the pool in the background instead slowed the first requests (under
+    // `scripts/bench-server load`, p99 13 s against 5 s).
+    args.model.prefault_kv = Prefault::AtLoad;
     let schemas = server::schemas::SchemaRegistry::load(&args.schemas)?;
     let (engine, tokenizer) = args.model.engine()?;
     let model = args.model.model_name();

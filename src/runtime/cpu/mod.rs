@@ -29,13 +29,12 @@ use super::Backend;
 /// When the KV pool's pages are backed by memory.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Prefault {
-    /// As blocks are first written (the kernel's default).
+    /// As blocks are first written (the kernel's default): a one-off command takes only the
+    /// memory it uses.
     #[default]
     OnUse,
-    /// From load on, on a background thread: a server's footprint is flat from its first
-    /// minute and steps do not pay for page faults.
-    Background,
-    /// Before `load` returns: benchmarks time the engine, not the kernel's page zeroing.
+    /// Before `load` returns: a server's footprint is flat from its start and no step pays
+    /// for page faults; benchmarks time the engine, not the kernel's page zeroing.
     AtLoad,
 }
 
@@ -103,14 +102,8 @@ impl CpuBackend {
             block_size,
         };
         let kv = KvCache::new(layout, config.num_layers, config.num_kv_heads, config.head_dim);
-        match options.prefault_kv {
-            Prefault::OnUse => {}
-            Prefault::Background => drop(kv.prefault()),
-            Prefault::AtLoad => {
-                if let Some(filling) = kv.prefault() {
-                    let _ = filling.join();
-                }
-            }
+        if options.prefault_kv == Prefault::AtLoad {
+            kv.prefault();
         }
         Ok(CpuBackend {
             config,
