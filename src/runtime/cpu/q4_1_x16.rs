@@ -117,34 +117,21 @@ pub unsafe fn group_dot(w: &[BlockQ4_1x16], kb: usize, xs: &[BlockQ8_1], sc: &[[
     // vouches for `out`.
     unsafe {
         if w.len() == 2 * kb {
-            let rows = xs.len() / kb.max(1);
-            let mut done = 0;
-            for (size, kernel) in [
-                (4, x86::pair_dot::<4> as TileKernel<BlockQ4_1x16, BlockQ8_1>),
+            let kernels: [(usize, TileKernel<_, _>); 3] = [
+                (4, x86::pair_dot::<4>),
                 (2, x86::pair_dot::<2>),
                 (1, x86::pair_dot::<1>),
-            ] {
-                while rows - done >= size {
-                    let range = done * kb..(done + size) * kb;
-                    kernel(w, &xs[range.clone()], &sc[range], out.skip(done));
-                    done += size;
-                }
-            }
-            return;
+            ];
+            return run_tiles(&kernels, kb, w, xs, sc, out);
         }
         debug_assert_eq!(w.len(), kb);
-        run_tiles(
-            [
-                x86::group_dot::<8>,
-                x86::group_dot::<4>,
-                x86::group_dot::<2>,
-                x86::group_dot::<1>,
-            ],
-            w,
-            xs,
-            sc,
-            out,
-        )
+        let kernels: [(usize, TileKernel<_, _>); 4] = [
+            (8, x86::group_dot::<8>),
+            (4, x86::group_dot::<4>),
+            (2, x86::group_dot::<2>),
+            (1, x86::group_dot::<1>),
+        ];
+        run_tiles(&kernels, kb, w, xs, sc, out)
     }
     #[cfg(not(target_arch = "x86_64"))]
     unreachable!("BlockQ4_1x16 weights exist only where the kernel runs");
@@ -153,16 +140,23 @@ pub unsafe fn group_dot(w: &[BlockQ4_1x16], kb: usize, xs: &[BlockQ8_1], sc: &[[
 /// A kernel instance for a fixed number of activation rows.
 pub type TileKernel<W, X> = unsafe fn(&[W], &[X], &[[f32; 2]], OutRows);
 
-/// Runs the activation rows of `xs` (`w.len()` blocks each, at most `TILE` rows) through
-/// `kernels` (for 8, 4, 2 and 1 rows), largest first.
+/// Runs the activation rows of `xs` (`kb` blocks each, at most `TILE` rows) through
+/// `kernels`, each `(rows it takes, kernel)`, largest first.
 ///
 /// # Safety
-/// The kernels' own conditions, and `out` holds a row of 16 floats per activation row.
-pub unsafe fn run_tiles<W, X>(kernels: [TileKernel<W, X>; 4], w: &[W], xs: &[X], sc: &[[f32; 2]], out: OutRows) {
-    let kb = w.len().max(1);
+/// The kernels' own conditions, and `out` holds a row of outputs per activation row.
+pub unsafe fn run_tiles<W, X>(
+    kernels: &[(usize, TileKernel<W, X>)],
+    kb: usize,
+    w: &[W],
+    xs: &[X],
+    sc: &[[f32; 2]],
+    out: OutRows,
+) {
+    let kb = kb.max(1);
     debug_assert!(xs.len() <= TILE * kb && xs.len() == sc.len() && xs.len().is_multiple_of(kb));
     let (mut done, rows) = (0, xs.len() / kb);
-    for (size, kernel) in [8, 4, 2, 1].into_iter().zip(kernels) {
+    for &(size, kernel) in kernels {
         while rows - done >= size {
             let range = done * kb..(done + size) * kb;
             kernel(w, &xs[range.clone()], &sc[range], out.skip(done));

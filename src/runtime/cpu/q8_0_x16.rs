@@ -7,8 +7,8 @@
 use half::f16;
 
 use super::q4_1::{BlockQ8_1, QK};
-use super::q4_1_x16::run_tiles;
 pub use super::q4_1_x16::{available, OutRows, TILE};
+use super::q4_1_x16::{run_tiles, TileKernel};
 
 /// One block (32 weights) of 16 consecutive rows. `qs[p]` bytes `4 * r..4 * r + 4` are row
 /// `r`'s weights `4 * p..4 * p + 4`; `corr[r]` is `128 * sum(row r's 32 weights)`.
@@ -70,18 +70,13 @@ pub unsafe fn group_dot(w: &[BlockQ8_0x16], xs: &[[u8; QK]], sc: &[[f32; 2]], ou
     // SAFETY: `Linear` builds this layout only after `available()` said yes; the caller
     // vouches for `out`.
     unsafe {
-        run_tiles(
-            [
-                x86::group_dot::<8>,
-                x86::group_dot::<4>,
-                x86::group_dot::<2>,
-                x86::group_dot::<1>,
-            ],
-            w,
-            xs,
-            sc,
-            out,
-        )
+        let kernels: [(usize, TileKernel<_, _>); 4] = [
+            (8, x86::group_dot::<8>),
+            (4, x86::group_dot::<4>),
+            (2, x86::group_dot::<2>),
+            (1, x86::group_dot::<1>),
+        ];
+        run_tiles(&kernels, w.len(), w, xs, sc, out)
     }
     #[cfg(not(target_arch = "x86_64"))]
     unreachable!("BlockQ8_0x16 weights exist only where the kernel runs");
