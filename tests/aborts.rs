@@ -42,6 +42,8 @@ fn model() -> Option<&'static Model> {
                     schema,
                     whitespace: Whitespace::Compact,
                     strict: true,
+                    close_objects: false,
+                    ordered_properties: false,
                 })
                 .unwrap();
             Some(Model {

@@ -94,6 +94,8 @@ fn request(job: &Job, structured: &StructuredOutputs) -> EngineRequest {
                 schema: schema.clone(),
                 whitespace: Whitespace::Compact,
                 strict: false,
+                close_objects: false,
+                ordered_properties: false,
             })
             .unwrap()
     });

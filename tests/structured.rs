@@ -39,6 +39,8 @@ fn constrained_outputs_validate_and_bad_schemas_are_typed_errors() {
         schema: json!({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}),
         whitespace: Whitespace::Compact,
         strict: false,
+        close_objects: false,
+        ordered_properties: false,
     };
     assert!(
         matches!(structured.compile(&broken), Err(GrammarError::InvalidSchema { ref keyword, .. }) if keyword == "$ref")
@@ -50,6 +52,8 @@ fn constrained_outputs_validate_and_bad_schemas_are_typed_errors() {
                 schema: case["schema"].clone(),
                 whitespace: Whitespace::Compact,
                 strict: false,
+                close_objects: false,
+                ordered_properties: false,
             })
             .unwrap_or_else(|e| panic!("{}: {e}", case["name"]));
         engine

@@ -22,6 +22,32 @@ pub trait Matcher: Send {
     /// first place the output could end).
     fn forced_bytes(&mut self) -> Vec<u8>;
 
+    /// The fewest bytes that complete the output from here (0 once it may end), where the
+    /// constraint can tell: with a byte-level vocabulary, as many tokens always suffice.
+    fn completion_cost(&mut self) -> Option<usize> {
+        None
+    }
+
+    /// `fill_bitmask` without the tokens after which the output could not be completed within
+    /// `budget` more tokens. This default tries each allowed token; matchers with a cheaper
+    /// way override it.
+    fn fill_bitmask_within(&mut self, mask: &mut [u32], budget: usize) {
+        self.fill_bitmask(mask);
+        if self.completion_cost().is_none() {
+            return;
+        }
+        for t in crate::bitmask::allowed_tokens(&mask.to_vec()).collect::<Vec<_>>() {
+            if self.accept(t).is_err() {
+                continue;
+            }
+            let fits = self.is_finished() || self.completion_cost().is_some_and(|c| c <= budget);
+            self.rollback(1).expect("just accepted");
+            if !fits {
+                mask[t as usize / 32] &= !(1 << (t % 32));
+            }
+        }
+    }
+
     /// Tokens to append without sampling (jump-forward decoding): the forced text as the
     /// tokenizer would spell it on its own, less its last token, which might have merged with
     /// whatever the model writes next, and cut where the matcher would refuse a token. The

@@ -205,4 +205,15 @@ impl Matcher for RegexMatcher {
     fn forced_bytes(&mut self) -> Vec<u8> {
         RegexMatcher::forced_bytes(self)
     }
+    fn completion_cost(&mut self) -> Option<usize> {
+        if self.history.is_finished() {
+            return Some(0);
+        }
+        let d = self.grammar.dfa.distance_to_accept(self.state());
+        Some(if d == crate::dfa::UNREACHABLE {
+            usize::MAX
+        } else {
+            d as usize
+        })
+    }
 }

@@ -31,6 +31,10 @@ pub(crate) trait StackMachine {
     fn dedup(&self, arena: &Self::Arena, stacks: &mut Vec<Stack>, scratch: &mut Scratch);
     /// The stack is a complete output (EOS may follow).
     fn can_finish(&self, arena: &Self::Arena, s: Stack) -> bool;
+    /// The fewest bytes that make the stack a complete output, where the grammar can tell.
+    fn completion_cost(&self, _arena: &Self::Arena, _s: Stack) -> Option<u64> {
+        None
+    }
 }
 
 pub(crate) struct Stacks<M: StackMachine> {
@@ -143,6 +147,17 @@ impl<M: StackMachine> Stacks<M> {
         out
     }
 
+    /// The fewest bytes that complete the output from here: the cheapest live stack's.
+    pub fn completion_cost(&self) -> Option<u64> {
+        if self.history.is_finished() {
+            return Some(0);
+        }
+        self.current()
+            .iter()
+            .map(|&s| self.grammar.completion_cost(&self.arena, s))
+            .try_fold(u64::MAX, |m, c| c.map(|c| m.min(c)))
+    }
+
     /// Clears `mask` and sets EOS where allowed; false when nothing more may come.
     pub fn begin_mask(&self, mask: &mut [u32]) -> bool {
         mask.fill(0);
@@ -159,6 +174,12 @@ impl<M: StackMachine> Stacks<M> {
 
     /// Allows every token of `trie` that some stack of `stacks` takes whole.
     pub fn walk(&mut self, trie: &TokTrie, stacks: Vec<Stack>, mask: &mut [u32]) {
+        self.walk_within(trie, stacks, mask, None)
+    }
+
+    /// `walk`, keeping with a `budget` only the tokens after which some stack can still
+    /// complete within that many bytes.
+    pub fn walk_within(&mut self, trie: &TokTrie, stacks: Vec<Stack>, mask: &mut [u32], budget: Option<u64>) {
         let mark = M::mark(&self.arena);
         let mut walk = Walk {
             grammar: &*self.grammar,
@@ -166,6 +187,8 @@ impl<M: StackMachine> Stacks<M> {
             states: vec![Vec::new(); trie.max_depth() + 1],
             mask,
             scratch: &mut self.scratch,
+            depth: 0,
+            budget,
         };
         walk.states[0] = stacks;
         trie.walk(&mut walk);
@@ -180,10 +203,14 @@ struct Walk<'a, M: StackMachine> {
     states: Vec<Vec<Stack>>,
     mask: &'a mut [u32],
     scratch: &'a mut Scratch,
+    /// The depth of the node just entered.
+    depth: usize,
+    budget: Option<u64>,
 }
 
 impl<M: StackMachine> TrieVisitor for Walk<'_, M> {
     fn enter(&mut self, depth: usize, byte: u8) -> bool {
+        self.depth = depth;
         let (before, after) = self.states.split_at_mut(depth);
         let out = &mut after[0];
         out.clear();
@@ -195,6 +222,14 @@ impl<M: StackMachine> TrieVisitor for Walk<'_, M> {
     }
 
     fn tokens(&mut self, tokens: &[TokenId]) {
+        if let Some(budget) = self.budget {
+            let fits = self.states[self.depth]
+                .iter()
+                .any(|&s| self.grammar.completion_cost(self.arena, s).is_none_or(|c| c <= budget));
+            if !fits {
+                return;
+            }
+        }
         for &t in tokens {
             allow(self.mask, t);
         }

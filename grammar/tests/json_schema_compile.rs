@@ -232,3 +232,72 @@ fn the_maskbench_corpus_never_crashes_the_compiler() {
     eprintln!("lenient: {ok} compiled; strict: {strict_ok} compiled; errors: {errors:?}");
     assert!(ok > 7000, "only {ok} of the corpus compiled leniently");
 }
+
+/// Under `close_objects`, an object that declares properties and says nothing of
+/// `additionalProperties` takes no other key, and the report says where; objects that declare
+/// nothing, that say `additionalProperties` or `unevaluatedProperties`, and the properties an
+/// `allOf` part declares for its sibling are left alone.
+#[test]
+fn objects_that_declare_properties_are_closed_on_request() {
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "person": {"type": "object", "properties": {"name": {"type": "string"}}},
+            "meta": {"type": "object"},
+            "open": {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": true},
+            "eval": {"type": "object", "properties": {"b": {"type": "integer"}}, "unevaluatedProperties": false},
+            "both": {"allOf": [
+                {"type": "object", "properties": {"x": {"type": "integer"}}},
+                {"type": "object", "properties": {"y": {"type": "integer"}}}
+            ]}
+        }
+    });
+    let options = SchemaOptions {
+        close_objects: true,
+        ..lenient()
+    };
+    let (graph, report) = compile_schema(&schema, &options).unwrap();
+    let narrowed: Vec<&str> = report
+        .keywords
+        .iter()
+        .filter(|k| matches!(k.status, KeywordStatus::Narrowed(_)))
+        .map(|k| k.pointer.as_str())
+        .collect();
+    assert_eq!(
+        narrowed,
+        vec!["", "/properties/both/allOf/0", "/properties/person"],
+        "{report:?}"
+    );
+    let object = |name: &str| {
+        let Node::Object(root) = graph.node(graph.root) else {
+            panic!()
+        };
+        let id = root.properties.iter().find(|(n, _)| n == name).unwrap().1;
+        let mut id = id;
+        while let Node::AnyOf(a) = graph.node(id) {
+            id = a[0];
+        }
+        match graph.node(id) {
+            Node::Object(r) => r.clone(),
+            other => panic!("{name}: {other:?}"),
+        }
+    };
+    let closed = |name: &str| matches!(graph.node(object(name).additional), Node::Never);
+    assert!(closed("person"));
+    assert!(!closed("meta") && !closed("open") && !closed("eval"));
+    let both = object("both");
+    assert!(closed("both"), "the merged object is closed");
+    assert_eq!(both.properties.len(), 2, "with both parts' properties declared");
+    let (graph, report) = compile_schema(&schema, &lenient()).unwrap();
+    assert!(report
+        .keywords
+        .iter()
+        .all(|k| !matches!(k.status, KeywordStatus::Narrowed(_))));
+    let Node::Object(root) = graph.node(graph.root) else {
+        panic!()
+    };
+    assert!(
+        !matches!(graph.node(root.additional), Node::Never),
+        "open without the option"
+    );
+}

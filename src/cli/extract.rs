@@ -8,12 +8,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use clap::Args;
-use quarry_grammar::json::{KeywordStatus, Whitespace};
+use quarry_grammar::json::KeywordStatus;
 use serde_json::Value;
 
 use super::progress::Progress;
 use super::ModelArgs;
-use crate::engine::{Constraint, EngineClient, StructuredOutputs};
+use crate::engine::EngineClient;
 use crate::extract::records::{self, Format, Record, RecordResult};
 use crate::extract::table::Table;
 use crate::extract::{ExtractError, Extraction, Extractor, Outcome, Task};
@@ -54,6 +54,13 @@ pub struct ExtractArgs {
     /// list what was left out on stderr).
     #[arg(long)]
     strict: bool,
+    /// Let objects that do not mention `additionalProperties` take keys they do not declare
+    /// (default: closed to their declared properties).
+    #[arg(long)]
+    open_objects: bool,
+    /// Sample a record that fails validation again, up to this many times.
+    #[arg(long, default_value_t = 0)]
+    retries: usize,
 }
 
 pub fn run(args: ExtractArgs) -> anyhow::Result<()> {
@@ -76,36 +83,31 @@ pub fn run(args: ExtractArgs) -> anyhow::Result<()> {
         }
         None => None,
     };
+    let task = Task {
+        instructions: args.instructions.clone(),
+        max_tokens: args.max_tokens,
+        strict: args.strict,
+        open_objects: args.open_objects,
+        retries: args.retries,
+        ..Task::new(schema, String::new())
+    };
     let (engine, tokenizer) = args.model.engine()?;
-    let structured = StructuredOutputs::new(&tokenizer);
+    let extractor = Arc::new(Extractor::new(EngineClient::start(engine), tokenizer));
     // Compile once up front: a schema that cannot compile is one error, not one per item.
-    let compiled = structured
-        .compile(&Constraint::Json {
-            schema: schema.clone(),
-            whitespace: Whitespace::Compact,
-            strict: args.strict,
-        })
+    let compiled = extractor
+        .structured
+        .compile(&task.constraint())
         .map_err(|e| anyhow::anyhow!("schema_rejected: {e}"))?;
     for k in compiled.report().map(|r| &r.keywords[..]).unwrap_or_default() {
         match &k.status {
             KeywordStatus::Approximated(how) => {
                 eprintln!("note: `{}` at {:?} approximated: {how}", k.keyword, k.pointer)
             }
+            KeywordStatus::Narrowed(how) => eprintln!("note: `{}` at {:?} narrowed: {how}", k.keyword, k.pointer),
             KeywordStatus::Rejected(why) => eprintln!("note: `{}` at {:?} not enforced: {why}", k.keyword, k.pointer),
             _ => {}
         }
     }
-    let extractor = Arc::new(Extractor {
-        client: EngineClient::start(engine),
-        tokenizer,
-        structured,
-    });
-    let task = Task {
-        instructions: args.instructions.clone(),
-        max_tokens: args.max_tokens,
-        strict: args.strict,
-        ..Task::new(schema, String::new())
-    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -154,13 +156,25 @@ fn print_one(x: Result<Extraction, ExtractError>, max_tokens: usize) -> anyhow::
             "truncated: the output did not close within {max_tokens} tokens (raise --max-tokens); partial output: {}",
             x.text
         ),
+        Outcome::SchemaViolation => {
+            let found: Vec<String> = x
+                .violations
+                .iter()
+                .map(|v| format!("`{}` at {:?}: {}", v.keyword, v.instance_pointer, v.message))
+                .collect();
+            anyhow::bail!(
+                "schema_violation: the record fails the schema where the grammar could not enforce it ({}): {}",
+                found.join("; "),
+                x.text
+            )
+        }
         o => anyhow::bail!("{}: generation ended early: {}", o.name(), x.text),
     }
 }
 
 fn record_result(x: Result<Extraction, ExtractError>) -> RecordResult {
     match x {
-        Ok(x) => RecordResult::finished(x.outcome, x.data, x.text, x.completion_tokens),
+        Ok(x) => RecordResult::finished(x.outcome, x.data, x.text, x.completion_tokens, &x.violations),
         Err(e) => RecordResult::failed(e.kind(), e.to_string()),
     }
 }

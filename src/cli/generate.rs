@@ -5,7 +5,7 @@ use clap::Args;
 
 use super::ModelArgs;
 use crate::engine::{EngineCore, EngineRequest};
-use crate::sampling::SamplingParams;
+use crate::sampling::{DryParams, SamplingParams};
 use crate::tokenizer::{ChatMessage, Tokenizer};
 
 #[derive(Args)]
@@ -54,6 +54,10 @@ pub struct GenerateArgs {
     /// Keep generating past end-of-generation tokens.
     #[arg(long)]
     ignore_eos: bool,
+    /// DRY penalty on tokens that extend a repeat inside the output (0 = off; llama.cpp
+    /// suggests 0.8), with base 1.75 and runs from 2 tokens.
+    #[arg(long, default_value_t = 0.0)]
+    dry_multiplier: f32,
 }
 
 impl GenerateArgs {
@@ -72,6 +76,10 @@ impl GenerateArgs {
             stop: self.stop.clone(),
             stop_token_ids: Vec::new(),
             ignore_eos: self.ignore_eos,
+            dry: (self.dry_multiplier != 0.0).then(|| DryParams {
+                multiplier: self.dry_multiplier,
+                ..Default::default()
+            }),
         }
     }
 

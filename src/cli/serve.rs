@@ -7,7 +7,7 @@ use std::sync::Arc;
 use clap::Args;
 
 use super::ModelArgs;
-use crate::engine::{EngineClient, StructuredOutputs};
+use crate::engine::EngineClient;
 use crate::extract::Extractor;
 use crate::runtime::cpu::Prefault;
 use crate::server::{self, AppState};
@@ -41,13 +41,8 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
     let schemas = server::schemas::SchemaRegistry::load(&args.schemas)?;
     let (engine, tokenizer) = args.model.engine()?;
     let model = args.model.model_name();
-    let structured = StructuredOutputs::new(&tokenizer);
     let state = Arc::new(AppState {
-        extractor: Arc::new(Extractor {
-            client: EngineClient::start(engine),
-            tokenizer,
-            structured,
-        }),
+        extractor: Arc::new(Extractor::new(EngineClient::start(engine), tokenizer)),
         schemas,
         model,
         api_keys: args.api_key,

@@ -6,9 +6,10 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use quarry_grammar::{bitmask_words, is_allowed, Matcher};
+use quarry_grammar::{bitmask_words, is_allowed};
 
 use super::client::EngineStats;
+use super::contained::ContainedMatcher;
 use super::detokenizer::Detokenizer;
 use super::kv_cache_manager::{KvCacheManager, RequestId};
 use super::scheduler::{AdmitError, Scheduled, Scheduler, SchedulerConfig};
@@ -55,6 +56,12 @@ pub struct RequestMetrics {
     /// Output tokens the grammar decided alone, appended without sampling (jump-forward).
     pub forced_tokens: usize,
     pub preemptions: usize,
+    /// The token budget overruled the model at least once: it wanted a token after which the
+    /// constrained output could no longer close within `max_tokens`, so a string or an array
+    /// may have been cut short.
+    pub budget_closed: bool,
+    /// The grammar panicked under this request (it ended `Internal`); the panic's message.
+    pub grammar_failure: Option<String>,
 }
 
 /// What one step produced for one request.
@@ -76,6 +83,9 @@ pub enum AddError {
     Admit(#[from] AdmitError),
     #[error(transparent)]
     BadParams(#[from] SamplingParamError),
+    /// The constraint's shortest output is longer than `max_tokens` allows.
+    #[error("max_tokens is {max_tokens}, but the shortest output the constraint allows takes {minimum} tokens")]
+    MaxTokensTooSmall { max_tokens: usize, minimum: usize },
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -107,7 +117,7 @@ impl Default for EngineConfig {
 
 struct State {
     sampler: Sampler,
-    matcher: Option<Box<dyn Matcher + Send>>,
+    matcher: Option<ContainedMatcher>,
     detokenizer: Detokenizer,
     stops: StopStrings,
     arrived: Instant,
@@ -168,6 +178,8 @@ pub struct EngineCore {
     /// Forward passes run.
     steps: u64,
     jump_forward: bool,
+    /// Per list of DRY sequence breakers, which tokens hold one (by token id).
+    dry_breakers: HashMap<Vec<String>, Arc<[bool]>>,
 }
 
 impl EngineCore {
@@ -196,6 +208,7 @@ impl EngineCore {
             states: HashMap::new(),
             steps: 0,
             jump_forward: config.jump_forward,
+            dry_breakers: HashMap::new(),
         }
     }
 
@@ -236,7 +249,20 @@ impl EngineCore {
 
     pub fn add_request(&mut self, r: EngineRequest) -> Result<(), AddError> {
         r.params.validate(self.backend.config().vocab_size)?;
-        let sampler = Sampler::new(r.params.clone(), &r.prompt);
+        let mut matcher = r.constraint.map(|c| ContainedMatcher::new(c.matcher()));
+        // A budget below the shortest output would end truncated whatever the model does.
+        if let Some(minimum) = matcher.as_mut().and_then(|m| m.completion_cost()) {
+            if minimum > r.params.max_tokens {
+                return Err(AddError::MaxTokensTooSmall {
+                    max_tokens: r.params.max_tokens,
+                    minimum,
+                });
+            }
+        }
+        let mut sampler = Sampler::new(r.params.clone(), &r.prompt);
+        if let Some(breakers) = r.params.dry.as_ref().map(|d| &d.breakers).filter(|b| !b.is_empty()) {
+            sampler.set_breakers(self.breaker_tokens(breakers));
+        }
         let prompt_tokens = r.prompt.len();
         self.scheduler.add(r.id, r.prompt, r.priority)?;
         self.states.insert(
@@ -244,7 +270,7 @@ impl EngineCore {
             State {
                 stops: StopStrings::new(r.params.stop.clone()),
                 sampler,
-                matcher: r.constraint.map(|c| c.matcher()),
+                matcher,
                 detokenizer: Detokenizer::default(),
                 arrived: Instant::now(),
                 scheduled_at: None,
@@ -256,6 +282,22 @@ impl EngineCore {
             },
         );
         Ok(())
+    }
+
+    /// The tokens whose text holds one of `breakers`, worked out once per list.
+    fn breaker_tokens(&mut self, breakers: &[String]) -> Arc<[bool]> {
+        let tokenizer = &self.tokenizer;
+        self.dry_breakers
+            .entry(breakers.to_vec())
+            .or_insert_with(|| {
+                (0..tokenizer.vocab_size() as u32)
+                    .map(|t| {
+                        let text = tokenizer.decode(&[t], false).unwrap_or_default();
+                        breakers.iter().any(|b| text.contains(b.as_str()))
+                    })
+                    .collect()
+            })
+            .clone()
     }
 
     /// Drops a request wherever it is; its blocks go back to the pool at once.
@@ -322,7 +364,7 @@ impl EngineCore {
         // The masks depend only on the tokens accepted so far: fill them while the model runs.
         let words = bitmask_words(self.backend.config().vocab_size);
         let mut masks: Vec<Option<Vec<u32>>> = vec![None; sampling.len()];
-        let mut matchers: Vec<(usize, &mut Box<dyn Matcher + Send>)> = Vec::new();
+        let mut matchers: Vec<(usize, &mut ContainedMatcher)> = Vec::new();
         {
             let mut by_id: HashMap<RequestId, usize> = HashMap::new();
             for (i, s) in sampling.iter().enumerate() {
@@ -362,16 +404,9 @@ impl EngineCore {
             }
         }
         for (row, (s, mask)) in sampling.iter().zip(masks).enumerate() {
-            let mut scores = logits.row(row).to_vec();
-            if let Some(mask) = &mask {
-                for (t, v) in scores.iter_mut().enumerate() {
-                    if !is_allowed(mask, t as u32) {
-                        *v = f32::NEG_INFINITY;
-                    }
-                }
-            }
+            let room = self.room_after_next(s.id);
             let state = self.states.get_mut(&s.id).expect("every request has a state");
-            let sampled = state.sampler.sample(&scores);
+            let sampled = draw_within(state, logits.row(row), mask.as_deref(), room, words);
             self.scheduler.update(s, Some(sampled.token));
             let Some(mut out) = self.accept(s.id, sampled) else {
                 continue;
@@ -393,6 +428,17 @@ impl EngineCore {
             outputs.push(out);
         }
         Ok(outputs)
+    }
+
+    /// The tokens a request may still add after the one about to be sampled: its
+    /// `max_tokens` and the context both bound it.
+    fn room_after_next(&self, id: RequestId) -> usize {
+        let (Some(r), Some(state)) = (self.scheduler.request(id), self.states.get(&id)) else {
+            return 0;
+        };
+        let context = self.scheduler.token_limit().saturating_sub(r.num_tokens() + 1);
+        let budget = state.sampler.params().max_tokens.saturating_sub(r.output.len() + 1);
+        context.min(budget)
     }
 
     /// The tokens the grammar alone decides next, where appending them keeps the output's
@@ -461,6 +507,7 @@ impl EngineCore {
             // constraint is complete.
             if m.accept(token).is_err() {
                 finish = Some(FinishReason::Internal);
+                state.metrics.grammar_failure = m.failure().map(str::to_string);
             } else if m.is_finished() {
                 finish = Some(FinishReason::Stop);
             }
@@ -478,7 +525,14 @@ impl EngineCore {
             }
         };
         if finish.is_none() && (output_len >= params.max_tokens || num_tokens >= limit) {
-            finish = Some(FinishReason::Length);
+            // A constrained output that is complete here has ended: its end-of-output token
+            // would only have been the budget's last.
+            let complete = state.matcher.as_ref().is_some_and(|m| m.can_finish());
+            finish = Some(if complete {
+                FinishReason::Stop
+            } else {
+                FinishReason::Length
+            });
         }
         let Some(reason) = finish else {
             return Some(RequestOutput {
@@ -522,4 +576,56 @@ impl EngineCore {
             metrics: Some(metrics),
         }
     }
+}
+
+/// Samples the next token of a request from its logits under its grammar mask, keeping its
+/// constrained output able to close within `room` more tokens. The plain mask costs nothing
+/// extra: the drawn token is tried on the matcher, and only when it would leave too little room
+/// does the mask that keeps room get built (a full walk, near the end of the budget) and the
+/// token drawn again from it. Greedy, this is the argmax of the tighter mask; sampled, the
+/// distribution the tighter mask gives.
+fn draw_within(state: &mut State, logits: &[f32], mask: Option<&[u32]>, room: usize, words: usize) -> SampledToken {
+    let masked = |mask: &[u32]| -> Vec<f32> {
+        logits
+            .iter()
+            .enumerate()
+            .map(|(t, &v)| {
+                if is_allowed(mask, t as u32) {
+                    v
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+            .collect()
+    };
+    let Some(mask) = mask else {
+        return state.sampler.sample(logits);
+    };
+    let sampled = state.sampler.draw(&masked(mask));
+    let Some(m) = state.matcher.as_mut() else {
+        state.sampler.record(sampled.token);
+        return sampled;
+    };
+    let fits = match m.accept(sampled.token) {
+        Ok(()) => {
+            let fits = m.is_finished() || m.completion_cost().is_none_or(|c| c <= room);
+            let _ = m.rollback(1);
+            fits
+        }
+        // Refused: `accept` ends the request as internal.
+        Err(_) => true,
+    };
+    if fits {
+        state.sampler.record(sampled.token);
+        return sampled;
+    }
+    let mut tight = vec![0u32; words];
+    m.fill_bitmask_within(&mut tight, room);
+    if tight.iter().all(|&w| w == 0) {
+        // Not reachable while completion costs are exact; the plain draw then stands.
+        state.sampler.record(sampled.token);
+        return sampled;
+    }
+    state.metrics.budget_closed = true;
+    state.sampler.sample(&masked(&tight))
 }

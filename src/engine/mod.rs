@@ -3,6 +3,7 @@
 
 pub mod block_pool;
 pub mod client;
+mod contained;
 pub mod core;
 pub mod detokenizer;
 pub mod kv_cache_manager;

@@ -19,6 +19,10 @@ pub enum Constraint {
         schema: Value,
         whitespace: Whitespace,
         strict: bool,
+        /// Objects that declare properties but not `additionalProperties` take no other keys.
+        close_objects: bool,
+        /// Declared properties come in schema order.
+        ordered_properties: bool,
     },
     Regex(String),
     /// Exactly one of these strings.
@@ -86,9 +90,13 @@ impl StructuredOutputs {
                 schema,
                 whitespace,
                 strict,
+                close_objects,
+                ordered_properties,
             } => {
                 let options = SchemaOptions {
                     strict: *strict,
+                    close_objects: *close_objects,
+                    ordered_properties: *ordered_properties,
                     ..Default::default()
                 };
                 CompiledConstraint::Json(JsonGrammar::compile(schema, &options, *whitespace, vocab)?)

@@ -11,9 +11,11 @@ use serde_json::Value;
 use utoipa::ToSchema;
 
 use super::grounding::{ground, Grounding};
+use super::prompt::PromptLayout;
+use super::validate::{violations, Validators, Violation};
 use crate::engine::{AddError, AdmitError, StructuredOutputs, SubmitError};
 use crate::engine::{CompiledConstraint, Constraint, EngineClient, EngineRequest, FinishReason, RequestMetrics};
-use crate::sampling::SamplingParams;
+use crate::sampling::{DryParams, SamplingParams};
 use crate::tokenizer::Tokenizer;
 
 /// The engine and what turns a schema and a document into a request for it.
@@ -21,6 +23,7 @@ pub struct Extractor {
     pub client: EngineClient,
     pub tokenizer: Arc<Tokenizer>,
     pub structured: StructuredOutputs,
+    pub validators: Validators,
 }
 
 /// What to extract, and how.
@@ -39,7 +42,22 @@ pub struct Task {
     pub strict: bool,
     /// Locate each string of the record in the document.
     pub grounding: bool,
+    /// Objects that do not mention `additionalProperties` take any other key, as JSON Schema
+    /// reads them (default: only their declared properties; see `SchemaOptions`).
+    pub open_objects: bool,
+    /// Declared properties are written in schema order.
+    pub ordered_properties: bool,
+    /// Where the schema and the document sit in the prompt.
+    pub layout: PromptLayout,
+    /// The DRY penalty on repeats inside the record (see `DryParams`).
+    pub dry: Option<DryParams>,
+    /// A record that fails validation is sampled again this many times at most, each time
+    /// with another seed (and at `RETRY_TEMPERATURE` when the request is greedy).
+    pub retries: usize,
 }
+
+/// Sampling temperature of a retry of a greedy request: greedy again would repeat the answer.
+pub const RETRY_TEMPERATURE: f32 = 0.7;
 
 impl Task {
     /// Greedy, compact, lenient, 512 tokens at most.
@@ -55,6 +73,43 @@ impl Task {
             priority: 0,
             strict: false,
             grounding: false,
+            open_objects: false,
+            ordered_properties: false,
+            layout: PromptLayout::default(),
+            dry: None,
+            retries: 0,
+        }
+    }
+
+    /// The constraint the answer is held to.
+    pub fn constraint(&self) -> Constraint {
+        Constraint::Json {
+            schema: self.schema.clone(),
+            whitespace: self.whitespace,
+            strict: self.strict,
+            close_objects: !self.open_objects,
+            ordered_properties: self.ordered_properties,
+        }
+    }
+
+    /// Sampling of attempt `attempt` (0 is the first; later ones are retries).
+    fn sampling(&self, attempt: usize) -> SamplingParams {
+        let (temperature, seed) = match attempt {
+            0 => (self.temperature, self.seed),
+            n => (
+                if self.temperature == 0.0 {
+                    RETRY_TEMPERATURE
+                } else {
+                    self.temperature
+                },
+                Some(self.seed.unwrap_or(0).wrapping_add(n as u64)),
+            ),
+        };
+        SamplingParams {
+            temperature,
+            seed,
+            dry: self.dry.clone(),
+            ..SamplingParams::greedy(self.max_tokens)
         }
     }
 }
@@ -67,6 +122,10 @@ pub enum Outcome {
     Ok,
     /// The answer did not close within `max_tokens`: `data` is null, `partial` holds the text.
     Truncated,
+    /// The record closed but fails the schema where the grammar could not enforce it (a
+    /// keyword the report calls approximated or rejected): `data` is null, `partial` holds
+    /// the record and `violations` what the validator found.
+    SchemaViolation,
     /// The request was cancelled before it finished.
     Cancelled,
     /// The engine failed; nothing is returned.
@@ -78,6 +137,7 @@ impl Outcome {
         match self {
             Outcome::Ok => "ok",
             Outcome::Truncated => "truncated",
+            Outcome::SchemaViolation => "schema_violation",
             Outcome::Cancelled => "cancelled",
             Outcome::Internal => "internal",
         }
@@ -90,7 +150,12 @@ pub struct Extraction {
     pub data: Option<Value>,
     /// Everything generated (the partial answer when not `ok`).
     pub text: String,
+    /// With `schema_violation`: every way the record fails the schema.
+    pub violations: Vec<Violation>,
+    /// Output tokens over every attempt.
     pub completion_tokens: usize,
+    /// Attempts made (1 unless retries re-sampled a violating record).
+    pub attempts: usize,
     pub metrics: RequestMetrics,
     /// The compiled schema, whose report says what was enforced.
     pub compiled: CompiledConstraint,
@@ -116,6 +181,7 @@ impl ExtractError {
             ExtractError::Refused(SubmitError::Refused(AddError::Admit(AdmitError::InputTooLong { .. }))) => {
                 "input_too_long"
             }
+            ExtractError::Refused(SubmitError::Refused(AddError::MaxTokensTooSmall { .. })) => "max_tokens_too_small",
             ExtractError::Refused(SubmitError::Refused(_)) => "refused",
             ExtractError::Refused(SubmitError::Stopped) => "unavailable",
             ExtractError::Internal(_) => "internal",
@@ -124,67 +190,84 @@ impl ExtractError {
 }
 
 impl Extractor {
+    pub fn new(client: EngineClient, tokenizer: Arc<Tokenizer>) -> Extractor {
+        Extractor {
+            client,
+            structured: StructuredOutputs::new(&tokenizer),
+            tokenizer,
+            validators: Validators::default(),
+        }
+    }
+
     pub async fn run(self: &Arc<Self>, task: Task) -> Result<Extraction, ExtractError> {
         // Compiling and tokenizing are CPU work: off the async threads.
         let work = self.clone();
-        let Task {
-            schema,
-            document,
-            instructions,
-            max_tokens,
-            temperature,
-            seed,
-            whitespace,
-            priority,
-            strict,
-            grounding,
-        } = task;
-        let (compiled, prompt, document) = tokio::task::spawn_blocking(move || {
+        let task = Arc::new(task);
+        let t = task.clone();
+        let (compiled, validator, prompt) = tokio::task::spawn_blocking(move || {
             let compiled = work
                 .structured
-                .compile(&Constraint::Json {
-                    schema: schema.clone(),
-                    whitespace,
-                    strict,
-                })
+                .compile(&t.constraint())
                 .map_err(ExtractError::SchemaRejected)?;
-            let prompt = super::prompt(&work.tokenizer, &schema, &document, instructions.as_deref())
-                .map_err(|e| ExtractError::Internal(e.to_string()))?;
-            Ok::<_, ExtractError>((compiled, prompt, document))
+            let validator = work.validators.get(&t.schema).map_err(|e| {
+                let (pointer, keyword) = e.pointer.rsplit_once('/').unwrap_or(("", ""));
+                ExtractError::SchemaRejected(GrammarError::InvalidSchema {
+                    pointer: pointer.to_string(),
+                    keyword: keyword.replace("~1", "/").replace("~0", "~"),
+                    reason: e.message,
+                })
+            })?;
+            let prompt = super::prompt(
+                &work.tokenizer,
+                t.layout,
+                &t.schema,
+                &t.document,
+                t.instructions.as_deref(),
+            )
+            .map_err(|e| ExtractError::Internal(e.to_string()))?;
+            Ok::<_, ExtractError>((compiled, validator, prompt))
         })
         .await
         .map_err(|e| ExtractError::Internal(e.to_string()))??;
 
-        let request = EngineRequest {
-            id: 0,
-            prompt,
-            params: SamplingParams {
-                temperature,
-                seed,
-                ..SamplingParams::greedy(max_tokens)
-            },
-            priority,
-            constraint: Some(compiled.clone()),
+        let mut completion_tokens = 0;
+        let mut attempt = 0;
+        let (c, outcome, data, found) = loop {
+            let request = EngineRequest {
+                id: 0,
+                prompt: prompt.clone(),
+                params: task.sampling(attempt),
+                priority: task.priority,
+                constraint: Some(compiled.clone()),
+            };
+            // Dropping the stream (the caller went away) aborts the request in the engine.
+            let stream = self.client.submit(request).await.map_err(ExtractError::Refused)?;
+            let c = stream
+                .collect()
+                .await
+                .ok_or_else(|| ExtractError::Internal("the engine stopped before the request finished".into()))?;
+            completion_tokens += c.tokens.len();
+            attempt += 1;
+            let (outcome, data, found) = match c.finish {
+                FinishReason::Stop => match serde_json::from_str::<Value>(&c.text) {
+                    Ok(v) => match violations(&validator, &v) {
+                        found if found.is_empty() => (Outcome::Ok, Some(v), found),
+                        found => (Outcome::SchemaViolation, None, found),
+                    },
+                    Err(_) => (Outcome::Internal, None, Vec::new()),
+                },
+                FinishReason::Length => (Outcome::Truncated, None, Vec::new()),
+                FinishReason::Aborted => (Outcome::Cancelled, None, Vec::new()),
+                FinishReason::Internal => (Outcome::Internal, None, Vec::new()),
+            };
+            if outcome != Outcome::SchemaViolation || attempt > task.retries {
+                break (c, outcome, data, found);
+            }
         };
-        // Dropping the stream (the caller went away) aborts the request in the engine.
-        let stream = self.client.submit(request).await.map_err(ExtractError::Refused)?;
-        let c = stream
-            .collect()
-            .await
-            .ok_or_else(|| ExtractError::Internal("the engine stopped before the request finished".into()))?;
-        let (outcome, data) = match c.finish {
-            FinishReason::Stop => match serde_json::from_str::<Value>(&c.text) {
-                Ok(v) => (Outcome::Ok, Some(v)),
-                Err(_) => (Outcome::Internal, None),
-            },
-            FinishReason::Length => (Outcome::Truncated, None),
-            FinishReason::Aborted => (Outcome::Cancelled, None),
-            FinishReason::Internal => (Outcome::Internal, None),
-        };
-        let grounding = match (&data, grounding) {
+        let grounding = match (&data, task.grounding) {
             (Some(d), true) => {
-                let d = d.clone();
-                let spans = tokio::task::spawn_blocking(move || ground(&document, &d));
+                let (d, task) = (d.clone(), task.clone());
+                let spans = tokio::task::spawn_blocking(move || ground(&task.document, &d));
                 Some(spans.await.map_err(|e| ExtractError::Internal(e.to_string()))?)
             }
             _ => None,
@@ -192,7 +275,9 @@ impl Extractor {
         Ok(Extraction {
             outcome,
             data,
-            completion_tokens: c.tokens.len(),
+            violations: found,
+            completion_tokens,
+            attempts: attempt,
             text: c.text,
             metrics: c.metrics,
             compiled,

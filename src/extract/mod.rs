@@ -4,32 +4,11 @@
 
 mod extractor;
 pub mod grounding;
+mod prompt;
 pub mod records;
 pub mod table;
+pub mod validate;
 
-pub use extractor::{ExtractError, Extraction, Extractor, Outcome, Task};
+pub use extractor::{ExtractError, Extraction, Extractor, Outcome, Task, RETRY_TEMPERATURE};
 
-use serde_json::Value;
-
-use crate::tokenizer::{ChatMessage, Tokenizer, TokenizerError};
-
-/// The chat prompt of one extraction: the schema and the instructions as the system turn, the
-/// document as the user turn (its text can never open a turn of its own: special-token text
-/// in it stays plain text).
-pub fn prompt(
-    tokenizer: &Tokenizer,
-    schema: &Value,
-    document: &str,
-    instructions: Option<&str>,
-) -> Result<Vec<u32>, TokenizerError> {
-    let mut system = String::from(
-        "Extract the data from the user's document as one JSON object matching this JSON Schema. \
-         Copy values from the document; use null where the schema allows it and the document says nothing.\n",
-    );
-    system.push_str(&schema.to_string());
-    if let Some(extra) = instructions {
-        system.push_str("\n\n");
-        system.push_str(extra);
-    }
-    tokenizer.encode_chat(&[ChatMessage::new("system", &system), ChatMessage::new("user", document)])
-}
+pub use prompt::{prompt, PromptLayout};

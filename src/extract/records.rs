@@ -6,6 +6,7 @@
 
 use serde_json::{json, Value};
 
+use super::validate::Violation;
 use super::Outcome;
 
 /// Most items in one batch.
@@ -29,11 +30,25 @@ pub struct RecordResult {
 }
 
 impl RecordResult {
-    /// An extraction that ran: its record, or its outcome and the text it got to.
-    pub fn finished(outcome: Outcome, data: Option<Value>, text: String, completion_tokens: usize) -> RecordResult {
+    /// An extraction that ran: its record, or its outcome, the text it got to and, for a
+    /// record that fails its schema, the violations.
+    pub fn finished(
+        outcome: Outcome,
+        data: Option<Value>,
+        text: String,
+        completion_tokens: usize,
+        violations: &[Violation],
+    ) -> RecordResult {
         let error = match outcome {
             Outcome::Ok => None,
             Outcome::Truncated => Some(format!("the record did not close within {completion_tokens} tokens")),
+            Outcome::SchemaViolation => Some(
+                violations
+                    .iter()
+                    .map(|v| format!("{} at {:?}: {}", v.keyword, v.instance_pointer, v.message))
+                    .collect::<Vec<_>>()
+                    .join("; "),
+            ),
             Outcome::Cancelled => Some("the request was cancelled".into()),
             Outcome::Internal => Some("the engine failed on this item".into()),
         };

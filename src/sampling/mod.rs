@@ -1,8 +1,9 @@
-//! Turning one row of logits into one token: penalties, temperature, min-p, top-k, top-p,
+//! Turning one row of logits into one token: penalties (repetition, frequency, presence, DRY),
+//! temperature, min-p, top-k, top-p,
 //! a per-request seeded random stream, and log-probabilities.
 
 mod params;
 mod sampler;
 
-pub use params::{SamplingParamError, SamplingParams, MAX_LOGPROBS};
+pub use params::{DryParams, SamplingParamError, SamplingParams, MAX_LOGPROBS};
 pub use sampler::{SampledToken, Sampler, TopLogprob};

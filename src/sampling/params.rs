@@ -27,6 +27,34 @@ pub struct SamplingParams {
     pub stop_token_ids: Vec<u32>,
     /// Keep going past the model's end-of-generation tokens (benchmarks, references).
     pub ignore_eos: bool,
+    /// Pushes down tokens that would extend a repeat inside the output (off when `None`).
+    pub dry: Option<DryParams>,
+}
+
+/// DRY ("don't repeat yourself", llama.cpp's `--dry-multiplier`): a token that would extend a
+/// run of the output repeating an earlier run of the output, `n` tokens long with `n` at least
+/// `allowed_length`, loses `multiplier * base^(n - allowed_length)` from its logit. Only the
+/// output is scanned: copying from the prompt (an extraction's document) is the point. A run
+/// never reaches back across a token containing one of `breakers`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DryParams {
+    pub multiplier: f32,
+    pub base: f32,
+    pub allowed_length: usize,
+    pub breakers: Vec<String>,
+}
+
+impl Default for DryParams {
+    /// llama.cpp's suggested values, without its sequence breakers.
+    fn default() -> Self {
+        DryParams {
+            multiplier: 0.8,
+            base: 1.75,
+            allowed_length: 2,
+            breakers: Vec::new(),
+        }
+    }
 }
 
 impl Default for SamplingParams {
@@ -45,6 +73,7 @@ impl Default for SamplingParams {
             stop: Vec::new(),
             stop_token_ids: Vec::new(),
             ignore_eos: false,
+            dry: None,
         }
     }
 }
@@ -95,6 +124,20 @@ impl SamplingParams {
         if let Some(n) = self.logprobs {
             if n > MAX_LOGPROBS {
                 return err("logprobs", format!("{n} is more than {MAX_LOGPROBS}"));
+            }
+        }
+        if let Some(d) = &self.dry {
+            if !(d.multiplier.is_finite() && d.multiplier >= 0.0) {
+                return err(
+                    "dry.multiplier",
+                    format!("{} is not a finite number >= 0", d.multiplier),
+                );
+            }
+            if !(d.base.is_finite() && d.base >= 1.0) {
+                return err("dry.base", format!("{} is not a finite number >= 1", d.base));
+            }
+            if d.allowed_length == 0 {
+                return err("dry.allowed_length", "must be at least 1".into());
             }
         }
         if self.max_tokens == 0 {

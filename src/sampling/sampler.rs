@@ -1,4 +1,5 @@
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -33,6 +34,10 @@ pub struct Sampler {
     output_counts: HashMap<u32, u32>,
     /// Tokens seen in prompt or output (repetition penalty).
     seen: HashMap<u32, ()>,
+    /// The output so far, kept for DRY.
+    output: Vec<u32>,
+    /// Per token id, whether it holds a DRY sequence breaker.
+    breakers: Option<Arc<[bool]>>,
 }
 
 impl Sampler {
@@ -48,14 +53,31 @@ impl Sampler {
             rng: ChaCha8Rng::seed_from_u64(seed),
             output_counts: HashMap::new(),
             seen,
+            output: Vec::new(),
+            breakers: None,
         }
+    }
+
+    /// The tokens that hold one of DRY's sequence breakers (by token id).
+    pub fn set_breakers(&mut self, breakers: Arc<[bool]>) {
+        self.breakers = Some(breakers);
     }
 
     pub fn params(&self) -> &SamplingParams {
         &self.params
     }
 
+    /// Draws a token and counts it for the penalties.
     pub fn sample(&mut self, logits: &[f32]) -> SampledToken {
+        let sampled = self.draw(logits);
+        self.record(sampled.token);
+        sampled
+    }
+
+    /// Draws a token without counting it: the caller may still refuse it (a token after
+    /// which a constrained output no longer fits its budget) and draw again, then `record`s
+    /// the one it keeps.
+    pub fn draw(&mut self, logits: &[f32]) -> SampledToken {
         let mut scores = logits.to_vec();
         self.apply_penalties(&mut scores);
         let token = if self.params.temperature == 0.0 {
@@ -63,7 +85,6 @@ impl Sampler {
         } else {
             self.sample_stochastic(&mut scores)
         };
-        self.record(token);
         let (logprob, top) = match self.params.logprobs {
             Some(n) => {
                 let (lp, top) = logprobs(logits, token, n);
@@ -90,8 +111,12 @@ impl Sampler {
         }
     }
 
-    fn record(&mut self, token: u32) {
+    /// Counts an output token for the penalties.
+    pub fn record(&mut self, token: u32) {
         *self.output_counts.entry(token).or_default() += 1;
+        if self.params.dry.is_some() {
+            self.output.push(token);
+        }
         if self.params.repetition_penalty != 1.0 {
             self.seen.insert(token, ());
         }
@@ -112,6 +137,14 @@ impl Sampler {
         if p.frequency_penalty != 0.0 || p.presence_penalty != 0.0 {
             for (&t, &n) in &self.output_counts {
                 scores[t as usize] -= p.frequency_penalty * n as f32 + p.presence_penalty;
+            }
+        }
+        if let Some(dry) = &p.dry {
+            let is_breaker = |t: u32| self.breakers.as_ref().is_some_and(|b| b.get(t as usize) == Some(&true));
+            for (t, run) in dry_runs(&self.output, dry.allowed_length, is_breaker) {
+                // Capped: past ~30 doublings the token is out of the running anyway.
+                let over = (run - dry.allowed_length).min(30) as i32;
+                scores[t as usize] -= dry.multiplier * dry.base.powi(over);
             }
         }
     }
@@ -155,6 +188,59 @@ impl Sampler {
         }
         cands.last().map_or_else(|| argmax(scores), |c| c.0)
     }
+}
+
+/// For each token that would extend a repeat at the end of `out`, the longest such repeat
+/// (at least `allowed` tokens): token `out[j]` followed an earlier run equal to the run that
+/// ends `out` now. The run at the end stops at the last breaker; breakers are never
+/// penalised themselves. Linear in the output: the Z-function of the output reversed gives, for
+/// every earlier position, how far its run matches the end's.
+fn dry_runs(out: &[u32], allowed: usize, is_breaker: impl Fn(u32) -> bool) -> Vec<(u32, usize)> {
+    let n = out.len();
+    if n < allowed + 1 {
+        return Vec::new();
+    }
+    let reach = out.iter().rev().take_while(|&&t| !is_breaker(t)).count();
+    if reach < allowed {
+        return Vec::new();
+    }
+    let rev: Vec<u32> = out.iter().rev().copied().collect();
+    let z = z_function(&rev);
+    let mut best: HashMap<u32, usize> = HashMap::new();
+    for j in 1..n {
+        // The run ending just before position j matches the end's run over z[n - j] tokens.
+        let run = z[n - j].min(reach).min(j);
+        let t = out[j];
+        if run >= allowed && !is_breaker(t) {
+            let b = best.entry(t).or_default();
+            *b = (*b).max(run);
+        }
+    }
+    best.into_iter().collect()
+}
+
+/// `z[i]`: the length of the longest common prefix of `s` and `s[i..]` (`z[0]` is `s.len()`).
+fn z_function(s: &[u32]) -> Vec<usize> {
+    let n = s.len();
+    let mut z = vec![0; n];
+    if n == 0 {
+        return z;
+    }
+    z[0] = n;
+    let (mut l, mut r) = (0, 0);
+    for i in 1..n {
+        if i < r {
+            z[i] = (r - i).min(z[i - l]);
+        }
+        while i + z[i] < n && s[z[i]] == s[i + z[i]] {
+            z[i] += 1;
+        }
+        if i + z[i] > r {
+            l = i;
+            r = i + z[i];
+        }
+    }
+    z
 }
 
 /// Index of the largest score; the lowest id wins a tie, as in llama.cpp and transformers.
@@ -251,6 +337,47 @@ mod tests {
         // min_p 0.3 of the top probability keeps tokens within ln(1/0.3) ~ 1.2 of the best logit.
         assert_eq!(draws(|p| p.min_p = 0.3), vec![0, 1]);
         assert_eq!(draws(|_| {}), vec![0, 1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn dry_finds_the_longest_repeat_each_token_would_extend() {
+        let none = |_: u32| false;
+        // 1 2 3 9 1 2 3: after "1 2 3", 9 continues a 3-token repeat.
+        assert_eq!(dry_runs(&[1, 2, 3, 9, 1, 2, 3], 2, none), vec![(9, 3)]);
+        // Too short a repeat: "3" alone.
+        assert!(dry_runs(&[3, 9, 3], 2, none).is_empty());
+        // A loop "5 6 5 6 5 6": 5 would extend the repeat of "5 6 5 6" (4 tokens).
+        let mut found = dry_runs(&[5, 6, 5, 6, 5, 6], 2, none);
+        found.sort();
+        assert_eq!(found, vec![(5, 4)]);
+        // A breaker (7) at the end's run cuts it: only "1 2" repeats after the 7.
+        let seven = |t: u32| t == 7;
+        assert_eq!(dry_runs(&[0, 1, 2, 4, 3, 7, 1, 2], 2, seven), vec![(4, 2)]);
+        assert!(
+            dry_runs(&[1, 2, 7, 1, 2, 7], 2, seven).is_empty(),
+            "nothing after a breaker"
+        );
+        assert!(
+            dry_runs(&[1, 2, 7, 1, 2], 2, seven).is_empty(),
+            "breakers are never penalised"
+        );
+    }
+
+    #[test]
+    fn dry_lowers_the_token_that_continues_a_loop() {
+        use crate::sampling::DryParams;
+        let mut s = Sampler::new(params(|p| p.dry = Some(DryParams::default())), &[]);
+        // The output loops "1 2 1 2 1 2"; token 1 leads by a little, and continues a repeat
+        // of 4 tokens: 0.8 * 1.75^2 = 2.45 off its logit.
+        for t in [1, 2, 1, 2, 1, 2] {
+            s.record(t);
+        }
+        assert_eq!(s.sample(&[0.0, 2.0, 0.0, 1.0]).token, 3);
+        let mut plain = Sampler::new(params(|_| {}), &[]);
+        for t in [1, 2, 1, 2, 1, 2] {
+            plain.record(t);
+        }
+        assert_eq!(plain.sample(&[0.0, 2.0, 0.0, 1.0]).token, 1);
     }
 
     #[test]

@@ -6,6 +6,7 @@ use serde_json::Value;
 use utoipa::ToSchema;
 
 pub use crate::extract::grounding::{Grounding, Span};
+pub use crate::extract::validate::Violation;
 pub use crate::extract::Outcome;
 
 #[derive(Debug, Deserialize, ToSchema)]
@@ -42,6 +43,13 @@ pub struct ExtractOptions {
     /// Refuse a schema with keywords that cannot be enforced (default: enforce the rest and
     /// list them in `notes`).
     pub strict: Option<bool>,
+    /// Let objects that do not mention `additionalProperties` take keys they do not declare,
+    /// as JSON Schema literally reads them (default false: such objects are closed to their
+    /// declared properties, and `notes` says where).
+    pub open_objects: Option<bool>,
+    /// Sample a record that fails validation again (another seed; temperature 0.7 when the
+    /// request is greedy), up to this many times (default 0, at most 4).
+    pub retries: Option<usize>,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, ToSchema)]
@@ -59,9 +67,15 @@ pub struct ExtractResponse {
     /// The text produced so far, when the outcome is not `ok`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub partial: Option<String>,
+    /// With outcome `schema_violation`: each way the record fails the schema, as the
+    /// validator reports it.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub violations: Vec<Violation>,
     pub usage: Usage,
     pub timings: Timings,
-    /// Schema keywords that are approximated or not enforced, with how they were handled.
+    /// Schema keywords that are approximated, narrowed or not enforced, with how they were
+    /// handled; and `budget_closed` (keyword `max_tokens`) when the token budget closed the
+    /// record early.
     pub notes: Vec<KeywordEntry>,
     /// With `grounding: true` and outcome `ok`: for each non-blank string of `data`, its
     /// character span in the document (matched ignoring case and line breaks), or null where
@@ -90,7 +104,8 @@ pub struct Timings {
 pub struct KeywordEntry {
     pub keyword: String,
     pub pointer: String,
-    /// `enforced`, `approximated`, `rejected` (not enforced) or `annotation`.
+    /// `enforced`, `approximated`, `narrowed` (enforced more strictly than written, e.g. an
+    /// object closed to its declared properties), `rejected` (not enforced) or `annotation`.
     pub status: String,
     /// How it is approximated, or why it is not enforced.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -108,6 +123,7 @@ impl KeywordEntry {
                     KeywordStatus::Enforced => ("enforced", None),
                     KeywordStatus::Approximated(how) => ("approximated", Some(how.clone())),
                     KeywordStatus::Rejected(why) => ("rejected", Some(why.clone())),
+                    KeywordStatus::Narrowed(how) => ("narrowed", Some(how.clone())),
                     KeywordStatus::Annotation => ("annotation", None),
                 };
                 KeywordEntry {
@@ -120,7 +136,20 @@ impl KeywordEntry {
             .collect()
     }
 
-    /// Approximated or not enforced.
+    /// The note of a record the token budget closed: the model would have run past
+    /// `max_tokens`, so a string or an array may be cut short.
+    pub fn budget_closed(tokens: usize) -> KeywordEntry {
+        KeywordEntry {
+            keyword: "max_tokens".into(),
+            pointer: String::new(),
+            status: "budget_closed".into(),
+            detail: Some(format!(
+                "the record was closed within the budget of {tokens} tokens: a string or array may be cut short (raise max_tokens)"
+            )),
+        }
+    }
+
+    /// Approximated, narrowed or not enforced.
     pub fn is_caveat(&self) -> bool {
         self.detail.is_some()
     }

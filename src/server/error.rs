@@ -17,7 +17,7 @@ pub struct ErrorBody {
 pub struct ErrorDetail {
     /// A stable machine-readable kind: `bad_request`, `invalid_json`, `unknown_field`,
     /// `invalid_field`, `invalid_query`, `body_too_large`, `queue_full`, `unknown_job`, `schema_rejected`, `unknown_schema_id`, `input_too_long`,
-    /// `unauthorized`, `internal`.
+    /// `max_tokens_too_small`, `unauthorized`, `internal`.
     #[serde(rename = "type")]
     pub kind: String,
     pub message: String,
@@ -27,6 +27,10 @@ pub struct ErrorDetail {
     /// JSON pointer into the schema, for `schema_rejected`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pointer: Option<String>,
+    /// The least `max_tokens` that can hold the schema's shortest record, for
+    /// `max_tokens_too_small`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub minimum: Option<usize>,
 }
 
 #[derive(Debug)]
@@ -46,6 +50,7 @@ impl ApiError {
                 message: message.into(),
                 keyword: None,
                 pointer: None,
+                minimum: None,
             },
             retry_after: None,
         }

@@ -16,6 +16,7 @@ use crate::extract::{ExtractError, Outcome, Task};
 
 const DEFAULT_MAX_TOKENS: usize = 512;
 pub(super) const MAX_MAX_TOKENS: usize = 4096;
+const MAX_RETRIES: usize = 4;
 
 #[utoipa::path(
     post,
@@ -61,8 +62,16 @@ async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractRespon
             "`options.max_tokens` must be 1 to {MAX_MAX_TOKENS}"
         )));
     }
+    let retries = o.retries.unwrap_or(0);
+    if retries > MAX_RETRIES {
+        return Err(ApiError::bad_request(format!(
+            "`options.retries` must be 0 to {MAX_RETRIES}"
+        )));
+    }
     let task = Task {
         instructions: req.instructions,
+        open_objects: o.open_objects.unwrap_or(false),
+        retries,
         max_tokens,
         temperature: o.temperature.unwrap_or(0.0),
         seed: o.seed,
@@ -98,8 +107,12 @@ async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractRespon
     let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
     let mut notes = x.compiled.report().map(KeywordEntry::from_report).unwrap_or_default();
     notes.retain(KeywordEntry::is_caveat);
+    if m.budget_closed {
+        notes.push(KeywordEntry::budget_closed(x.completion_tokens));
+    }
     Ok(ExtractResponse {
         partial: (x.outcome != Outcome::Ok).then_some(x.text),
+        violations: x.violations,
         data: x.data,
         outcome: x.outcome,
         usage: Usage {
@@ -124,6 +137,17 @@ pub(super) fn submit_error(e: SubmitError) -> ApiError {
             "input_too_long",
             format!("the prompt is {tokens} tokens; this model and cache take at most {limit}"),
         ),
+        SubmitError::Refused(AddError::MaxTokensTooSmall { max_tokens, minimum }) => {
+            let mut err = ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "max_tokens_too_small",
+                format!(
+                    "max_tokens is {max_tokens}, but the shortest output the schema allows takes {minimum} tokens; ask for at least {minimum}"
+                ),
+            );
+            err.detail.minimum = Some(minimum);
+            err
+        }
         SubmitError::Refused(e) => ApiError::bad_request(e.to_string()),
         SubmitError::Stopped => ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,

@@ -273,7 +273,13 @@ async fn extract_item(state: &Arc<AppState>, job: &Job, i: usize, max_tokens: Op
         match super::extract::extract_one(state, req).await {
             Ok(out) => {
                 let text = out.partial.unwrap_or_default();
-                return RecordResult::finished(out.outcome, out.data, text, out.usage.completion_tokens);
+                return RecordResult::finished(
+                    out.outcome,
+                    out.data,
+                    text,
+                    out.usage.completion_tokens,
+                    &out.violations,
+                );
             }
             Err(e) if e.detail.kind == "queue_full" => tokio::time::sleep(Duration::from_millis(200)).await,
             Err(e) => return RecordResult::failed(&e.detail.kind, e.detail.message),

@@ -35,6 +35,8 @@ pub struct Metrics {
     cached_tokens: Counter,
     completion_tokens: Counter,
     outcomes: Family<OutcomeLabel, Counter>,
+    budget_closed: Counter,
+    grammar_failures: Counter,
     waiting: Gauge,
     running: Gauge,
     kv_usage: Gauge<f64, AtomicU64>,
@@ -55,6 +57,8 @@ impl Default for Metrics {
             cached_tokens: Counter::default(),
             completion_tokens: Counter::default(),
             outcomes: Family::default(),
+            budget_closed: Counter::default(),
+            grammar_failures: Counter::default(),
             waiting: Gauge::default(),
             running: Gauge::default(),
             kv_usage: Gauge::default(),
@@ -91,6 +95,16 @@ impl Default for Metrics {
             m.outcomes.clone(),
         );
         r.register(
+            "budget_closed",
+            "Constrained outputs the token budget closed early (the model would have run past max_tokens)",
+            m.budget_closed.clone(),
+        );
+        r.register(
+            "grammar_failures",
+            "Requests ended internal because the grammar failed under them (the others went on)",
+            m.grammar_failures.clone(),
+        );
+        r.register(
             "waiting_requests",
             "Requests waiting to be scheduled",
             m.waiting.clone(),
@@ -119,6 +133,12 @@ impl Metrics {
         self.prompt_tokens.inc_by(m.prompt_tokens as u64);
         self.cached_tokens.inc_by(m.cached_tokens as u64);
         self.completion_tokens.inc_by(completion_tokens as u64);
+        if m.budget_closed {
+            self.budget_closed.inc();
+        }
+        if m.grammar_failure.is_some() {
+            self.grammar_failures.inc();
+        }
     }
 
     pub fn outcome(&self, outcome: &str) {

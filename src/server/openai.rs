@@ -118,11 +118,15 @@ pub async fn chat_completions(
             schema: json!({"type": "object"}),
             whitespace: Whitespace::Compact,
             strict: false,
+            close_objects: false,
+            ordered_properties: false,
         }),
         Some(ResponseFormat::JsonSchema { json_schema }) => Some(Constraint::Json {
             schema: json_schema.schema.clone().unwrap_or_else(|| json!({})),
             whitespace: Whitespace::Compact,
             strict: json_schema.strict.unwrap_or(false),
+            close_objects: false,
+            ordered_properties: false,
         }),
     };
     let work = state.clone();

@@ -124,6 +124,8 @@ pub(super) async fn preflight(
         schema: schema.clone(),
         whitespace: Whitespace::Compact,
         strict,
+        close_objects: true,
+        ordered_properties: true,
     };
     let work = state.clone();
     let compiled = tokio::task::spawn_blocking(move || work.extractor.structured.compile(&constraint))

@@ -4,6 +4,7 @@
 //! descends into a branch that is doomed anyway.
 
 use std::collections::HashMap;
+use std::sync::OnceLock;
 
 use regex_automata::dfa::{dense, Automaton, StartKind};
 use regex_automata::util::start;
@@ -51,7 +52,13 @@ pub struct ByteDfa {
     has_next: Vec<bool>,
     start: StateId,
     num_patterns: usize,
+    /// Per state, the fewest bytes to an accepting state (`UNREACHABLE` for the dead state),
+    /// computed on first use.
+    to_accept: OnceLock<Box<[u32]>>,
 }
+
+/// The distance of a state from which no input is accepted.
+pub const UNREACHABLE: u32 = u32::MAX;
 
 impl ByteDfa {
     /// A DFA accepting exactly the byte strings that `pattern` matches in full.
@@ -185,9 +192,44 @@ impl ByteDfa {
             has_next: Vec::new(),
             start,
             num_patterns,
+            to_accept: OnceLock::new(),
         };
         d.has_next = d.states_with_next();
         d
+    }
+
+    /// The fewest bytes that take `s` to an accepting state: how far a lexeme is from being
+    /// complete. `UNREACHABLE` for `DEAD` and for pruned states nothing leads to any more.
+    pub fn distance_to_accept(&self, s: StateId) -> u32 {
+        self.to_accept.get_or_init(|| self.distances_to_accept())[s as usize]
+    }
+
+    /// Breadth-first from every accepting state, along transitions reversed.
+    fn distances_to_accept(&self) -> Box<[u32]> {
+        let n = self.num_states();
+        let mut into: Vec<Vec<StateId>> = vec![Vec::new(); n];
+        for s in 1..n {
+            for t in self.successors(s as StateId) {
+                into[t as usize].push(s as StateId);
+            }
+        }
+        let mut dist = vec![UNREACHABLE; n];
+        let mut queue = std::collections::VecDeque::new();
+        for s in 1..n {
+            if self.accepting[s] {
+                dist[s] = 0;
+                queue.push_back(s as StateId);
+            }
+        }
+        while let Some(t) = queue.pop_front() {
+            for &s in &into[t as usize] {
+                if dist[s as usize] == UNREACHABLE {
+                    dist[s as usize] = dist[t as usize] + 1;
+                    queue.push_back(s);
+                }
+            }
+        }
+        dist.into()
     }
 
     /// Per state, whether any byte leads on.
@@ -378,6 +420,27 @@ mod tests {
         assert_eq!(d.matches(after("namex")), &[1]);
         assert_eq!(d.reachable(after("12")), &[2]);
         assert!(d.matches(after("nam")).is_empty());
+    }
+
+    #[test]
+    fn distances_count_the_fewest_bytes_to_a_match() {
+        let d = dfa(r"abc|x[0-9]{2,}|\p{Greek}");
+        let at = |s: &str| d.distance_to_accept(d.run(d.start(), s.as_bytes()));
+        assert_eq!(at(""), 2, "a Greek letter is two bytes");
+        assert_eq!((at("a"), at("ab"), at("abc")), (2, 1, 0));
+        assert_eq!((at("x"), at("x1"), at("x12"), at("x123")), (2, 1, 0, 0));
+        assert_eq!(d.distance_to_accept(DEAD), UNREACHABLE);
+        // Some byte always lowers the distance by one: following them is a shortest completion.
+        for s in 1..d.num_states() as StateId {
+            let here = d.distance_to_accept(s);
+            if here > 0 && here != UNREACHABLE {
+                assert!(
+                    (0..=255u8).any(|b| d.distance_to_accept(d.next(s, b)) == here - 1),
+                    "state {s} at {here}: {:?}",
+                    d.successors(s).map(|t| d.distance_to_accept(t)).collect::<Vec<_>>()
+                );
+            }
+        }
     }
 
     #[test]

@@ -18,6 +18,15 @@ pub struct SchemaOptions {
     pub strict: bool,
     pub max_nodes: usize,
     pub max_depth: usize,
+    /// An object that declares properties but says nothing of `additionalProperties` takes
+    /// only its declared (and pattern) properties, as OpenAI's strict mode requires: what an
+    /// extraction wants, where the literal reading lets a model invent keys. Reported as
+    /// `narrowed` at each such object.
+    pub close_objects: bool,
+    /// Declared properties come in the order the schema lists them (each may still be left
+    /// out unless required), as OpenAI's structured outputs and llama.cpp's grammars write
+    /// them: the model reads the schema's order and then only picks values.
+    pub ordered_properties: bool,
 }
 
 impl Default for SchemaOptions {
@@ -26,6 +35,8 @@ impl Default for SchemaOptions {
             strict: true,
             max_nodes: 100_000,
             max_depth: 128,
+            close_objects: false,
+            ordered_properties: false,
         }
     }
 }
@@ -67,8 +78,12 @@ pub fn compile_schema(schema: &Value, options: &SchemaOptions) -> Result<(Schema
         pending: std::collections::HashSet::new(),
         depth: 0,
         merge_depth: 0,
+        implicit_open: HashMap::new(),
     };
     let root = c.compile(schema, "")?;
+    if options.close_objects {
+        c.close_objects()?;
+    }
     if options.strict {
         if let Some(k) = c.report.rejected().next() {
             return Err(GrammarError::Unsupported {
@@ -97,6 +112,10 @@ struct Compiler<'a> {
     depth: usize,
     /// Nesting of `merge` calls: intersecting recursive schemas would otherwise never end.
     merge_depth: usize,
+    /// The `additionalProperties` nodes that stand for an absent keyword, with the pointer of
+    /// their object: closed afterwards under `close_objects` (after `allOf` merges, so a
+    /// part that declares nothing does not close the properties another part declares).
+    implicit_open: HashMap<NodeId, String>,
 }
 
 fn bad(pointer: &str, keyword: &str, reason: impl Into<String>) -> GrammarError {
@@ -112,6 +131,28 @@ fn escape(token: &str) -> String {
 }
 
 impl<'a> Compiler<'a> {
+    /// Closes every object that declares properties and left `additionalProperties` out.
+    fn close_objects(&mut self) -> Result<(), GrammarError> {
+        let never = self.push(Node::Never)?;
+        let mut closed = Vec::new();
+        for node in self.nodes.iter_mut() {
+            let Node::Object(r) = node else { continue };
+            let declares = !r.properties.is_empty() || !r.pattern_properties.is_empty();
+            if let (true, Some(pointer)) = (declares, self.implicit_open.get(&r.additional)) {
+                r.additional = never;
+                closed.push(pointer.clone());
+            }
+        }
+        closed.sort();
+        closed.dedup();
+        for pointer in closed {
+            let how = "not given: closed to the declared properties (an open object lets the model invent keys)";
+            self.report
+                .add(&pointer, "additionalProperties", KeywordStatus::Narrowed(how.into()));
+        }
+        Ok(())
+    }
+
     fn push(&mut self, node: Node) -> Result<NodeId, GrammarError> {
         if self.nodes.len() >= self.options.max_nodes {
             return Err(GrammarError::TooLarge {

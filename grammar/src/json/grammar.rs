@@ -7,6 +7,7 @@ use std::sync::{Arc, OnceLock};
 use serde_json::Value;
 
 use super::compile::{compile_schema, SchemaOptions};
+use super::completion::Costs;
 use super::ir::{Node, NodeId, ObjectRules, SchemaGraph, StringRules};
 use super::lexemes::{literal_regex, number_lexeme, pattern_body, string_body, NumberLexeme, Whitespace};
 use super::report::CompileReport;
@@ -30,6 +31,10 @@ pub enum Lexeme {
 pub struct KeyAutomaton {
     pub dfa: ByteDfa,
     pub num_props: u32,
+    /// Per declared name, the bytes of its JSON spelling between the quotes.
+    pub name_len: Vec<u32>,
+    /// The declared indices of the required names, ascending.
+    pub required_sorted: Vec<u32>,
     /// Value schema of each pattern, by pattern index.
     pub values: Vec<NodeId>,
     /// Declared property index of each required name.
@@ -68,6 +73,10 @@ pub struct JsonGrammar {
     /// The regex each lexeme was built from (the key of the vocabulary's shared mask cache).
     lexeme_regex: Vec<String>,
     report: CompileReport,
+    /// Declared properties come in schema order (see `SchemaOptions::ordered_properties`).
+    pub(crate) ordered: bool,
+    /// What values cost at the least, for completion costs; computed on first use.
+    pub(crate) costs: OnceLock<Costs>,
 }
 
 impl JsonGrammar {
@@ -125,6 +134,8 @@ impl JsonGrammar {
             any_string,
             vocab,
             report,
+            ordered: options.ordered_properties,
+            costs: OnceLock::new(),
         }))
     }
 
@@ -327,14 +338,18 @@ fn key_automaton(o: &ObjectRules, graph: &SchemaGraph, vocab: &TokenVocab) -> Re
     }
     let refs: Vec<&ByteDfa> = parts.iter().map(|p| p.as_ref()).collect();
     let dfa = ByteDfa::union(&refs, DfaLimits::default().max_states)?;
-    let required = o
+    let required: Vec<u32> = o
         .required
         .iter()
         .filter_map(|r| names.iter().position(|(n, _)| n == r))
         .map(|i| i as u32)
         .collect();
+    let mut required_sorted = required.clone();
+    required_sorted.sort_unstable();
     let num_props = names.len() as u32;
     Ok(KeyAutomaton {
+        name_len: bodies.iter().map(|b| b.len() as u32).collect(),
+        required_sorted,
         seen_free: seen_free(&dfa, num_props),
         inner: (0..dfa.num_states()).map(|_| OnceLock::new()).collect(),
         any_key,

@@ -2,7 +2,7 @@
 //! are all still possible), stored persistently in an arena so that stepping one byte only
 //! appends the frames that change and a trie walk can fork states for free.
 
-use super::grammar::{JsonGrammar, LexId, Lexeme};
+use super::grammar::{JsonGrammar, KeyAutomaton, LexId, Lexeme};
 use super::ir::{Node, NodeId};
 use super::lexemes::Whitespace;
 use crate::dedup::{dedup_stacks, Scratch};
@@ -129,8 +129,20 @@ impl Arena {
         self.push(parent, frame)
     }
 
-    fn has_seen(&self, set: u32, prop: u32) -> bool {
+    pub(crate) fn has_seen(&self, set: u32, prop: u32) -> bool {
         set != NO_PROPS && self.seen[set as usize + (prop / 64) as usize] >> (prop % 64) & 1 == 1
+    }
+
+    /// The highest property index in the set.
+    fn max_seen(&self, set: u32, words: usize) -> Option<u32> {
+        if set == NO_PROPS {
+            return None;
+        }
+        let w = &self.seen[set as usize..set as usize + words];
+        (0..words)
+            .rev()
+            .find(|&i| w[i] != 0)
+            .map(|i| i as u32 * 64 + 63 - w[i].leading_zeros())
     }
 
     fn seen_count(&self, set: u32, words: usize) -> u32 {
@@ -153,6 +165,26 @@ impl Arena {
         self.seen[at + (prop / 64) as usize] |= 1 << (prop % 64);
         at as u32
     }
+}
+
+/// Whether declared property `p` may no longer come, given what is written (`written`, and
+/// the highest index written): not twice, and, with properties in schema order, not before
+/// one already written nor past a required one still missing (that one could then never come).
+pub(crate) fn prop_blocked(
+    ordered: bool,
+    keys: &KeyAutomaton,
+    p: u32,
+    written: impl Fn(u32) -> bool,
+    last: Option<u32>,
+) -> bool {
+    written(p)
+        || ordered
+            && (last.is_some_and(|m| p < m)
+                || keys
+                    .required_sorted
+                    .iter()
+                    .take_while(|&&r| r < p)
+                    .any(|&r| !written(r)))
 }
 
 fn is_ws(b: u8) -> bool {
@@ -224,7 +256,7 @@ impl JsonGrammar {
     /// The count past which an object's property count, or an array's item index, no longer
     /// changes what may follow: counting stops there, so that the states of, say, every item of
     /// a long array compare equal.
-    fn count_cap(&self, node: NodeId) -> u32 {
+    pub(crate) fn count_cap(&self, node: NodeId) -> u32 {
         let cap = match self.graph.node(node) {
             Node::Object(r) => r.min_properties.max(r.max_properties.unwrap_or(0)),
             Node::Array(r) => (r.prefix.len() as u64).max(r.min_items).max(r.max_items.unwrap_or(0)),
@@ -446,8 +478,14 @@ impl JsonGrammar {
             return;
         }
         let closable = keys.required.iter().all(|&r| arena.has_seen(seen, r)) && count as u64 >= rules.min_properties;
-        let more = rules.max_properties.is_none_or(|m| (count as u64) < m)
-            && (keys.open || arena.seen_count(seen, self.seen_words(node)) < keys.num_props);
+        let words = self.seen_words(node);
+        let declared_left = if self.ordered {
+            // In schema order only properties after the last one written can still come.
+            arena.max_seen(seen, words).map_or(0, |m| m + 1) < keys.num_props
+        } else {
+            arena.seen_count(seen, words) < keys.num_props
+        };
+        let more = rules.max_properties.is_none_or(|m| (count as u64) < m) && (keys.open || declared_left);
         match phase {
             // A key may open after `{` only if the object may have one at all.
             ObjPhase::Open | ObjPhase::Comma if b == b'"' && (phase == ObjPhase::Comma || more) => {
@@ -524,7 +562,19 @@ impl JsonGrammar {
                 .dfa
                 .reachable(state)
                 .iter()
-                .any(|&p| p >= keys.num_props || !arena.has_seen(seen, p))
+                .any(|&p| p >= keys.num_props || !self.blocked(arena, node, seen, p))
+    }
+
+    /// Whether declared property `p` can no longer be written to an object with `seen`.
+    fn blocked(&self, arena: &Arena, node: NodeId, seen: u32, p: u32) -> bool {
+        let keys = self.keys[node as usize].as_ref().expect("object nodes have keys");
+        prop_blocked(
+            self.ordered,
+            keys,
+            p,
+            |q| arena.has_seen(seen, q),
+            arena.max_seen(seen, self.seen_words(node)),
+        )
     }
 
     fn step_key(&self, arena: &mut Arena, s: Stack, f: (NodeId, StateId, StateId), b: u8, out: &mut Vec<Stack>) {
@@ -557,7 +607,7 @@ impl JsonGrammar {
         // The closing quote: a declared name wins over patterns and other keys.
         let matched = keys.dfa.matches(state);
         let (value, prop) = match matched.iter().find(|&&p| p < keys.num_props) {
-            Some(&p) if arena.has_seen(seen, p) => return,
+            Some(&p) if self.blocked(arena, node, seen, p) => return,
             Some(&p) => (keys.values[p as usize], Some(p)),
             None => match matched.first() {
                 Some(&p) => (keys.values[p as usize], None),

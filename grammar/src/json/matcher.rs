@@ -39,6 +39,9 @@ impl StackMachine for JsonGrammar {
     fn can_finish(&self, arena: &Arena, s: Stack) -> bool {
         JsonGrammar::can_finish(self, arena, s)
     }
+    fn completion_cost(&self, arena: &Arena, s: Stack) -> Option<u64> {
+        Some(JsonGrammar::completion_cost(self, arena, s))
+    }
 }
 
 impl JsonMatcher {
@@ -111,6 +114,23 @@ impl JsonMatcher {
         }
     }
 
+    /// The fewest bytes that complete the value from here (0 once it is complete).
+    pub fn completion_cost(&self) -> u64 {
+        self.0.completion_cost().unwrap_or(0)
+    }
+
+    /// The tokens of `fill_bitmask` after which the value can still be completed within
+    /// `budget` bytes (hence tokens). Walks every stack against the whole trie: it runs only
+    /// when a request is near the end of its budget.
+    pub fn fill_bitmask_within(&mut self, mask: &mut [u32], budget: usize) {
+        if self.0.begin_mask(mask) {
+            let grammar = self.0.grammar.clone();
+            let current = self.0.current().to_vec();
+            self.0
+                .walk_within(grammar.vocab.trie(), current, mask, Some(budget as u64));
+        }
+    }
+
     /// `fill_bitmask` without the string shortcut: every stack against the whole trie. The
     /// reference the shortcut is tested against.
     #[doc(hidden)]
@@ -147,5 +167,11 @@ impl Matcher for JsonMatcher {
     }
     fn forced_bytes(&mut self) -> Vec<u8> {
         JsonMatcher::forced_bytes(self)
+    }
+    fn completion_cost(&mut self) -> Option<usize> {
+        Some(JsonMatcher::completion_cost(self).min(usize::MAX as u64) as usize)
+    }
+    fn fill_bitmask_within(&mut self, mask: &mut [u32], budget: usize) {
+        JsonMatcher::fill_bitmask_within(self, mask, budget)
     }
 }

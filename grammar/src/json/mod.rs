@@ -2,6 +2,7 @@
 //! report), the automata built from it, and the matcher that steps through them.
 
 pub mod compile;
+mod completion;
 pub mod grammar;
 pub mod ir;
 pub mod lexemes;

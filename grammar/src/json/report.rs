@@ -10,6 +10,9 @@ pub enum KeywordStatus {
     Approximated(String),
     /// Not enforced at all (lenient mode) or the cause of a compile error (strict mode).
     Rejected(String),
+    /// Enforced more strictly than written, by a policy the caller chose; the reason says how.
+    /// Every output still validates against the schema as written.
+    Narrowed(String),
     /// Carries no constraint (title, description, examples, vendor extensions...).
     Annotation,
 }
@@ -83,6 +86,7 @@ impl fmt::Display for KeywordReport {
             KeywordStatus::Enforced => write!(f, "{at}/{}: enforced", self.keyword),
             KeywordStatus::Approximated(how) => write!(f, "{at}/{}: approximated ({how})", self.keyword),
             KeywordStatus::Rejected(why) => write!(f, "{at}/{}: rejected ({why})", self.keyword),
+            KeywordStatus::Narrowed(how) => write!(f, "{at}/{}: narrowed ({how})", self.keyword),
             KeywordStatus::Annotation => write!(f, "{at}/{}: annotation", self.keyword),
         }
     }

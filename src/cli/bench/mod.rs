@@ -1,8 +1,10 @@
-//! `quarry bench`: the engine's speed, in the style of `vllm bench`. Each subcommand prints a
+//! `quarry bench`: the engine's speed, in the style of `vllm bench`, and extraction quality. Each subcommand prints a
 //! table (or one JSON object with --json) that scripts/bench-* put beside a peer's numbers.
 
 mod latency;
 mod prefix_cache;
+mod quality;
+mod score;
 mod single;
 mod throughput;
 mod workload;
@@ -20,6 +22,9 @@ pub enum BenchCommand {
     Latency(latency::LatencyArgs),
     /// Time to first token of a request whose long prefix another request left in the cache.
     PrefixCache(prefix_cache::PrefixCacheArgs),
+    /// Extraction quality on cases with gold records: outcomes, validity, exact matches and
+    /// field accuracy.
+    Quality(quality::QualityArgs),
 }
 
 pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
@@ -28,6 +33,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Throughput(args) => throughput::run(args),
         BenchCommand::Latency(args) => latency::run(args),
         BenchCommand::PrefixCache(args) => prefix_cache::run(args),
+        BenchCommand::Quality(args) => quality::run(args),
     }
 }
 

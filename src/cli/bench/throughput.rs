@@ -179,12 +179,14 @@ fn jobs(args: &ThroughputArgs, tokenizer: &Tokenizer) -> anyhow::Result<Vec<Job>
                 schema: schema.clone(),
                 whitespace: Whitespace::Compact,
                 strict: true,
+                close_objects: false,
+                ordered_properties: false,
             })?;
             (0..args.num_prompts)
                 .map(|i| {
                     let document = workload::invoice_document(tokenizer, i, args.input_len)?;
                     Ok(Job {
-                        prompt: crate::extract::prompt(tokenizer, &schema, &document, None)?,
+                        prompt: crate::extract::prompt(tokenizer, Default::default(), &schema, &document, None)?,
                         max_tokens: args.output_len.max(MIN_ANSWER_TOKENS),
                         constraint: Some(constraint.clone()),
                     })

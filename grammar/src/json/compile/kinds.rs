@@ -213,7 +213,14 @@ impl Compiler<'_> {
                 self.enforced(pointer, "additionalProperties");
                 self.compile(s, &format!("{pointer}/additionalProperties"))?
             }
-            None => self.push(Node::Any)?,
+            // `unevaluatedProperties` speaks of the same keys: such an object is left as written.
+            None => {
+                let id = self.push(Node::Any)?;
+                if !obj.contains_key("unevaluatedProperties") {
+                    self.implicit_open.insert(id, pointer.to_string());
+                }
+                id
+            }
         };
         let mut required = Vec::new();
         if let Some(req) = obj.get("required") {
