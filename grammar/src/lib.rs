@@ -10,6 +10,7 @@
 //! - `lexeme`: regexes for constrained JSON lexemes (integer ranges, string formats).
 //! - `matcher`: the interface every constraint's matcher offers the engine.
 //! - `stacks`: the matcher core of the grammars run as stack sets (JSON Schema, CFG).
+//! - `document`: a document's substrings, for outputs that copy from it.
 //! - `bitmask`: the mask layout shared with the runtime.
 
 pub mod bitmask;
@@ -17,6 +18,7 @@ mod cache;
 pub mod cfg;
 mod dedup;
 pub mod dfa;
+pub mod document;
 pub mod error;
 mod history;
 pub mod json;
@@ -29,6 +31,7 @@ pub mod vocab;
 
 pub use bitmask::{allowed_tokens, bitmask_words, is_allowed};
 pub use cfg::{CfgGrammar, CfgMatcher};
+pub use document::DocumentSpans;
 pub use error::GrammarError;
 pub use matcher::Matcher;
 pub use regex::{RegexGrammar, RegexMatcher};

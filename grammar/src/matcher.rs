@@ -28,6 +28,12 @@ pub trait Matcher: Send {
         None
     }
 
+    /// The tokens that continue a run copied from the request's document, where the
+    /// constraint was given one (a prior the sampler may favour; not a constraint).
+    fn copy_mask(&mut self) -> Option<&[u32]> {
+        None
+    }
+
     /// `fill_bitmask` without the tokens after which the output could not be completed within
     /// `budget` more tokens. This default tries each allowed token; matchers with a cheaper
     /// way override it.

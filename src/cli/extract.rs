@@ -58,6 +58,10 @@ pub struct ExtractArgs {
     /// (default: closed to their declared properties).
     #[arg(long)]
     open_objects: bool,
+    /// Every free string of the record (no enum, const, format, pattern or length) must be a
+    /// substring of the document.
+    #[arg(long)]
+    verbatim: bool,
     /// Sample a record that fails validation again, up to this many times.
     #[arg(long, default_value_t = 0)]
     retries: usize,
@@ -88,6 +92,7 @@ pub fn run(args: ExtractArgs) -> anyhow::Result<()> {
         max_tokens: args.max_tokens,
         strict: args.strict,
         open_objects: args.open_objects,
+        verbatim: args.verbatim,
         retries: args.retries,
         ..Task::new(schema, String::new())
     };

@@ -80,6 +80,7 @@ impl GenerateArgs {
                 multiplier: self.dry_multiplier,
                 ..Default::default()
             }),
+            copy_bias: 0.0,
         }
     }
 

@@ -79,6 +79,11 @@ impl ContainedMatcher {
         self.guard(|m| m.completion_cost()).flatten()
     }
 
+    /// The tokens that continue a run copied from the request's document, if it has one.
+    pub fn copy_mask(&mut self) -> Option<Vec<u32>> {
+        self.guard(|m| m.copy_mask().map(<[u32]>::to_vec)).flatten()
+    }
+
     pub fn forced_tokens(&mut self, tokenize: &dyn Fn(&str) -> Vec<TokenId>) -> Vec<TokenId> {
         self.guard(|m| m.forced_tokens(tokenize)).unwrap_or_default()
     }

@@ -578,23 +578,27 @@ impl EngineCore {
     }
 }
 
-/// Samples the next token of a request from its logits under its grammar mask, keeping its
-/// constrained output able to close within `room` more tokens. The plain mask costs nothing
+/// Samples the next token of a request from its logits under its grammar mask (with the copy
+/// bias on the tokens that continue a run copied from its document), keeping its constrained
+/// output able to close within `room` more tokens. The plain mask costs nothing
 /// extra: the drawn token is tried on the matcher, and only when it would leave too little room
 /// does the mask that keeps room get built (a full walk, near the end of the budget) and the
 /// token drawn again from it. Greedy, this is the argmax of the tighter mask; sampled, the
 /// distribution the tighter mask gives.
 fn draw_within(state: &mut State, logits: &[f32], mask: Option<&[u32]>, room: usize, words: usize) -> SampledToken {
+    let bias = state.sampler.params().copy_bias;
+    let copying = match (bias > 0.0, state.matcher.as_mut()) {
+        (true, Some(m)) => m.copy_mask(),
+        _ => None,
+    };
     let masked = |mask: &[u32]| -> Vec<f32> {
         logits
             .iter()
             .enumerate()
-            .map(|(t, &v)| {
-                if is_allowed(mask, t as u32) {
-                    v
-                } else {
-                    f32::NEG_INFINITY
-                }
+            .map(|(t, &v)| match (is_allowed(mask, t as u32), &copying) {
+                (false, _) => f32::NEG_INFINITY,
+                (true, Some(c)) if is_allowed(c, t as u32) => v + bias,
+                (true, _) => v,
             })
             .collect()
     };

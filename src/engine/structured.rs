@@ -48,6 +48,16 @@ impl CompiledConstraint {
         }
     }
 
+    /// For one request with a document (see `JsonGrammar::with_document`): the matcher tells
+    /// which tokens continue a copy from it, and with `verbatim` the free strings of a JSON
+    /// Schema constraint must be its substrings. Other constraints are unchanged.
+    pub fn with_document(&self, document: &str, verbatim: bool) -> CompiledConstraint {
+        match self {
+            CompiledConstraint::Json(g) => CompiledConstraint::Json(g.with_document(document, verbatim)),
+            other => other.clone(),
+        }
+    }
+
     /// For a JSON Schema, what each keyword became.
     pub fn report(&self) -> Option<&CompileReport> {
         match self {

@@ -9,6 +9,6 @@ pub mod records;
 pub mod table;
 pub mod validate;
 
-pub use extractor::{ExtractError, Extraction, Extractor, Outcome, Task, RETRY_TEMPERATURE};
+pub use extractor::{ExtractError, Extraction, Extractor, Outcome, Task, PRETTY, RETRY_TEMPERATURE};
 
 pub use prompt::{prompt, PromptLayout};

@@ -18,6 +18,10 @@ pub enum PromptLayout {
     /// The task in the system turn; the document, then the fields the record has (path,
     /// type, description) as a list, in the user turn.
     Fields,
+    /// `Fields`, after one worked example of the task (an invented memo, its fields and its
+    /// record) as an earlier user and assistant turn: copying, numbers without their
+    /// symbols, null for what the document does not say.
+    FieldsExample,
 }
 
 const TASK: &str = "Extract the data from the user's document as one JSON object matching this JSON Schema. \
@@ -26,6 +30,13 @@ const TASK: &str = "Extract the data from the user's document as one JSON object
 const TASK_FIELDS: &str = "You extract data from documents into JSON. Give every field its value as the document \
                            states it: copy names, numbers and dates from the text. Use null where the document does \
                            not say.";
+
+/// The worked example of `FieldsExample`: nothing in it comes from any evaluation set.
+const EXAMPLE_DOCUMENT: &str = "Hi all, the kickoff for Project Falcon is on 2024-05-02 at 10:30 in room 4B. \
+                                Maria Lopez leads it. Budget approved: $12,500.";
+const EXAMPLE_FIELDS: &str = "- project (string)\n- date (string, date)\n- time (string): HH:MM\n- room (string)\n\
+                              - lead (string)\n- budget_usd (number)\n- catering (boolean or null)\n";
+const EXAMPLE_RECORD: &str = r#"{"project": "Falcon", "date": "2024-05-02", "time": "10:30", "room": "4B", "lead": "Maria Lopez", "budget_usd": 12500, "catering": null}"#;
 
 /// The document can never open a turn of its own: special-token text in it stays plain text
 /// (see `Tokenizer::encode_chat`).
@@ -43,7 +54,7 @@ pub fn prompt(
             format!("{TASK}{extra}"),
             format!("Document:\n{document}\n\nJSON Schema:\n{schema}"),
         ),
-        PromptLayout::Fields => {
+        PromptLayout::Fields | PromptLayout::FieldsExample => {
             let mut fields = String::new();
             describe(schema, 0, &mut fields);
             (
@@ -52,7 +63,16 @@ pub fn prompt(
             )
         }
     };
-    tokenizer.encode_chat(&[ChatMessage::new("system", &system), ChatMessage::new("user", &user)])
+    let mut messages = vec![ChatMessage::new("system", &system)];
+    if layout == PromptLayout::FieldsExample {
+        messages.push(ChatMessage::new(
+            "user",
+            &format!("Document:\n{EXAMPLE_DOCUMENT}\n\nFields:\n{EXAMPLE_FIELDS}"),
+        ));
+        messages.push(ChatMessage::new("assistant", EXAMPLE_RECORD));
+    }
+    messages.push(ChatMessage::new("user", &user));
+    tokenizer.encode_chat(&messages)
 }
 
 /// One line per property: `- name (type): description`, nested properties indented under

@@ -29,6 +29,10 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
     /// Pushes down tokens that would extend a repeat inside the output (off when `None`).
     pub dry: Option<DryParams>,
+    /// Added to the logit of every token that continues a run copied from the request's
+    /// document (a constraint given one; see `Matcher::copy_mask`): a prior for copying over
+    /// inventing. 0 turns it off.
+    pub copy_bias: f32,
 }
 
 /// DRY ("don't repeat yourself", llama.cpp's `--dry-multiplier`): a token that would extend a
@@ -74,6 +78,7 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             dry: None,
+            copy_bias: 0.0,
         }
     }
 }
@@ -139,6 +144,9 @@ impl SamplingParams {
             if d.allowed_length == 0 {
                 return err("dry.allowed_length", "must be at least 1".into());
             }
+        }
+        if !(self.copy_bias.is_finite() && self.copy_bias >= 0.0) {
+            return err("copy_bias", format!("{} is not a finite number >= 0", self.copy_bias));
         }
         if self.max_tokens == 0 {
             return err("max_tokens", "must be at least 1".into());

@@ -12,7 +12,8 @@ use super::api::{ExtractRequest, ExtractResponse, KeywordEntry, Timings, Usage, 
 use super::error::{ApiError, ErrorBody};
 use super::{ApiJson, AppState};
 use crate::engine::{AddError, AdmitError, SubmitError};
-use crate::extract::{ExtractError, Outcome, Task};
+use crate::extract::{ExtractError, Outcome, Task, PRETTY};
+use crate::sampling::DryParams;
 
 const DEFAULT_MAX_TOKENS: usize = 512;
 pub(super) const MAX_MAX_TOKENS: usize = 4096;
@@ -68,21 +69,38 @@ async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractRespon
             "`options.retries` must be 0 to {MAX_RETRIES}"
         )));
     }
+    let base = Task::new(schema, req.document);
+    let dry = match o.dry_multiplier {
+        Some(m) if !(m.is_finite() && m >= 0.0) => {
+            return Err(ApiError::bad_request("`options.dry_multiplier` must be a number >= 0"))
+        }
+        Some(0.0) => None,
+        Some(multiplier) => Some(DryParams {
+            multiplier,
+            ..Default::default()
+        }),
+        None => base.dry.clone(),
+    };
     let task = Task {
         instructions: req.instructions,
-        open_objects: o.open_objects.unwrap_or(false),
+        open_objects: o.open_objects.unwrap_or(base.open_objects),
+        ordered_properties: o.ordered_properties.unwrap_or(base.ordered_properties),
+        verbatim: o.verbatim.unwrap_or(base.verbatim),
+        copy_bias: o.copy_bias.unwrap_or(base.copy_bias),
+        dry,
         retries,
         max_tokens,
         temperature: o.temperature.unwrap_or(0.0),
         seed: o.seed,
-        whitespace: match o.whitespace.unwrap_or(WhitespaceOption::Compact) {
-            WhitespaceOption::Compact => Whitespace::Compact,
-            WhitespaceOption::Pretty => Whitespace::Flexible { max_run: 8 },
+        whitespace: match o.whitespace {
+            None => base.whitespace,
+            Some(WhitespaceOption::Compact) => Whitespace::Compact,
+            Some(WhitespaceOption::Pretty) => PRETTY,
         },
         priority: o.priority.unwrap_or(0),
         strict: o.strict.unwrap_or(false),
         grounding: req.grounding,
-        ..Task::new(schema, req.document)
+        ..base
     };
     let stats = state.extractor.client.stats();
     if stats.waiting + stats.running >= state.max_pending {

@@ -1,5 +1,5 @@
-//! DFAs assembled without regex-automata: a set of literal words as a trie, and the union of
-//! several DFAs as their product. An object's keys are exactly this (its declared names, its
+//! DFAs assembled without regex-automata: a set of literal words as a trie, the union of
+//! several DFAs as their product, and the substrings of a document (a suffix automaton). An object's keys are exactly this (its declared names, its
 //! pattern properties, maybe any string), and building them directly costs microseconds where
 //! determinizing the combined regex costs milliseconds.
 
@@ -53,6 +53,68 @@ impl ByteDfa {
         }
         let start = if words.is_empty() { DEAD } else { 1 };
         ByteDfa::from_parts(classes, num_classes, trans, matches, reachable, start, words.len())
+    }
+
+    /// The DFA of the bodies of JSON strings that are substrings of `text`: any run of whole
+    /// characters of the document, each spelled as serde_json escapes it inside a string (`\"`,
+    /// `\\`, `\n`, `\u001f`, other characters as their UTF-8 bytes). A run starts and ends on
+    /// whole characters, so no copy can start inside an escape (`\\n` holds `\n`, which is
+    /// another character). Every state but those inside a character's spelling accepts: the
+    /// empty string is a substring too.
+    ///
+    /// A suffix automaton over the document's characters (at most twice as many states as
+    /// characters), each character's transition spelled out byte by byte through the states of
+    /// a small trie per state.
+    pub fn json_substrings(text: &str) -> ByteDfa {
+        let mut spelling: Vec<Vec<u8>> = Vec::new();
+        let mut by_char: FxHashMap<char, u32> = FxHashMap::default();
+        let units: Vec<u32> = text
+            .chars()
+            .map(|c| {
+                *by_char.entry(c).or_insert_with(|| {
+                    spelling.push(json_escaped(c));
+                    (spelling.len() - 1) as u32
+                })
+            })
+            .collect();
+        let sam = SuffixAutomaton::build(&units);
+        let mut classes = [0u8; 256];
+        let mut num_classes = 1;
+        for &b in spelling.iter().flatten() {
+            if classes[b as usize] == 0 {
+                classes[b as usize] = num_classes as u8;
+                num_classes += 1;
+            }
+        }
+        // Row 0 is DEAD; the automaton's state i is row i + 1; spelling states come after.
+        let n = sam.next.len();
+        let mut trans = vec![DEAD; (n + 1) * num_classes];
+        let mut accepting = vec![false; n + 1];
+        accepting[1..].iter_mut().for_each(|a| *a = true);
+        for (i, next) in sam.next.iter().enumerate() {
+            for (&unit, &to) in next {
+                let bytes = &spelling[unit as usize];
+                let mut s = i + 1;
+                for &b in &bytes[..bytes.len() - 1] {
+                    let at = s * num_classes + classes[b as usize] as usize;
+                    if trans[at] == DEAD {
+                        trans[at] = accepting.len() as StateId;
+                        trans.extend(std::iter::repeat_n(DEAD, num_classes));
+                        accepting.push(false);
+                    }
+                    s = trans[at] as usize;
+                }
+                let last = bytes[bytes.len() - 1];
+                trans[s * num_classes + classes[last as usize] as usize] = to + 1;
+            }
+        }
+        let matches: Vec<Vec<u32>> = accepting
+            .iter()
+            .map(|&a| if a { vec![0] } else { Vec::new() })
+            .collect();
+        let mut reachable = vec![vec![0]; accepting.len()];
+        reachable[DEAD as usize].clear();
+        ByteDfa::from_parts(classes, num_classes, trans, matches, reachable, 1, 1)
     }
 
     /// The DFA of every pattern of every part, numbered in order: part 0's patterns first, then
@@ -223,6 +285,60 @@ mod tests {
         d.run(d.start(), s.as_bytes())
     }
 
+    /// Against every string up to a length: accepted exactly when it is the JSON spelling of a
+    /// run of whole characters of the document.
+    #[test]
+    fn json_substrings_are_exactly_the_escaped_runs_of_the_document() {
+        // Quotes, a backslash before `t` (and no tab), a newline, a control, multi-byte text.
+        let doc = "Ann \"Bo\" O'Neil C:\\temp\nx\u{1}é日";
+        let d = ByteDfa::json_substrings(doc);
+        let chars: Vec<char> = doc.chars().collect();
+        let mut runs = std::collections::HashSet::new();
+        for i in 0..=chars.len() {
+            for j in i..=chars.len() {
+                let run: String = chars[i..j].iter().collect();
+                let quoted = serde_json::to_string(&run).unwrap();
+                runs.insert(quoted[1..quoted.len() - 1].as_bytes().to_vec());
+            }
+        }
+        let accepts = |bytes: &[u8]| {
+            let s = d.run(d.start(), bytes);
+            s != DEAD && d.is_accepting(s)
+        };
+        for r in &runs {
+            assert!(accepts(r), "{:?}", String::from_utf8_lossy(r));
+        }
+        // Every byte string of up to 3 bytes over the document's bytes and a few others.
+        let mut alphabet: Vec<u8> = runs.iter().flatten().copied().collect();
+        alphabet.extend_from_slice(b"zqn\"\\u");
+        alphabet.sort();
+        alphabet.dedup();
+        let mut strings: Vec<Vec<u8>> = vec![Vec::new()];
+        let mut level: Vec<Vec<u8>> = vec![Vec::new()];
+        for _ in 0..3 {
+            level = level
+                .iter()
+                .flat_map(|s| alphabet.iter().map(move |&b| [s.as_slice(), &[b]].concat()))
+                .collect();
+            strings.extend(level.iter().cloned());
+        }
+        for s in &strings {
+            assert_eq!(accepts(s), runs.contains(s), "{:?}", String::from_utf8_lossy(s));
+        }
+        // Nothing ends inside an escape, and the `t` after the document's backslash (spelled
+        // `\\t`) starts no `\t`, which would be a tab.
+        assert!(!accepts(b"\\"));
+        assert!(!accepts(b"\\t"));
+        assert!(accepts(b"\\\\t") && accepts(b"t") && accepts(b"\\n"));
+        // The suffix automaton's states, plus one spelling state per escape or multi-byte
+        // transition at most.
+        assert!(
+            d.num_states() <= 1 + 2 * chars.len() + 3 * chars.len() * 2,
+            "{}",
+            d.num_states()
+        );
+    }
+
     #[test]
     fn literals_match_exactly_their_words() {
         let d = ByteDfa::literals(&[b"name", b"nam", b"age", b""]);
@@ -287,5 +403,76 @@ mod tests {
             assert_eq!(u.matches(a), reference.matches(b), "{input:?}");
             assert_eq!(u.reachable(a), reference.reachable(b), "{input:?}");
         }
+    }
+}
+
+/// A character as serde_json spells it inside a string.
+fn json_escaped(c: char) -> Vec<u8> {
+    match c {
+        '"' => b"\\\"".to_vec(),
+        '\\' => b"\\\\".to_vec(),
+        '\n' => b"\\n".to_vec(),
+        '\r' => b"\\r".to_vec(),
+        '\t' => b"\\t".to_vec(),
+        '\u{8}' => b"\\b".to_vec(),
+        '\u{c}' => b"\\f".to_vec(),
+        c if (c as u32) < 0x20 => format!("\\u{:04x}", c as u32).into_bytes(),
+        c => c.to_string().into_bytes(),
+    }
+}
+
+/// The suffix automaton of a sequence: the smallest DFA accepting its substrings (every state
+/// accepts). `next[s]` maps a symbol to the next state; state 0 is the empty string.
+struct SuffixAutomaton {
+    next: Vec<FxHashMap<u32, u32>>,
+}
+
+impl SuffixAutomaton {
+    /// The classic online construction (Blumer et al.), one symbol at a time.
+    fn build(symbols: &[u32]) -> Self {
+        let mut next: Vec<FxHashMap<u32, u32>> = vec![FxHashMap::default()];
+        let mut link: Vec<Option<u32>> = vec![None];
+        let mut len: Vec<usize> = vec![0];
+        let mut last = 0u32;
+        for &c in symbols {
+            let cur = next.len() as u32;
+            next.push(FxHashMap::default());
+            link.push(None);
+            len.push(len[last as usize] + 1);
+            let mut p = Some(last);
+            while let Some(q) = p {
+                if next[q as usize].contains_key(&c) {
+                    break;
+                }
+                next[q as usize].insert(c, cur);
+                p = link[q as usize];
+            }
+            link[cur as usize] = Some(match p {
+                None => 0,
+                Some(p) => {
+                    let q = next[p as usize][&c];
+                    if len[p as usize] + 1 == len[q as usize] {
+                        q
+                    } else {
+                        let clone = next.len() as u32;
+                        next.push(next[q as usize].clone());
+                        link.push(link[q as usize]);
+                        len.push(len[p as usize] + 1);
+                        let mut p = Some(p);
+                        while let Some(r) = p {
+                            if next[r as usize].get(&c) != Some(&q) {
+                                break;
+                            }
+                            next[r as usize].insert(c, clone);
+                            p = link[r as usize];
+                        }
+                        link[q as usize] = Some(clone);
+                        clone
+                    }
+                }
+            });
+            last = cur;
+        }
+        SuffixAutomaton { next }
     }
 }

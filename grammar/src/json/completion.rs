@@ -88,6 +88,8 @@ impl JsonGrammar {
         }
     }
 
+    /// Costs are the schema's, shared by every request: a document's free strings cost what
+    /// any free string costs (two quotes), so they are priced by the plain lexemes.
     fn node_cost(&self, id: NodeId, c: &Costs) -> u64 {
         let lexeme = |lex: u32| dist(self.lexemes[lex as usize].distance_to_accept(self.lexemes[lex as usize].start()));
         match (self.graph.node(id), self.node_lexeme[id as usize]) {
@@ -128,11 +130,8 @@ impl JsonGrammar {
             let (here, next) = match arena.top(s) {
                 Frame::Bottom => return cost,
                 Frame::Value { node } => (c.value[node as usize], parent),
-                Frame::Lexeme { lex, state } => (dist(self.lexemes[lex as usize].distance_to_accept(state)), parent),
-                Frame::Str { lex, state } => (
-                    add(dist(self.lexemes[lex as usize].distance_to_accept(state)), 1),
-                    parent,
-                ),
+                Frame::Lexeme { lex, state } => (dist(self.lexeme(lex).distance_to_accept(state)), parent),
+                Frame::Str { lex, state } => (add(dist(self.lexeme(lex).distance_to_accept(state)), 1), parent),
                 Frame::Key { node, state, .. } => {
                     let Frame::Object { count, seen, .. } = arena.top(parent) else {
                         return INF;

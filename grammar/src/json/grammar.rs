@@ -12,6 +12,7 @@ use super::ir::{Node, NodeId, ObjectRules, SchemaGraph, StringRules};
 use super::lexemes::{literal_regex, number_lexeme, pattern_body, string_body, NumberLexeme, Whitespace};
 use super::report::CompileReport;
 use crate::dfa::{ByteDfa, DfaLimits, StateId};
+use crate::document::DocumentSpans;
 use crate::error::GrammarError;
 use crate::trie::TokTrie;
 use crate::vocab::TokenVocab;
@@ -52,7 +53,28 @@ pub struct KeyAutomaton {
     pub inner: Vec<OnceLock<Arc<[u32]>>>,
 }
 
+/// A compiled JSON Schema constraint, and for one request the document its free strings are
+/// copied from (see `with_document`). What the schema compiled to is shared by every request.
 pub struct JsonGrammar {
+    compiled: Arc<Compiled>,
+    /// The document of the request, if it has one.
+    pub(crate) document: Option<Arc<DocumentSpans>>,
+    /// Free strings are copies from the document.
+    verbatim: bool,
+}
+
+impl std::ops::Deref for JsonGrammar {
+    type Target = Compiled;
+    fn deref(&self) -> &Compiled {
+        &self.compiled
+    }
+}
+
+/// The lexeme id of the document's substrings (see `JsonGrammar::with_document`).
+pub(crate) const DOCUMENT: LexId = LexId::MAX - 1;
+
+/// What a schema compiled to: the graph, the automata, the report.
+pub struct Compiled {
     pub(crate) graph: SchemaGraph,
     pub(crate) whitespace: Whitespace,
     pub(crate) lexemes: Vec<Arc<ByteDfa>>,
@@ -77,6 +99,9 @@ pub struct JsonGrammar {
     pub(crate) ordered: bool,
     /// What values cost at the least, for completion costs; computed on first use.
     pub(crate) costs: OnceLock<Costs>,
+    /// Per node, whether it is a free string (no `format`, `pattern` or length): one that a
+    /// document can fill with any of its substrings.
+    free_string: Vec<bool>,
 }
 
 impl JsonGrammar {
@@ -122,7 +147,12 @@ impl JsonGrammar {
             .iter()
             .map(|d| (0..d.num_states()).map(|_| OnceLock::new()).collect())
             .collect();
-        Ok(Arc::new(JsonGrammar {
+        let free_string = graph
+            .nodes
+            .iter()
+            .map(|n| matches!(n, Node::String(r) if *r == StringRules::default()))
+            .collect();
+        let compiled = Compiled {
             quote_trie: vocab.trie_with_byte(b'"'),
             inner,
             lexeme_regex: b.regexes,
@@ -136,7 +166,55 @@ impl JsonGrammar {
             report,
             ordered: options.ordered_properties,
             costs: OnceLock::new(),
+            free_string,
+        };
+        Ok(Arc::new(JsonGrammar {
+            compiled: Arc::new(compiled),
+            document: None,
+            verbatim: false,
         }))
+    }
+
+    /// This grammar for one request with a document: with `verbatim`, its free strings (no
+    /// `enum`, `const`, `format`, `pattern` or length) must be substrings of `document`,
+    /// JSON-escaped as they must be, so the model can copy a name or an address but not invent
+    /// one; either way the matcher tells which tokens continue a copy (`copy_mask`).
+    /// Everything compiled is shared; the document's automaton and its masks belong to the
+    /// request.
+    pub fn with_document(&self, document: &str, verbatim: bool) -> Arc<JsonGrammar> {
+        Arc::new(JsonGrammar {
+            compiled: self.compiled.clone(),
+            document: Some(Arc::new(DocumentSpans::new(document, self.vocab.clone()))),
+            verbatim,
+        })
+    }
+
+    /// Whether some string of the schema is free, so that a document would constrain it.
+    pub fn has_free_strings(&self) -> bool {
+        self.free_string.iter().any(|&f| f)
+    }
+
+    /// The automaton of lexeme `lex`.
+    pub(crate) fn lexeme(&self, lex: LexId) -> &ByteDfa {
+        match &self.document {
+            Some(d) if lex == DOCUMENT => d.dfa(),
+            _ => &self.lexemes[lex as usize],
+        }
+    }
+
+    /// How node `node` is matched: with a document, its free strings are the document's
+    /// substrings, and a union of string alternatives that holds a free one is matched
+    /// alternative by alternative.
+    pub(crate) fn lexeme_of(&self, node: NodeId) -> Option<Lexeme> {
+        let plain = self.node_lexeme[node as usize];
+        if !self.verbatim {
+            return plain;
+        }
+        match self.graph.node(node) {
+            Node::String(_) if self.free_string[node as usize] => Some(Lexeme::StringBody(DOCUMENT)),
+            Node::AnyOf(alts) if plain.is_some() && alts.iter().any(|&a| self.free_string[a as usize]) => None,
+            _ => plain,
+        }
     }
 
     /// The tokens the key DFA of object `node` takes whole from `state` (a `seen_free` state).
@@ -146,6 +224,9 @@ impl JsonGrammar {
 
     /// The tokens lexeme `lex` takes whole from `state` without ending.
     pub(crate) fn inner_mask(&self, lex: LexId, state: StateId) -> &[u32] {
+        if let Some(d) = self.document.as_ref().filter(|_| lex == DOCUMENT) {
+            return d.continuing(state);
+        }
         self.inner[lex as usize][state as usize].get_or_init(|| {
             let dfa = &self.lexemes[lex as usize];
             self.vocab.lexeme_mask(&self.lexeme_regex[lex as usize], state, || {

@@ -278,7 +278,7 @@ impl JsonGrammar {
             return true;
         }
         match arena.top(s) {
-            Frame::Lexeme { lex, state } => arena.parent(s) == BOTTOM && self.lexemes[lex as usize].is_accepting(state),
+            Frame::Lexeme { lex, state } => arena.parent(s) == BOTTOM && self.lexeme(lex).is_accepting(state),
             _ => false,
         }
     }
@@ -296,7 +296,7 @@ impl JsonGrammar {
             Frame::Bottom => {}
             Frame::Value { node } => self.start_value(arena, s, node, b, out, depth),
             Frame::Lexeme { lex, state } => {
-                let dfa = &self.lexemes[lex as usize];
+                let dfa = &self.lexeme(lex);
                 let next = dfa.next(state, b);
                 if next != DEAD {
                     let t = arena.replace(s, Frame::Lexeme { lex, state: next });
@@ -315,7 +315,7 @@ impl JsonGrammar {
                 }
             }
             Frame::Str { lex, state } => {
-                let dfa = &self.lexemes[lex as usize];
+                let dfa = &self.lexeme(lex);
                 // The body takes the byte first: a quote inside an escape (`\"`) is text. A
                 // quote the body cannot take closes the string, if the body is complete there
                 // (mid-escape it never is, so the two cannot both apply).
@@ -343,9 +343,9 @@ impl JsonGrammar {
     fn start_value(&self, arena: &mut Arena, s: Stack, node: NodeId, b: u8, out: &mut Vec<Stack>, depth: usize) {
         match self.graph.node(node) {
             Node::AnyOf(alts) => {
-                let strings = self.node_lexeme[node as usize];
+                let strings = self.lexeme_of(node);
                 if let Some(Lexeme::StringBody(lex)) = strings {
-                    let state = self.lexemes[lex as usize].start();
+                    let state = self.lexeme(lex).start();
                     if b == b'"' && state != DEAD {
                         out.push(arena.replace(s, Frame::Str { lex, state }));
                     }
@@ -381,14 +381,14 @@ impl JsonGrammar {
                     },
                 ));
             }
-            _ => match self.node_lexeme[node as usize] {
+            _ => match self.lexeme_of(node) {
                 Some(Lexeme::Whole(lex)) => {
-                    let start = self.lexemes[lex as usize].start();
+                    let start = self.lexeme(lex).start();
                     let t = arena.replace(s, Frame::Lexeme { lex, state: start });
                     self.step_at(arena, t, b, out, depth + 1);
                 }
                 Some(Lexeme::StringBody(lex)) if b == b'"' => {
-                    let state = self.lexemes[lex as usize].start();
+                    let state = self.lexeme(lex).start();
                     if state != DEAD {
                         out.push(arena.replace(s, Frame::Str { lex, state }));
                     }
@@ -502,7 +502,7 @@ impl JsonGrammar {
                         },
                     );
                     let body = match (keys.any_key, self.any_string) {
-                        (true, Some(lex)) => self.lexemes[lex as usize].start(),
+                        (true, Some(lex)) => self.lexeme(lex).start(),
                         _ => DEAD,
                     };
                     out.push(arena.push(o, Frame::Key { node, state, body }));
@@ -590,7 +590,7 @@ impl JsonGrammar {
         if next != DEAD || b != b'"' {
             if self.key_viable(arena, node, seen, next) {
                 let body = match self.any_string {
-                    Some(lex) if body != DEAD => self.lexemes[lex as usize].next(body, b),
+                    Some(lex) if body != DEAD => self.lexeme(lex).next(body, b),
                     _ => DEAD,
                 };
                 out.push(arena.replace(

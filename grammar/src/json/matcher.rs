@@ -5,12 +5,18 @@ use std::sync::Arc;
 use super::grammar::JsonGrammar;
 use super::machine::{Arena, Frame, Stack};
 use crate::dedup::Scratch;
+use crate::dfa::StateId;
 use crate::error::GrammarError;
+use crate::history::History;
 use crate::matcher::Matcher;
 use crate::stacks::{StackMachine, Stacks};
 use crate::vocab::{TokenId, TokenVocab};
 
-pub struct JsonMatcher(Stacks<JsonGrammar>);
+pub struct JsonMatcher {
+    stacks: Stacks<JsonGrammar>,
+    /// With a document: where the run being copied from it stands after each accepted token.
+    copy: Option<History<StateId>>,
+}
 
 impl StackMachine for JsonGrammar {
     type Arena = Arena;
@@ -46,30 +52,54 @@ impl StackMachine for JsonGrammar {
 
 impl JsonMatcher {
     pub fn new(grammar: Arc<JsonGrammar>) -> Self {
-        JsonMatcher(Stacks::new(grammar))
+        let copy = grammar.document.as_ref().map(|d| History::new(d.start()));
+        JsonMatcher {
+            stacks: Stacks::new(grammar),
+            copy,
+        }
     }
 
     pub fn can_finish(&self) -> bool {
-        self.0.can_finish()
+        self.stacks.can_finish()
     }
 
     pub fn is_finished(&self) -> bool {
-        self.0.is_finished()
+        self.stacks.is_finished()
     }
 
     pub fn accept(&mut self, token: TokenId) -> Result<(), GrammarError> {
-        self.0.accept(token)
+        self.stacks.accept(token)?;
+        if let (Some(copy), Some(doc)) = (self.copy.as_mut(), self.stacks.grammar.document.as_ref()) {
+            if self.stacks.is_finished() {
+                copy.finish();
+            } else {
+                copy.push(doc.advance(*copy.current(), self.stacks.grammar.vocab.token_bytes(token)));
+            }
+        }
+        Ok(())
     }
 
     /// Undoes the last `n` accepted tokens (an accepted EOS counts as one).
     pub fn rollback(&mut self, n: usize) -> Result<(), GrammarError> {
-        self.0.rollback(n)
+        self.stacks.rollback(n)?;
+        if let Some(copy) = self.copy.as_mut() {
+            copy.rollback(n).expect("kept in step with the stacks");
+        }
+        Ok(())
+    }
+
+    /// The tokens that continue the run being copied from the document (after JSON
+    /// punctuation, any run of it), when the grammar has a document.
+    pub fn copy_mask(&self) -> Option<&[u32]> {
+        let (copy, doc) = (self.copy.as_ref()?, self.stacks.grammar.document.as_ref()?);
+        let state = *copy.current();
+        (state != crate::dfa::DEAD).then(|| doc.continuing(state))
     }
 
     /// The bytes the schema alone decides from here: while exactly one byte can follow and
     /// the value cannot end, that byte.
     pub fn forced_bytes(&mut self) -> Vec<u8> {
-        self.0.forced_bytes()
+        self.stacks.forced_bytes()
     }
 
     /// Sets the bits of every token allowed next; clears the rest.
@@ -78,11 +108,11 @@ impl JsonMatcher {
     /// state alone: cached) or contains a quote, the only way out; so only the few tokens
     /// with a quote are walked against the whole stack. Other stacks walk the full trie.
     pub fn fill_bitmask(&mut self, mask: &mut [u32]) {
-        if !self.0.begin_mask(mask) {
+        if !self.stacks.begin_mask(mask) {
             return;
         }
-        let grammar = self.0.grammar.clone();
-        let current = self.0.current().to_vec();
+        let grammar = self.stacks.grammar.clone();
+        let current = self.stacks.current().to_vec();
         // Stacks inside a string body, or inside a key whose inner tokens do not depend on the
         // properties already seen.
         let shortcut = |arena: &Arena, s: Stack| match arena.top(s) {
@@ -92,9 +122,10 @@ impl JsonMatcher {
                 .is_some_and(|k| k.any_key || k.seen_free[state as usize]),
             _ => false,
         };
-        let (in_string, other): (Vec<Stack>, Vec<Stack>) = current.iter().partition(|&&s| shortcut(&self.0.arena, s));
+        let (in_string, other): (Vec<Stack>, Vec<Stack>) =
+            current.iter().partition(|&&s| shortcut(&self.stacks.arena, s));
         for &s in &in_string {
-            match self.0.arena.top(s) {
+            match self.stacks.arena.top(s) {
                 Frame::Str { lex, state } => or_into(mask, grammar.inner_mask(lex, state)),
                 Frame::Key { node, state, body } => {
                     let keys = grammar.keys[node as usize].as_ref().expect("object nodes have keys");
@@ -107,26 +138,26 @@ impl JsonMatcher {
             }
         }
         if !in_string.is_empty() {
-            self.0.walk(&grammar.quote_trie, in_string, mask);
+            self.stacks.walk(&grammar.quote_trie, in_string, mask);
         }
         if !other.is_empty() {
-            self.0.walk(grammar.vocab.trie(), other, mask);
+            self.stacks.walk(grammar.vocab.trie(), other, mask);
         }
     }
 
     /// The fewest bytes that complete the value from here (0 once it is complete).
     pub fn completion_cost(&self) -> u64 {
-        self.0.completion_cost().unwrap_or(0)
+        self.stacks.completion_cost().unwrap_or(0)
     }
 
     /// The tokens of `fill_bitmask` after which the value can still be completed within
     /// `budget` bytes (hence tokens). Walks every stack against the whole trie: it runs only
     /// when a request is near the end of its budget.
     pub fn fill_bitmask_within(&mut self, mask: &mut [u32], budget: usize) {
-        if self.0.begin_mask(mask) {
-            let grammar = self.0.grammar.clone();
-            let current = self.0.current().to_vec();
-            self.0
+        if self.stacks.begin_mask(mask) {
+            let grammar = self.stacks.grammar.clone();
+            let current = self.stacks.current().to_vec();
+            self.stacks
                 .walk_within(grammar.vocab.trie(), current, mask, Some(budget as u64));
         }
     }
@@ -135,10 +166,10 @@ impl JsonMatcher {
     /// reference the shortcut is tested against.
     #[doc(hidden)]
     pub fn fill_bitmask_exhaustive(&mut self, mask: &mut [u32]) {
-        if self.0.begin_mask(mask) {
-            let grammar = self.0.grammar.clone();
-            let current = self.0.current().to_vec();
-            self.0.walk(grammar.vocab.trie(), current, mask);
+        if self.stacks.begin_mask(mask) {
+            let grammar = self.stacks.grammar.clone();
+            let current = self.stacks.current().to_vec();
+            self.stacks.walk(grammar.vocab.trie(), current, mask);
         }
     }
 }
@@ -173,5 +204,8 @@ impl Matcher for JsonMatcher {
     }
     fn fill_bitmask_within(&mut self, mask: &mut [u32], budget: usize) {
         JsonMatcher::fill_bitmask_within(self, mask, budget)
+    }
+    fn copy_mask(&mut self) -> Option<&[u32]> {
+        JsonMatcher::copy_mask(self)
     }
 }

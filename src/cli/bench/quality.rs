@@ -16,7 +16,7 @@ use super::score::{score, FieldScore};
 use crate::cli::ModelArgs;
 use crate::engine::EngineClient;
 use crate::extract::validate::{violations, Validators};
-use crate::extract::{Extractor, PromptLayout, Task};
+use crate::extract::{Extractor, PromptLayout, Task, PRETTY};
 use crate::sampling::DryParams;
 use quarry_grammar::json::Whitespace;
 
@@ -53,7 +53,13 @@ pub struct QualityArgs {
     ordered: Option<bool>,
     /// Whitespace inside the JSON: compact (none) or pretty (runs of up to 8).
     #[arg(long)]
-    pretty: bool,
+    pretty: Option<bool>,
+    /// Copy free strings from the document (each a substring of it).
+    #[arg(long)]
+    verbatim: Option<bool>,
+    /// Logit bonus for tokens that continue a run copied from the document.
+    #[arg(long)]
+    copy_bias: Option<f32>,
     /// DRY multiplier (0 turns DRY off).
     #[arg(long)]
     dry_multiplier: Option<f32>,
@@ -129,12 +135,14 @@ fn run_cases(args: &QualityArgs, cases: &[Case]) -> anyhow::Result<Vec<Row>> {
                 max_tokens: args.max_tokens,
                 layout: args.layout.unwrap_or(base.layout),
                 ordered_properties: args.ordered.unwrap_or(base.ordered_properties),
-                whitespace: if args.pretty {
-                    Whitespace::Flexible { max_run: 8 }
-                } else {
-                    base.whitespace
+                whitespace: match args.pretty {
+                    Some(true) => PRETTY,
+                    Some(false) => Whitespace::Compact,
+                    None => base.whitespace,
                 },
                 dry: dry(args, base.dry.clone()),
+                verbatim: args.verbatim.unwrap_or(base.verbatim),
+                copy_bias: args.copy_bias.unwrap_or(base.copy_bias),
                 ..base
             }
         })
