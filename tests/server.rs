@@ -131,14 +131,47 @@ fn extract_over_http_with_typed_errors() {
     assert!(out["usage"]["completion_tokens"].as_u64().unwrap() > 5);
     assert!(out["timings"]["total_ms"].as_f64().unwrap() > 0.0);
 
-    // The same schema inline, with too few tokens to close: truncated, never ok.
+    // The same schema inline, with fewer tokens than its shortest record: refused, naming the
+    // minimum; with exactly that many, a record that validates.
     let (status, out) = post(
         port,
         &json!({"schema": schema, "document": document, "options": {"max_tokens": 5}}),
     );
-    assert_eq!((status, out["outcome"].as_str()), (200, Some("truncated")), "{out}");
+    assert_eq!(
+        (status, out["error"]["type"].as_str()),
+        (400, Some("max_tokens_too_small")),
+        "{out}"
+    );
+    let minimum = out["error"]["minimum"].as_u64().expect("the minimum is named");
+    assert!(minimum > 5, "{out}");
+    let (status, out) = post(
+        port,
+        &json!({"schema": schema, "document": document, "options": {"max_tokens": minimum}}),
+    );
+    assert_eq!((status, out["outcome"].as_str()), (200, Some("ok")), "{out}");
     assert!(
-        out["data"].is_null() && !out["partial"].as_str().unwrap().is_empty(),
+        jsonschema::validator_for(&schema).unwrap().is_valid(&out["data"]),
+        "{out}"
+    );
+    assert!(out["usage"]["completion_tokens"].as_u64().unwrap() <= minimum, "{out}");
+
+    // A keyword the grammar cannot enforce (`not`), broken by the only record it allows: the
+    // outcome is schema_violation with the validator's errors, never an `ok` that fails.
+    let refuted = json!({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 0}},
+        "required": ["n"], "additionalProperties": false, "not": {"required": ["n"]}});
+    let (status, out) = post(port, &json!({"schema": refuted, "document": "n is zero"}));
+    assert_eq!(
+        (status, out["outcome"].as_str()),
+        (200, Some("schema_violation")),
+        "{out}"
+    );
+    assert!(out["data"].is_null(), "{out}");
+    assert_eq!(
+        (
+            &out["violations"][0]["keyword"],
+            &out["violations"][0]["schema_pointer"]
+        ),
+        (&json!("not"), &json!("/not")),
         "{out}"
     );
 
@@ -327,7 +360,10 @@ fn extract_over_http_with_typed_errors() {
     assert_eq!(status, 200);
     for line in [
         "quarry_extractions_total{outcome=\"ok\"}",
-        "quarry_extractions_total{outcome=\"truncated\"} 1",
+        "quarry_extractions_total{outcome=\"max_tokens_too_small\"} 1",
+        "quarry_extractions_total{outcome=\"schema_violation\"} 1",
+        "quarry_budget_closed_total",
+        "quarry_grammar_failures_total 0",
         "quarry_extractions_total{outcome=\"unknown_schema_id\"} 1",
         "quarry_extractions_total{outcome=\"schema_rejected\"} 1",
         "quarry_time_to_first_token_seconds_count",
@@ -429,11 +465,12 @@ fn ten_documents_over_five_schemas_validate_and_ground() {
     assert!(grounded >= 10, "only {grounded} values grounded");
 }
 
-/// Sends an extraction that would run for thousands of tokens and waits until it runs;
+/// Sends an extraction that runs for thousands of tokens (its shortest record is 4,001 bytes)
+/// and waits until it runs;
 /// dropping the returned socket hangs up.
 fn start_long_request(port: u16) -> TcpStream {
     let long = json!({
-        "schema": {"type": "array", "items": {"type": "integer"}, "minItems": 3000},
+        "schema": {"type": "array", "items": {"type": "integer"}, "minItems": 2000},
         "document": "Write numbers.",
         "options": {"max_tokens": 4096}
     })
@@ -477,12 +514,8 @@ fn a_full_queue_answers_429_with_retry_after() {
 fn sigterm_lets_running_requests_finish() {
     let Some(mut server) = start(&[]) else { return };
     let port = server.port;
-    let body = json!({
-        "schema": {"type": "array", "items": {"type": "integer"}, "minItems": 3000},
-        "document": "Write numbers.",
-        "options": {"max_tokens": 48}
-    })
-    .to_string();
+    let schema = json!({"type": "array", "items": {"type": "integer"}, "minItems": 20});
+    let body = json!({"schema": schema, "document": "Write numbers.", "options": {"max_tokens": 48}}).to_string();
     let client = std::thread::spawn(move || http(port, "POST", "/extract", Some(KEY), body.as_bytes()));
     let started = Instant::now();
     while http(port, "GET", "/health", None, b"").1["running"] != 1 {
@@ -495,8 +528,12 @@ fn sigterm_lets_running_requests_finish() {
         .unwrap();
     assert!(killed.success());
     let (status, out) = client.join().unwrap();
-    assert_eq!((status, out["outcome"].as_str()), (200, Some("truncated")), "{out}");
-    assert_eq!(out["usage"]["completion_tokens"], 48, "{out}");
+    assert_eq!((status, out["outcome"].as_str()), (200, Some("ok")), "{out}");
+    assert!(
+        jsonschema::validator_for(&schema).unwrap().is_valid(&out["data"]),
+        "{out}"
+    );
+    assert!(out["usage"]["completion_tokens"].as_u64().unwrap() <= 48, "{out}");
     let exit = server.child.wait().unwrap();
     assert!(exit.success(), "{exit:?}");
 }
@@ -547,6 +584,40 @@ fn openai_chat_completions_with_json_schema_and_streaming() {
         u["total_tokens"].as_u64(),
         Some(u["prompt_tokens"].as_u64().unwrap() + u["completion_tokens"].as_u64().unwrap())
     );
+
+    // A lenient schema with a keyword the grammar cannot enforce (`not`), broken by the only
+    // answer it allows: the choice says so, with the validator's errors.
+    let refuted = json!({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 0}},
+        "required": ["n"], "additionalProperties": false, "not": {"required": ["n"]}});
+    for stream in [false, true] {
+        let body = json!({
+            "model": model, "messages": [{"role": "user", "content": "n?"}], "stream": stream,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": refuted}}
+        });
+        let (status, text) = http_text(
+            port,
+            "POST",
+            "/v1/chat/completions",
+            Some(KEY),
+            body.to_string().as_bytes(),
+        );
+        assert_eq!(status, 200, "{text}");
+        let finish: Value = if stream {
+            let events: Vec<Value> = text
+                .lines()
+                .filter_map(|l| l.strip_prefix("data: "))
+                .filter(|e| *e != "[DONE]")
+                .map(|e| serde_json::from_str(e).unwrap())
+                .collect();
+            events
+                .into_iter()
+                .find(|e| e["choices"][0]["finish_reason"] == "stop")
+                .unwrap()
+        } else {
+            serde_json::from_str(&text).unwrap()
+        };
+        assert_eq!(finish["choices"][0]["violations"][0]["keyword"], "not", "{text}");
+    }
 
     let body = json!({
         "model": model, "messages": [{"role": "user", "content": "Say hi."}],
@@ -803,7 +874,8 @@ fn batch_jobs_over_jsonl_and_csv_run_every_item_once_and_retry_the_failed() {
         "{out}"
     );
 
-    // Too small an output budget truncates every item; a retry with a larger one fixes them.
+    // Too small an output budget fails every item (below the shortest record); a retry with
+    // a larger one fixes them.
     let body: String = (0..5)
         .map(|i| json!({"document": contact_document(i)}).to_string() + "\n")
         .collect();
@@ -812,9 +884,9 @@ fn batch_jobs_over_jsonl_and_csv_run_every_item_once_and_retry_the_failed() {
     assert_eq!(st["failed"], 5, "{st}");
     let (_, text) = http_text(port, "GET", &format!("/jobs/{job}/results"), Some(KEY), b"");
     for l in text.lines().map(|l| serde_json::from_str::<Value>(l).unwrap()) {
-        assert_eq!(l["outcome"], "truncated", "{l}");
+        assert_eq!(l["outcome"], "max_tokens_too_small", "{l}");
         assert!(
-            l["data"].is_null() && l["partial"].as_str().is_some_and(|p| !p.is_empty()),
+            l["data"].is_null() && l["error"].as_str().is_some_and(|e| e.contains("at least")),
             "{l}"
         );
     }

@@ -301,3 +301,43 @@ fn objects_that_declare_properties_are_closed_on_request() {
         "open without the option"
     );
 }
+
+/// A schema past the compile limits (time, automata memory) is a typed error naming the
+/// limit, not a server busy for minutes.
+#[test]
+fn compile_time_and_memory_are_bounded_per_schema() {
+    use quarry_grammar::json::{JsonGrammar, Whitespace};
+    let fields: serde_json::Map<String, serde_json::Value> = (0..40)
+        .map(|i| {
+            (
+                format!("f{i}"),
+                json!({"type": "string", "pattern": format!("^[a-z]{{{i},{}}}[0-9]{{2,9}}$", i + 30)}),
+            )
+        })
+        .collect();
+    let schema = json!({"type": "object", "properties": fields});
+    let vocab = quarry_grammar::TokenVocab::new((0..=255u8).map(|b| vec![b]).collect(), &[], &[]);
+    let compile = |options: SchemaOptions| JsonGrammar::compile(&schema, &options, Whitespace::Compact, vocab.clone());
+    assert!(compile(lenient()).is_ok());
+    let reason = |r: Result<_, GrammarError>| match r {
+        Err(GrammarError::TooLarge { what, reason }) => format!("{what}: {reason}"),
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("compiled past its limit"),
+    };
+    let slow = reason(compile(SchemaOptions {
+        max_compile_time: std::time::Duration::ZERO,
+        ..lenient()
+    }));
+    assert_eq!(
+        slow,
+        "schema: compiling it takes longer than 0.0 s, the limit per schema"
+    );
+    let big = reason(compile(SchemaOptions {
+        max_automata_bytes: 64 << 10,
+        ..lenient()
+    }));
+    assert_eq!(
+        big,
+        "schema: its automata take more than 65536 bytes, the limit per schema"
+    );
+}

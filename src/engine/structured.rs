@@ -37,6 +37,8 @@ pub enum CompiledConstraint {
     Json(Arc<JsonGrammar>),
     Regex(Arc<RegexGrammar>),
     Cfg(Arc<CfgGrammar>),
+    /// Matchers the caller makes: a constraint of its own (or, in tests, a faulty one).
+    Custom(Arc<dyn Fn() -> Box<dyn Matcher + Send> + Send + Sync>),
 }
 
 impl CompiledConstraint {
@@ -45,6 +47,7 @@ impl CompiledConstraint {
             CompiledConstraint::Json(g) => Box::new(JsonMatcher::new(g.clone())),
             CompiledConstraint::Regex(g) => Box::new(RegexMatcher::new(g.clone())),
             CompiledConstraint::Cfg(g) => Box::new(CfgMatcher::new(g.clone())),
+            CompiledConstraint::Custom(make) => make(),
         }
     }
 

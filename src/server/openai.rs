@@ -19,6 +19,7 @@ use utoipa::ToSchema;
 use super::error::{ApiError, ErrorBody};
 use super::{ApiJson, AppState};
 use crate::engine::{Constraint, EngineRequest, FinishReason, RequestOutput, RequestStream};
+use crate::extract::validate::violations;
 use crate::sampling::{SampledToken, SamplingParams};
 use crate::tokenizer::{ChatMessage, Tokenizer};
 
@@ -130,17 +131,25 @@ pub async fn chat_completions(
         }),
     };
     let work = state.clone();
-    let (compiled, prompt) = tokio::task::spawn_blocking(move || {
+    let schema = match &req.response_format {
+        Some(ResponseFormat::JsonSchema { json_schema }) => json_schema.schema.clone(),
+        _ => None,
+    };
+    let (compiled, validator, prompt) = tokio::task::spawn_blocking(move || {
         let compiled = constraint
             .map(|c| work.extractor.structured.compile(&c))
             .transpose()
             .map_err(ApiError::schema_rejected)?;
+        let validator = schema
+            .map(|s| work.extractor.validators.get(&s))
+            .transpose()
+            .map_err(|e| ApiError::bad_request(e.to_string()))?;
         let prompt = work
             .extractor
             .tokenizer
             .encode_chat(&messages)
             .map_err(|e| ApiError::bad_request(e.to_string()))?;
-        Ok::<_, ApiError>((compiled, prompt))
+        Ok::<_, ApiError>((compiled, validator, prompt))
     })
     .await
     .map_err(|e| ApiError::internal(e.to_string()))??;
@@ -159,7 +168,10 @@ pub async fn chat_completions(
         )
     };
     let streams = submit_n(&state, &prompt, n, &params, compiled).await?;
-    let head = Head::new(Api::Chat, &streams, &state.model, prompt_tokens, req.logprobs);
+    let head = Head {
+        validator,
+        ..Head::new(Api::Chat, &streams, &state.model, prompt_tokens, req.logprobs)
+    };
     if req.stream {
         let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
         return Ok(stream_response(state, head, streams, include_usage));
@@ -356,6 +368,9 @@ async fn complete(state: &AppState, head: &Head, streams: Vec<RequestStream>) ->
                 .then(|| logprobs_json(head.api, &state.extractor.tokenizer, &c.sampled));
             let mut choice =
                 json!({"index": index, "logprobs": logprobs, "finish_reason": finish_reason(Some(c.finish))});
+            if let Some(v) = violations_of(head.validator.as_deref(), &c.text, c.finish) {
+                choice["violations"] = v;
+            }
             match head.api {
                 Api::Chat => choice["message"] = json!({"role": "assistant", "content": c.text}),
                 Api::Text => choice["text"] = json!(c.text),
@@ -378,6 +393,20 @@ struct Head {
     model: String,
     prompt_tokens: usize,
     logprobs: bool,
+    /// For a `json_schema` response format: the schema's validator. A finished answer that
+    /// fails it (where the schema has keywords the grammar only approximates, or cannot
+    /// enforce) carries the validator's errors in its choice, as `violations`.
+    validator: Option<Arc<jsonschema::Validator>>,
+}
+
+/// The choice field that reports an answer failing its schema, when it does.
+fn violations_of(validator: Option<&jsonschema::Validator>, text: &str, finish: FinishReason) -> Option<Value> {
+    let v = validator.filter(|_| finish == FinishReason::Stop)?;
+    let found = match serde_json::from_str::<Value>(text) {
+        Ok(record) => violations(v, &record),
+        Err(_) => return None,
+    };
+    (!found.is_empty()).then(|| json!(found))
 }
 
 impl Head {
@@ -390,6 +419,7 @@ impl Head {
             model: model.to_string(),
             prompt_tokens,
             logprobs,
+            validator: None,
         }
     }
 
@@ -433,6 +463,8 @@ fn stream_response(state: Arc<AppState>, head: Head, streams: Vec<RequestStream>
         rx: mpsc::Receiver<(usize, RequestOutput)>,
         head: Head,
         started: Vec<bool>,
+        /// Each choice's text so far, for its validation when it ends.
+        texts: Vec<String>,
         completion_tokens: usize,
         cached: usize,
         pending: std::collections::VecDeque<Event>,
@@ -442,6 +474,7 @@ fn stream_response(state: Arc<AppState>, head: Head, streams: Vec<RequestStream>
         rx,
         head,
         started: vec![false; n],
+        texts: vec![String::new(); n],
         completion_tokens: 0,
         cached: 0,
         pending: Default::default(),
@@ -466,6 +499,9 @@ fn stream_response(state: Arc<AppState>, head: Head, streams: Vec<RequestStream>
                             p.pending.push_back(chunk(&p.head, role, None));
                         }
                         p.completion_tokens += out.tokens.len();
+                        if p.head.validator.is_some() {
+                            p.texts[index].push_str(&out.text);
+                        }
                         if !out.text.is_empty() || (p.head.logprobs && !out.tokens.is_empty()) {
                             let logprobs = p
                                 .head
@@ -483,6 +519,9 @@ fn stream_response(state: Arc<AppState>, head: Head, streams: Vec<RequestStream>
                             p.cached = p.cached.max(out.metrics.map_or(0, |m| m.cached_tokens));
                             let mut choice =
                                 json!({"index": index, "logprobs": null, "finish_reason": finish_reason(Some(f))});
+                            if let Some(v) = violations_of(p.head.validator.as_deref(), &p.texts[index], f) {
+                                choice["violations"] = v;
+                            }
                             match chat {
                                 true => choice["delta"] = json!({}),
                                 false => choice["text"] = json!(""),

@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
@@ -118,10 +119,12 @@ impl JsonGrammar {
             lexemes: Vec::new(),
             regexes: Vec::new(),
             by_regex: HashMap::new(),
+            limits: Limits::new(options),
         };
         let mut node_lexeme = vec![None; graph.nodes.len()];
         let mut keys: Vec<Option<KeyAutomaton>> = (0..graph.nodes.len()).map(|_| None).collect();
         for id in 0..graph.nodes.len() {
+            b.limits.check()?;
             node_lexeme[id] = match &graph.nodes[id] {
                 Node::Null => Some(Lexeme::Whole(b.lexeme("null")?)),
                 Node::Boolean => Some(Lexeme::Whole(b.lexeme("true|false")?)),
@@ -130,13 +133,16 @@ impl JsonGrammar {
                 Node::String(r) => Some(Lexeme::StringBody(b.lexeme(&string_body(r).0)?)),
                 Node::Literals(vs) => Some(Lexeme::Whole(b.literals(vs, whitespace)?)),
                 Node::Object(o) => {
-                    keys[id] = Some(key_automaton(o, &graph, &vocab)?);
+                    let k = key_automaton(o, &graph, &vocab)?;
+                    b.limits.bytes += k.dfa.heap_bytes();
+                    keys[id] = Some(k);
                     None
                 }
                 Node::AnyOf(alts) => b.string_union(alts, &graph)?,
                 _ => None,
             };
         }
+        b.limits.check()?;
         let any_string = if keys.iter().flatten().any(|k| k.any_key) {
             Some(b.lexeme(&string_body(&StringRules::default()).0)?)
         } else {
@@ -244,7 +250,52 @@ impl JsonGrammar {
     }
 }
 
+/// What one schema may cost to compile, so that a hostile one cannot starve the server:
+/// checked between the automata it builds (each of which `DfaLimits` bounds on its own).
+struct Limits {
+    started: Instant,
+    max_time: Duration,
+    max_bytes: usize,
+    /// Heap bytes of the automata built so far.
+    bytes: usize,
+}
+
+impl Limits {
+    fn new(options: &SchemaOptions) -> Self {
+        Limits {
+            started: Instant::now(),
+            max_time: options.max_compile_time,
+            max_bytes: options.max_automata_bytes,
+            bytes: 0,
+        }
+    }
+
+    fn check(&self) -> Result<(), GrammarError> {
+        let past = |reason: String| {
+            Err(GrammarError::TooLarge {
+                what: "schema".into(),
+                reason,
+            })
+        };
+        if self.started.elapsed() > self.max_time {
+            return past(format!(
+                "compiling it takes longer than {:.1} s, the limit per schema",
+                self.max_time.as_secs_f64()
+            ));
+        }
+        if self.bytes > self.max_bytes {
+            let limit = match self.max_bytes {
+                b if b >= 1 << 20 => format!("{} MiB", b >> 20),
+                b => format!("{b} bytes"),
+            };
+            return past(format!("its automata take more than {limit}, the limit per schema"));
+        }
+        Ok(())
+    }
+}
+
 struct Builder<'a> {
+    limits: Limits,
     vocab: &'a TokenVocab,
     lexemes: Vec<Arc<ByteDfa>>,
     /// The regex of each lexeme, by id.
@@ -335,6 +386,7 @@ impl Builder<'_> {
     }
 
     fn add(&mut self, regex: &str, dfa: Arc<ByteDfa>) -> LexId {
+        self.limits.bytes += dfa.heap_bytes();
         let id = self.lexemes.len() as LexId;
         self.lexemes.push(dfa);
         self.regexes.push(regex.to_string());

@@ -1,9 +1,12 @@
 //! Regexes for the scalar values of a schema, over their JSON encoding: strings (with length,
 //! format or pattern), integers in a range, numbers, and the literal values of `enum`/`const`.
 
+use std::sync::{Mutex, OnceLock};
+
 use serde_json::Value;
 
 use super::ir::{NumberRules, StringRules};
+use crate::cache::GenerationalCache;
 use crate::dfa::{ByteDfa, DfaLimits, StateId, DEAD};
 use crate::lexeme::decimal_range::{at_least, at_most};
 use crate::lexeme::{format_regex, int_range_regex, integer_bounds};
@@ -94,6 +97,24 @@ fn counted(rules: &StringRules, loose: &mut Vec<&'static str>) -> String {
 /// Characters the pattern needs are produced unescaped, so patterns that can match `"`, `\`
 /// or controls are refused rather than approximated.
 pub fn pattern_body(pattern: &str) -> Result<String, String> {
+    // A schema's pattern is read while its keywords are reported and again while its automata
+    // are built, and real schemas repeat patterns: the check below (a DFA build, up to
+    // hundreds of milliseconds for a large class) runs once per pattern per process.
+    type Bodies = GenerationalCache<String, Result<String, String>>;
+    static BODIES: OnceLock<Mutex<Bodies>> = OnceLock::new();
+    let bodies = BODIES.get_or_init(|| Mutex::new(GenerationalCache::new(16 << 20)));
+    if let Some(known) = bodies.lock().unwrap_or_else(|e| e.into_inner()).get(pattern) {
+        return known;
+    }
+    let body = checked_pattern_body(pattern);
+    let bytes = pattern.len() + body.as_ref().map_or_else(String::len, String::len);
+    bodies
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(pattern.to_string(), body, bytes)
+}
+
+fn checked_pattern_body(pattern: &str) -> Result<String, String> {
     let translated = ecma_to_rust(pattern)?;
     let free = r#"[^"\\\x00-\x1F]*"#;
     let body = format!("{free}(?:{}){free}", restrict(&translated));
