@@ -10,6 +10,12 @@
 //! each token the mask is computed (timed) and must contain it; EOS must be allowed at the
 //! end. A schema passes when it compiles and every instance behaves. Both whitespace policies
 //! are run; the flexible one (which admits json.dumps' separators) prints last.
+//!
+//! BUDGET lines time what token budgets add: the completion cost after each accepted token
+//! (the engine's check of every sampled token), and with `MASKBENCH_BUDGET=1` the mask within a
+//! budget (the full walk of a request's last tokens) at every 8th step. `MASKBENCH_VERBATIM=1`
+//! adds a run in which each instance's text is its document and free strings are copied from
+//! it (timed only: a value with escapes is no substring of its own JSON text).
 
 use std::io::BufRead;
 use std::sync::Arc;
@@ -95,9 +101,21 @@ struct Tally {
     fully_enforced: usize,
     enforced_invalid_accepted: usize,
     mask_us: Vec<f64>,
+    /// The engine's check of each sampled token against a token budget: the completion cost
+    /// after accepting it.
+    cost_us: Vec<f64>,
+    /// The mask within a budget (the endgame walk), at every 8th step with the budget set to
+    /// the cost there (the tightest).
+    within_us: Vec<f64>,
     compile_ms: Vec<f64>,
     /// The slowest single mask and the schema it came from, to find pathological cases.
     slowest: (f64, String, String),
+}
+
+/// Whether to time the mask within a budget too (`MASKBENCH_BUDGET=1`): a full walk each
+/// time, so it multiplies the run's length.
+fn budget_walks() -> bool {
+    std::env::var_os("MASKBENCH_BUDGET").is_some()
 }
 
 fn percentile(xs: &mut [f64], q: f64) -> f64 {
@@ -108,7 +126,16 @@ fn percentile(xs: &mut [f64], q: f64) -> f64 {
     xs[((q * xs.len() as f64) as usize).min(xs.len() - 1)]
 }
 
-fn run(entries: &[Value], tok: &tokenizers::Tokenizer, vocab: &Arc<TokenVocab>, eos: u32, ws: Whitespace) -> Tally {
+/// `verbatim`: each instance's own text is its document, and free strings must be copied
+/// from it (timed, not judged: a value with an escaped quote is no substring of that text).
+fn run(
+    entries: &[Value],
+    tok: &tokenizers::Tokenizer,
+    vocab: &Arc<TokenVocab>,
+    eos: u32,
+    ws: Whitespace,
+    verbatim: bool,
+) -> Tally {
     let options = SchemaOptions {
         strict: false,
         ..Default::default()
@@ -133,9 +160,21 @@ fn run(entries: &[Value], tok: &tokenizers::Tokenizer, vocab: &Arc<TokenVocab>, 
                 .map(|e| e.get_ids().to_vec())
                 .unwrap_or_default();
             ids.push(eos);
-            let mut m = JsonMatcher::new(grammar.clone());
+            let mut m = match verbatim {
+                true => JsonMatcher::new(grammar.with_document(&text, true)),
+                false => JsonMatcher::new(grammar.clone()),
+            };
+            // As the engine does when it admits a request (its max_tokens against the minimal
+            // record): the schema's value costs are worked out then, once, not per token.
+            m.completion_cost();
             let mut accepted = true;
             for (step, &id) in ids.iter().enumerate() {
+                if step % 8 == 4 && !verbatim && budget_walks() {
+                    let budget = m.completion_cost() as usize;
+                    let start = Instant::now();
+                    m.fill_bitmask_within(&mut mask, budget);
+                    t.within_us.push(start.elapsed().as_secs_f64() * 1e6);
+                }
                 let start = Instant::now();
                 m.fill_bitmask(&mut mask);
                 let us = start.elapsed().as_secs_f64() * 1e6;
@@ -147,6 +186,11 @@ fn run(entries: &[Value], tok: &tokenizers::Tokenizer, vocab: &Arc<TokenVocab>, 
                 if !is_allowed(&mask, id) || m.accept(id).is_err() {
                     accepted = false;
                     break;
+                }
+                if !verbatim && std::env::var_os("MASKBENCH_NO_CHECK").is_none() {
+                    let start = Instant::now();
+                    std::hint::black_box(m.completion_cost());
+                    t.cost_us.push(start.elapsed().as_secs_f64() * 1e6);
                 }
             }
             match (test["valid"].as_bool() == Some(true), accepted) {
@@ -197,6 +241,15 @@ fn summary(name: &str, t: &mut Tally) -> String {
         })
         .map_or("unknown".to_string(), |kib| format!("{:.0}", kib / 1024.0));
     println!("LIMITS engine={name} compile_max_ms={compile_max:.1} peak_rss_mib={peak_rss}");
+    let mean_of = |xs: &[f64]| xs.iter().sum::<f64>() / xs.len().max(1) as f64;
+    let (cost_mean, within_mean) = (mean_of(&t.cost_us), mean_of(&t.within_us));
+    println!(
+        "BUDGET engine={name} check_mean_us={cost_mean:.2} check_p50_us={:.2} check_p99_us={:.2} within_mean_us={within_mean:.1} within_p50_us={:.1} within_p99_us={:.1}",
+        percentile(&mut t.cost_us, 0.5),
+        percentile(&mut t.cost_us, 0.99),
+        percentile(&mut t.within_us, 0.5),
+        percentile(&mut t.within_us, 0.99),
+    );
     let mean = t.mask_us.iter().sum::<f64>() / t.mask_us.len().max(1) as f64;
     let max = t.mask_us.iter().cloned().fold(0.0, f64::max);
     format!(
@@ -240,8 +293,19 @@ fn main() {
         .collect();
     // Each run starts from a fresh vocabulary, so it finds no DFAs or masks the other cached.
     let fresh = || load_vocab(&args.tokenizer).expect("loaded once already").1;
-    let mut compact = run(&entries, &tok, &fresh(), eos, Whitespace::Compact);
+    let mut compact = run(&entries, &tok, &fresh(), eos, Whitespace::Compact, false);
     println!("{}", summary("quarry-compact", &mut compact));
-    let mut flexible = run(&entries, &tok, &fresh(), eos, Whitespace::Flexible { max_run: 4 });
+    if std::env::var_os("MASKBENCH_VERBATIM").is_some() {
+        let mut verbatim = run(&entries, &tok, &fresh(), eos, Whitespace::Flexible { max_run: 4 }, true);
+        println!("{}", summary("quarry-verbatim", &mut verbatim));
+    }
+    let mut flexible = run(
+        &entries,
+        &tok,
+        &fresh(),
+        eos,
+        Whitespace::Flexible { max_run: 4 },
+        false,
+    );
     println!("{}", summary("quarry", &mut flexible));
 }

@@ -187,11 +187,13 @@ impl<M: StackMachine> Stacks<M> {
             states: vec![Vec::new(); trie.max_depth() + 1],
             mask,
             scratch: &mut self.scratch,
-            depth: 0,
-            budget,
         };
         walk.states[0] = stacks;
-        trie.walk(&mut walk);
+        match budget {
+            // The plain walk is the hot path of every mask: it keeps no depth and checks no cost.
+            None => trie.walk(&mut walk),
+            Some(budget) => trie.walk(&mut Within { walk, depth: 0, budget }),
+        }
         M::reset_to(&mut self.arena, mark);
     }
 }
@@ -203,14 +205,36 @@ struct Walk<'a, M: StackMachine> {
     states: Vec<Vec<Stack>>,
     mask: &'a mut [u32],
     scratch: &'a mut Scratch,
+}
+
+/// A walk that allows only the tokens after which some stack can still complete within
+/// `budget` bytes.
+struct Within<'a, M: StackMachine> {
+    walk: Walk<'a, M>,
     /// The depth of the node just entered.
     depth: usize,
-    budget: Option<u64>,
+    budget: u64,
+}
+
+impl<M: StackMachine> TrieVisitor for Within<'_, M> {
+    fn enter(&mut self, depth: usize, byte: u8) -> bool {
+        self.depth = depth;
+        self.walk.enter(depth, byte)
+    }
+
+    fn tokens(&mut self, tokens: &[TokenId]) {
+        let w = &self.walk;
+        let fits = w.states[self.depth]
+            .iter()
+            .any(|&s| w.grammar.completion_cost(w.arena, s).is_none_or(|c| c <= self.budget));
+        if fits {
+            self.walk.tokens(tokens);
+        }
+    }
 }
 
 impl<M: StackMachine> TrieVisitor for Walk<'_, M> {
     fn enter(&mut self, depth: usize, byte: u8) -> bool {
-        self.depth = depth;
         let (before, after) = self.states.split_at_mut(depth);
         let out = &mut after[0];
         out.clear();
@@ -222,14 +246,6 @@ impl<M: StackMachine> TrieVisitor for Walk<'_, M> {
     }
 
     fn tokens(&mut self, tokens: &[TokenId]) {
-        if let Some(budget) = self.budget {
-            let fits = self.states[self.depth]
-                .iter()
-                .any(|&s| self.grammar.completion_cost(self.arena, s).is_none_or(|c| c <= budget));
-            if !fits {
-                return;
-            }
-        }
         for &t in tokens {
             allow(self.mask, t);
         }

@@ -121,67 +121,86 @@ impl JsonGrammar {
         best
     }
 
-    /// The fewest bytes that take stack `s` to a complete value (0 when it is one).
-    pub(crate) fn completion_cost(&self, arena: &Arena, mut s: Stack) -> u64 {
-        let c = self.costs();
-        let mut cost = 0u64;
-        while s != BOTTOM {
-            let parent = arena.parent(s);
-            let (here, next) = match arena.top(s) {
-                Frame::Bottom => return cost,
-                Frame::Value { node } => (c.value[node as usize], parent),
-                Frame::Lexeme { lex, state } => (dist(self.lexeme(lex).distance_to_accept(state)), parent),
-                Frame::Str { lex, state } => (add(dist(self.lexeme(lex).distance_to_accept(state)), 1), parent),
-                Frame::Key { node, state, .. } => {
-                    let Frame::Object { count, seen, .. } = arena.top(parent) else {
-                        return INF;
-                    };
-                    (self.key_rest(arena, node, state, seen, count), arena.parent(parent))
-                }
-                Frame::Object {
-                    node,
-                    phase,
-                    count,
-                    seen,
-                    ..
-                } => {
-                    let mut written = self.seen_list(arena, node, seen);
-                    let here = match phase {
-                        ObjPhase::Open => self.object_rest(node, c, &written, count, ObjectAt::Open),
-                        ObjPhase::Comma => self.object_rest(node, c, &written, count, ObjectAt::Comma),
-                        ObjPhase::AfterValue => self.object_rest(node, c, &written, count, ObjectAt::AfterValue),
-                        ObjPhase::AfterKey { value, prop } | ObjPhase::Colon { value, prop } => {
-                            let colon = matches!(phase, ObjPhase::AfterKey { .. }) as u64;
-                            let count = self.pair_written(node, &mut written, count, prop);
-                            add(
-                                colon + c.value[value as usize],
-                                self.object_rest(node, c, &written, count, ObjectAt::AfterValue),
-                            )
-                        }
-                        ObjPhase::InValue { prop } => {
-                            let count = self.pair_written(node, &mut written, count, prop);
-                            self.object_rest(node, c, &written, count, ObjectAt::AfterValue)
-                        }
-                        // The key frame above prices the rest of the object.
-                        ObjPhase::InKey => 0,
-                    };
-                    (here, parent)
-                }
-                Frame::Array { node, phase, index, .. } => {
-                    let here = match phase {
-                        ArrPhase::InValue => self.array_rest(node, c, index + 1, ArrPhase::AfterValue),
-                        p => self.array_rest(node, c, index, p),
-                    };
-                    (here, parent)
-                }
-            };
-            cost = add(cost, here);
-            if cost >= INF {
-                return INF;
-            }
-            s = next;
+    /// The fewest bytes that take stack `s` to a complete value (0 when it is one): each
+    /// frame's share plus the cost of the stack below it, remembered per frame in the arena.
+    pub(crate) fn completion_cost(&self, arena: &Arena, s: Stack) -> u64 {
+        if let Some(known) = arena.known_cost(s) {
+            return known;
         }
-        cost
+        // Down to the first frame whose cost is known, then back up, remembering each.
+        let mut path = Vec::new();
+        let mut below = s;
+        let mut base = loop {
+            if below == BOTTOM {
+                break 0;
+            }
+            if let Some(known) = arena.known_cost(below) {
+                break known;
+            }
+            let (here, next) = self.frame_share(arena, below);
+            path.push((below, here));
+            below = next;
+        };
+        for &(frame, here) in path.iter().rev() {
+            base = add(base, here);
+            arena.remember_cost(frame, base);
+        }
+        base
+    }
+
+    /// What frame `s` adds to the cost of the stack below it, and the frame that stack starts
+    /// at (a key frame speaks for its object too).
+    fn frame_share(&self, arena: &Arena, s: Stack) -> (u64, Stack) {
+        let c = self.costs();
+        let parent = arena.parent(s);
+        match arena.top(s) {
+            Frame::Bottom => (0, BOTTOM),
+            Frame::Value { node } => (c.value[node as usize], parent),
+            Frame::Lexeme { lex, state } => (dist(self.lexeme(lex).distance_to_accept(state)), parent),
+            Frame::Str { lex, state } => (add(dist(self.lexeme(lex).distance_to_accept(state)), 1), parent),
+            Frame::Key { node, state, .. } => {
+                let Frame::Object { count, seen, .. } = arena.top(parent) else {
+                    return (INF, BOTTOM);
+                };
+                (self.key_rest(arena, node, state, seen, count), arena.parent(parent))
+            }
+            Frame::Object {
+                node,
+                phase,
+                count,
+                seen,
+                ..
+            } => {
+                let mut written = self.seen_list(arena, node, seen);
+                let here = match phase {
+                    ObjPhase::Open => self.object_rest(node, c, &written, count, ObjectAt::Open),
+                    ObjPhase::Comma => self.object_rest(node, c, &written, count, ObjectAt::Comma),
+                    ObjPhase::AfterValue => self.object_rest(node, c, &written, count, ObjectAt::AfterValue),
+                    ObjPhase::AfterKey { value, prop } | ObjPhase::Colon { value, prop } => {
+                        let colon = matches!(phase, ObjPhase::AfterKey { .. }) as u64;
+                        let count = self.pair_written(node, &mut written, count, prop);
+                        add(
+                            colon + c.value[value as usize],
+                            self.object_rest(node, c, &written, count, ObjectAt::AfterValue),
+                        )
+                    }
+                    ObjPhase::InValue { prop } => {
+                        let count = self.pair_written(node, &mut written, count, prop);
+                        self.object_rest(node, c, &written, count, ObjectAt::AfterValue)
+                    }
+                    // The key frame above prices the rest of the object.
+                    ObjPhase::InKey => 0,
+                };
+                (here, parent)
+            }
+            Frame::Array { node, phase, index, .. } => {
+                let here = match phase {
+                    ArrPhase::InValue => self.array_rest(node, c, index + 1, ArrPhase::AfterValue),
+                    p => self.array_rest(node, c, index, p),
+                };
+                (here, parent)
+            }
+        }
     }
 
     /// The declared properties an object has written, ascending.
@@ -207,7 +226,7 @@ impl JsonGrammar {
             keys,
             p,
             |q| written.binary_search(&q).is_ok(),
-            written.last().copied(),
+            || written.last().copied(),
         )
     }
 

@@ -216,6 +216,12 @@ fn ecma_to_rust(p: &str) -> Result<String, String> {
     Ok(out)
 }
 
+/// The digits a number may have: 20 before the point (every 64-bit integer), 20 after it,
+/// 2 in the exponent. JSON itself sets no bound, but a longer number is no value any reader
+/// holds (serde_json refuses one past 1.8e308), and only a model stuck repeating a digit
+/// writes one. MaskBench's valid instances have at most 16.
+pub const NUMBER_DIGITS: &str = r"-?(?:0|[1-9][0-9]{0,19})(?:\.[0-9]{1,20})?(?:[eE][+-]?[0-9]{1,2})?";
+
 /// Largest `multipleOf` enforced: the DFA has a state per remainder.
 pub const MAX_MULTIPLE: f64 = 100_000.0;
 
@@ -278,6 +284,8 @@ pub fn number_lexeme(rules: &NumberRules, integer: bool) -> (NumberLexeme, Vec<&
             regexes.push(NUMBER.into());
         }
     }
+    // Every number also keeps to the digits any reader can hold.
+    regexes.push(NUMBER_DIGITS.into());
     (NumberLexeme { regexes, multiple_of }, loose)
 }
 
@@ -426,7 +434,7 @@ mod tests {
         };
         let (lex, loose) = number_lexeme(&bounded, false);
         assert_eq!(loose, vec!["multipleOf", "minimum/maximum on numbers"]);
-        assert_eq!(lex.regexes.len(), 1);
+        assert_eq!(lex.regexes.len(), 2, "the bound, and the digits any reader holds");
         assert!(full(&lex.regexes[0]).is_match("0.5") && !full(&lex.regexes[0]).is_match("0.49"));
         let (lex, loose) = number_lexeme(
             &NumberRules {
@@ -437,6 +445,20 @@ mod tests {
         );
         assert!(loose.is_empty());
         assert_eq!(lex.multiple_of, Some(7));
+
+        let digits = full(NUMBER_DIGITS);
+        for ok in [
+            "12345678901234567890",
+            "-0.5",
+            "1.00000000000000000001",
+            "6.02e23",
+            "1E-99",
+        ] {
+            assert!(digits.is_match(ok), "{ok}");
+        }
+        for long in ["123456789012345678901", "1.000000000000000000001", "1e100", "2e+400"] {
+            assert!(!digits.is_match(long), "{long}");
+        }
 
         let flexible = Whitespace::Flexible { max_run: 2 };
         let re = full(&literal_regex(&json!({"a": [1, "x"], "b": null}), flexible));

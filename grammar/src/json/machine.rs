@@ -2,6 +2,8 @@
 //! are all still possible), stored persistently in an arena so that stepping one byte only
 //! appends the frames that change and a trie walk can fork states for free.
 
+use std::cell::RefCell;
+
 use super::grammar::{JsonGrammar, KeyAutomaton, LexId, Lexeme};
 use super::ir::{Node, NodeId};
 use super::lexemes::Whitespace;
@@ -90,6 +92,9 @@ pub const NO_PROPS: u32 = u32::MAX;
 pub struct Arena {
     frames: Vec<(Frame, Stack)>,
     seen: Vec<u64>,
+    /// Per frame, the completion cost of the stack it tops, once asked for: frames never
+    /// change once written, so a token's check prices only the frames it pushed.
+    costs: RefCell<Vec<u64>>,
 }
 
 impl Default for Arena {
@@ -97,9 +102,13 @@ impl Default for Arena {
         Arena {
             frames: vec![(Frame::Bottom, BOTTOM)],
             seen: Vec::new(),
+            costs: RefCell::new(vec![0]),
         }
     }
 }
+
+/// A frame's completion cost not worked out yet.
+pub(crate) const UNKNOWN_COST: u64 = u64::MAX;
 
 impl Arena {
     pub fn mark(&self) -> (usize, usize) {
@@ -109,6 +118,24 @@ impl Arena {
     pub fn reset_to(&mut self, mark: (usize, usize)) {
         self.frames.truncate(mark.0);
         self.seen.truncate(mark.1);
+        self.costs.get_mut().truncate(mark.0);
+    }
+
+    /// The cost remembered for the stack topped by frame `s`.
+    pub(crate) fn known_cost(&self, s: Stack) -> Option<u64> {
+        self.costs
+            .borrow()
+            .get(s as usize)
+            .copied()
+            .filter(|&c| c != UNKNOWN_COST)
+    }
+
+    pub(crate) fn remember_cost(&self, s: Stack, cost: u64) {
+        let mut costs = self.costs.borrow_mut();
+        if costs.len() <= s as usize {
+            costs.resize(self.frames.len().max(s as usize + 1), UNKNOWN_COST);
+        }
+        costs[s as usize] = cost;
     }
 
     pub fn push(&mut self, parent: Stack, frame: Frame) -> Stack {
@@ -175,11 +202,11 @@ pub(crate) fn prop_blocked(
     keys: &KeyAutomaton,
     p: u32,
     written: impl Fn(u32) -> bool,
-    last: Option<u32>,
+    last: impl FnOnce() -> Option<u32>,
 ) -> bool {
     written(p)
         || ordered
-            && (last.is_some_and(|m| p < m)
+            && (last().is_some_and(|m| p < m)
                 || keys
                     .required_sorted
                     .iter()
@@ -296,7 +323,7 @@ impl JsonGrammar {
             Frame::Bottom => {}
             Frame::Value { node } => self.start_value(arena, s, node, b, out, depth),
             Frame::Lexeme { lex, state } => {
-                let dfa = &self.lexeme(lex);
+                let dfa = self.lexeme(lex);
                 let next = dfa.next(state, b);
                 if next != DEAD {
                     let t = arena.replace(s, Frame::Lexeme { lex, state: next });
@@ -315,7 +342,7 @@ impl JsonGrammar {
                 }
             }
             Frame::Str { lex, state } => {
-                let dfa = &self.lexeme(lex);
+                let dfa = self.lexeme(lex);
                 // The body takes the byte first: a quote inside an escape (`\"`) is text. A
                 // quote the body cannot take closes the string, if the body is complete there
                 // (mid-escape it never is, so the two cannot both apply).
@@ -573,7 +600,7 @@ impl JsonGrammar {
             keys,
             p,
             |q| arena.has_seen(seen, q),
-            arena.max_seen(seen, self.seen_words(node)),
+            || arena.max_seen(seen, self.seen_words(node)),
         )
     }
 
