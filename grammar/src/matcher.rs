@@ -42,7 +42,7 @@ pub trait Matcher: Send {
         if self.completion_cost().is_none() {
             return;
         }
-        for t in crate::bitmask::allowed_tokens(&mask.to_vec()).collect::<Vec<_>>() {
+        for t in crate::bitmask::allowed_tokens(mask).collect::<Vec<_>>() {
             if self.accept(t).is_err() {
                 continue;
             }

@@ -34,7 +34,9 @@ pub enum SubmitError {
 
 enum Command {
     Add {
-        request: EngineRequest,
+        /// Boxed: a request (its sampling parameters, its constraint) is far larger than an
+        /// abort, and commands sit in the channel by value.
+        request: Box<EngineRequest>,
         outputs: async_mpsc::UnboundedSender<RequestOutput>,
         admitted: oneshot::Sender<Result<(), AddError>>,
     },
@@ -124,7 +126,7 @@ impl EngineClient {
         let (ok_tx, ok_rx) = oneshot::channel();
         commands
             .send(Command::Add {
-                request,
+                request: Box::new(request),
                 outputs: out_tx,
                 admitted: ok_tx,
             })
@@ -183,7 +185,7 @@ fn run(mut core: EngineCore, commands: mpsc::Receiver<Command>, stats: Arc<Mutex
                         admitted,
                     } => {
                         let id = request.id;
-                        let result = core.add_request(request);
+                        let result = core.add_request(*request);
                         if result.is_ok() {
                             streams.insert(id, outputs);
                         }

@@ -30,7 +30,7 @@ pub struct ErrorDetail {
     /// The least `max_tokens` that can hold the schema's shortest record, for
     /// `max_tokens_too_small`.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub minimum: Option<usize>,
+    pub minimum: Option<u32>,
 }
 
 #[derive(Debug)]
@@ -38,7 +38,7 @@ pub struct ApiError {
     pub status: StatusCode,
     pub detail: ErrorDetail,
     /// Seconds to wait before retrying (`Retry-After`), for `queue_full`.
-    pub retry_after: Option<u64>,
+    pub retry_after: Option<u32>,
 }
 
 impl ApiError {

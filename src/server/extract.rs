@@ -163,7 +163,7 @@ pub(super) fn submit_error(e: SubmitError) -> ApiError {
                     "max_tokens is {max_tokens}, but the shortest output the schema allows takes {minimum} tokens; ask for at least {minimum}"
                 ),
             );
-            err.detail.minimum = Some(minimum);
+            err.detail.minimum = Some(minimum.min(u32::MAX as usize) as u32);
             err
         }
         SubmitError::Refused(e) => ApiError::bad_request(e.to_string()),

@@ -276,6 +276,77 @@ impl Product {
     }
 }
 
+/// A character as serde_json spells it inside a string.
+fn json_escaped(c: char) -> Vec<u8> {
+    match c {
+        '"' => b"\\\"".to_vec(),
+        '\\' => b"\\\\".to_vec(),
+        '\n' => b"\\n".to_vec(),
+        '\r' => b"\\r".to_vec(),
+        '\t' => b"\\t".to_vec(),
+        '\u{8}' => b"\\b".to_vec(),
+        '\u{c}' => b"\\f".to_vec(),
+        c if (c as u32) < 0x20 => format!("\\u{:04x}", c as u32).into_bytes(),
+        c => c.to_string().into_bytes(),
+    }
+}
+
+/// The suffix automaton of a sequence: the smallest DFA accepting its substrings (every state
+/// accepts). `next[s]` maps a symbol to the next state; state 0 is the empty string.
+struct SuffixAutomaton {
+    next: Vec<FxHashMap<u32, u32>>,
+}
+
+impl SuffixAutomaton {
+    /// The classic online construction (Blumer et al.), one symbol at a time.
+    fn build(symbols: &[u32]) -> Self {
+        let mut next: Vec<FxHashMap<u32, u32>> = vec![FxHashMap::default()];
+        let mut link: Vec<Option<u32>> = vec![None];
+        let mut len: Vec<usize> = vec![0];
+        let mut last = 0u32;
+        for &c in symbols {
+            let cur = next.len() as u32;
+            next.push(FxHashMap::default());
+            link.push(None);
+            len.push(len[last as usize] + 1);
+            let mut p = Some(last);
+            while let Some(q) = p {
+                if next[q as usize].contains_key(&c) {
+                    break;
+                }
+                next[q as usize].insert(c, cur);
+                p = link[q as usize];
+            }
+            link[cur as usize] = Some(match p {
+                None => 0,
+                Some(p) => {
+                    let q = next[p as usize][&c];
+                    if len[p as usize] + 1 == len[q as usize] {
+                        q
+                    } else {
+                        let clone = next.len() as u32;
+                        next.push(next[q as usize].clone());
+                        link.push(link[q as usize]);
+                        len.push(len[p as usize] + 1);
+                        let mut p = Some(p);
+                        while let Some(r) = p {
+                            if next[r as usize].get(&c) != Some(&q) {
+                                break;
+                            }
+                            next[r as usize].insert(c, clone);
+                            p = link[r as usize];
+                        }
+                        link[q as usize] = Some(clone);
+                        clone
+                    }
+                }
+            });
+            last = cur;
+        }
+        SuffixAutomaton { next }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -298,7 +369,7 @@ mod tests {
             for j in i..=chars.len() {
                 let run: String = chars[i..j].iter().collect();
                 let quoted = serde_json::to_string(&run).unwrap();
-                runs.insert(quoted[1..quoted.len() - 1].as_bytes().to_vec());
+                runs.insert(quoted.as_bytes()[1..quoted.len() - 1].to_vec());
             }
         }
         let accepts = |bytes: &[u8]| {
@@ -403,76 +474,5 @@ mod tests {
             assert_eq!(u.matches(a), reference.matches(b), "{input:?}");
             assert_eq!(u.reachable(a), reference.reachable(b), "{input:?}");
         }
-    }
-}
-
-/// A character as serde_json spells it inside a string.
-fn json_escaped(c: char) -> Vec<u8> {
-    match c {
-        '"' => b"\\\"".to_vec(),
-        '\\' => b"\\\\".to_vec(),
-        '\n' => b"\\n".to_vec(),
-        '\r' => b"\\r".to_vec(),
-        '\t' => b"\\t".to_vec(),
-        '\u{8}' => b"\\b".to_vec(),
-        '\u{c}' => b"\\f".to_vec(),
-        c if (c as u32) < 0x20 => format!("\\u{:04x}", c as u32).into_bytes(),
-        c => c.to_string().into_bytes(),
-    }
-}
-
-/// The suffix automaton of a sequence: the smallest DFA accepting its substrings (every state
-/// accepts). `next[s]` maps a symbol to the next state; state 0 is the empty string.
-struct SuffixAutomaton {
-    next: Vec<FxHashMap<u32, u32>>,
-}
-
-impl SuffixAutomaton {
-    /// The classic online construction (Blumer et al.), one symbol at a time.
-    fn build(symbols: &[u32]) -> Self {
-        let mut next: Vec<FxHashMap<u32, u32>> = vec![FxHashMap::default()];
-        let mut link: Vec<Option<u32>> = vec![None];
-        let mut len: Vec<usize> = vec![0];
-        let mut last = 0u32;
-        for &c in symbols {
-            let cur = next.len() as u32;
-            next.push(FxHashMap::default());
-            link.push(None);
-            len.push(len[last as usize] + 1);
-            let mut p = Some(last);
-            while let Some(q) = p {
-                if next[q as usize].contains_key(&c) {
-                    break;
-                }
-                next[q as usize].insert(c, cur);
-                p = link[q as usize];
-            }
-            link[cur as usize] = Some(match p {
-                None => 0,
-                Some(p) => {
-                    let q = next[p as usize][&c];
-                    if len[p as usize] + 1 == len[q as usize] {
-                        q
-                    } else {
-                        let clone = next.len() as u32;
-                        next.push(next[q as usize].clone());
-                        link.push(link[q as usize]);
-                        len.push(len[p as usize] + 1);
-                        let mut p = Some(p);
-                        while let Some(r) = p {
-                            if next[r as usize].get(&c) != Some(&q) {
-                                break;
-                            }
-                            next[r as usize].insert(c, clone);
-                            p = link[r as usize];
-                        }
-                        link[q as usize] = Some(clone);
-                        clone
-                    }
-                }
-            });
-            last = cur;
-        }
-        SuffixAutomaton { next }
     }
 }

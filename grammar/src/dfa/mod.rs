@@ -215,9 +215,9 @@ impl ByteDfa {
         }
         let mut dist = vec![UNREACHABLE; n];
         let mut queue = std::collections::VecDeque::new();
-        for s in 1..n {
+        for (s, d) in dist.iter_mut().enumerate().skip(1) {
             if self.accepting[s] {
-                dist[s] = 0;
+                *d = 0;
                 queue.push_back(s as StateId);
             }
         }
