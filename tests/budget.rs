@@ -158,6 +158,13 @@ fn max_tokens_below_the_minimal_document_is_refused() {
         other => panic!("{:?}", other.err()),
     }
     engine.add_request(request(19)).unwrap();
+    // A schema no value satisfies has no shortest output at all.
+    let none = json!({"type": "object", "properties": {"a": false}, "required": ["a"]});
+    let refused = engine.add_request(EngineRequest {
+        constraint: Some(compile(&structured, &none, Whitespace::Compact, true)),
+        ..request(100)
+    });
+    assert!(matches!(refused, Err(AddError::NoValidOutput)), "{:?}", refused.err());
     let done = engine.run_until_idle(|_| {}).unwrap();
     assert_eq!(done[0].finish, FinishReason::Stop, "{}", done[0].text);
 }

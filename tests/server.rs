@@ -103,6 +103,13 @@ fn dechunk(mut body: &str) -> String {
     out
 }
 
+/// A schema whose `not` the grammar cannot enforce, broken by the only record the grammar
+/// allows ({"n": 0}): every answer is a schema violation.
+fn refuted() -> Value {
+    json!({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 0}},
+        "required": ["n"], "additionalProperties": false, "not": {"required": ["n"]}})
+}
+
 fn post(port: u16, body: &Value) -> (u16, Value) {
     http(port, "POST", "/extract", Some(KEY), body.to_string().as_bytes())
 }
@@ -157,8 +164,7 @@ fn extract_over_http_with_typed_errors() {
 
     // A keyword the grammar cannot enforce (`not`), broken by the only record it allows: the
     // outcome is schema_violation with the validator's errors, never an `ok` that fails.
-    let refuted = json!({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 0}},
-        "required": ["n"], "additionalProperties": false, "not": {"required": ["n"]}});
+    let refuted = refuted();
     let (status, out) = post(port, &json!({"schema": refuted, "document": "n is zero"}));
     assert_eq!(
         (status, out["outcome"].as_str()),
@@ -587,8 +593,7 @@ fn openai_chat_completions_with_json_schema_and_streaming() {
 
     // A lenient schema with a keyword the grammar cannot enforce (`not`), broken by the only
     // answer it allows: the choice says so, with the validator's errors.
-    let refuted = json!({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 0}},
-        "required": ["n"], "additionalProperties": false, "not": {"required": ["n"]}});
+    let refuted = refuted();
     for stream in [false, true] {
         let body = json!({
             "model": model, "messages": [{"role": "user", "content": "n?"}], "stream": stream,

@@ -161,7 +161,7 @@ fn run(
                 .unwrap_or_default();
             ids.push(eos);
             let mut m = match verbatim {
-                true => JsonMatcher::new(grammar.with_document(&text, true)),
+                true => JsonMatcher::new(grammar.with_document(&text, true).expect("instances are short")),
                 false => JsonMatcher::new(grammar.clone()),
             };
             // As the engine does when it admits a request (its max_tokens against the minimal

@@ -170,6 +170,19 @@ fn ordered_properties_come_in_schema_order() {
     ] {
         assert!(!accepts(bad), "{bad}");
     }
+    // `minProperties` past the required ones: an optional property after a missing required
+    // one can still make up the count.
+    let counted = json!({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}, "c": {"type": "integer"}},
+        "required": ["b"], "minProperties": 2, "additionalProperties": false});
+    let g = compile(&counted, true);
+    assert_eq!(
+        JsonMatcher::new(g.clone()).completion_cost(),
+        r#"{"a":0,"b":0}"#.len() as u64
+    );
+    let mut m = JsonMatcher::new(g);
+    feed(&mut m, r#"{"b":1"#);
+    assert_eq!(m.completion_cost(), r#","c":0}"#.len() as u64);
+
     let all_required = json!({"type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string"}},
         "required": ["id", "name"], "additionalProperties": false});
     let mut m = JsonMatcher::new(compile(&all_required, true));

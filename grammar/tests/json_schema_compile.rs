@@ -288,6 +288,19 @@ fn objects_that_declare_properties_are_closed_on_request() {
     let both = object("both");
     assert!(closed("both"), "the merged object is closed");
     assert_eq!(both.properties.len(), 2, "with both parts' properties declared");
+    // A required name the object does not declare stays writable once the object is closed.
+    let promised = json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]});
+    let (promised, _) = compile_schema(&promised, &options).unwrap();
+    let Node::Object(r) = promised.node(promised.root) else {
+        panic!()
+    };
+    assert!(matches!(promised.node(r.additional), Node::Never));
+    let b = r.properties.iter().find(|(n, _)| n == "b").expect("`b` is declared").1;
+    assert!(
+        matches!(promised.node(b), Node::Any),
+        "with the schema the open object gave it"
+    );
+
     let (graph, report) = compile_schema(&schema, &lenient()).unwrap();
     assert!(report
         .keywords

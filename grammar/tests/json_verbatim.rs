@@ -50,8 +50,7 @@ fn free_strings_are_copied_from_the_document() {
         ..Default::default()
     };
     let base = JsonGrammar::compile(&schema(), &options, Whitespace::Compact, vocab()).unwrap();
-    assert!(base.has_free_strings());
-    let g = base.with_document(DOCUMENT, true);
+    let g = base.with_document(DOCUMENT, true).unwrap();
     let vocab = g.vocab().clone();
     let mut mask = vec![0u32; bitmask_words(vocab.vocab_size())];
     let mut rng = Rng(99);
@@ -109,7 +108,8 @@ fn copies_are_escaped_and_invented_text_is_refused() {
         vocab(),
     )
     .unwrap()
-    .with_document(DOCUMENT, true);
+    .with_document(DOCUMENT, true)
+    .unwrap();
     let accepts = |text: &str| {
         let mut m = JsonMatcher::new(g.clone());
         text.bytes().all(|b| m.accept(1 + b as u32).is_ok()) && m.can_finish()
@@ -148,7 +148,8 @@ fn the_copy_mask_follows_the_run_being_copied() {
     let schema = json!({"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"], "additionalProperties": false});
     let g = JsonGrammar::compile(&schema, &options, Whitespace::Compact, vocab())
         .unwrap()
-        .with_document(DOCUMENT, false);
+        .with_document(DOCUMENT, false)
+        .unwrap();
     let vocab = g.vocab().clone();
     let token = |w: &str| {
         (0..vocab.vocab_size() as u32)

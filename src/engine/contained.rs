@@ -69,8 +69,10 @@ impl ContainedMatcher {
         self.failure.is_none() && self.inner.is_finished()
     }
 
-    pub fn can_finish(&self) -> bool {
-        self.failure.is_none() && self.inner.can_finish()
+    /// Runs grammar code on the engine thread, so a panic in it counts as the matcher failing
+    /// too (reported by the next `accept`).
+    pub fn can_finish(&mut self) -> bool {
+        self.guard(|m| m.can_finish()).unwrap_or(false)
     }
 
     /// The fewest tokens that complete the output from here; `None` when the constraint

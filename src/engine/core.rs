@@ -83,10 +83,18 @@ pub enum AddError {
     Admit(#[from] AdmitError),
     #[error(transparent)]
     BadParams(#[from] SamplingParamError),
-    /// The constraint's shortest output is longer than `max_tokens` allows.
-    #[error("max_tokens is {max_tokens}, but the shortest output the constraint allows takes {minimum} tokens")]
+    /// The constraint's shortest output is longer than `max_tokens` (or what the context
+    /// leaves after the prompt) allows: `minimum` is its length in bytes, which as many tokens
+    /// always hold.
+    #[error("at most {max_tokens} tokens fit, but the shortest output the constraint allows is {minimum} bytes, which takes up to {minimum} tokens")]
     MaxTokensTooSmall { max_tokens: usize, minimum: usize },
+    /// The constraint admits no output at all (a schema no value satisfies).
+    #[error("the constraint admits no output at all")]
+    NoValidOutput,
 }
+
+/// A completion cost this large means no output can complete (the grammar's infinity).
+const NO_OUTPUT: usize = 1 << 60;
 
 #[derive(Debug, Clone, Copy)]
 pub struct EngineConfig {
@@ -250,11 +258,19 @@ impl EngineCore {
     pub fn add_request(&mut self, r: EngineRequest) -> Result<(), AddError> {
         r.params.validate(self.backend.config().vocab_size)?;
         let mut matcher = r.constraint.map(|c| ContainedMatcher::new(c.matcher()));
-        // A budget below the shortest output would end truncated whatever the model does.
+        // A budget below the shortest output would end truncated whatever the model does; the
+        // context bounds the budget as much as max_tokens does.
         if let Some(minimum) = matcher.as_mut().and_then(|m| m.completion_cost()) {
-            if minimum > r.params.max_tokens {
+            if minimum >= NO_OUTPUT {
+                return Err(AddError::NoValidOutput);
+            }
+            let room = r
+                .params
+                .max_tokens
+                .min(self.scheduler.token_limit().saturating_sub(r.prompt.len()));
+            if minimum > room {
                 return Err(AddError::MaxTokensTooSmall {
-                    max_tokens: r.params.max_tokens,
+                    max_tokens: room,
                     minimum,
                 });
             }
@@ -527,7 +543,7 @@ impl EngineCore {
         if finish.is_none() && (output_len >= params.max_tokens || num_tokens >= limit) {
             // A constrained output that is complete here has ended: its end-of-output token
             // would only have been the budget's last.
-            let complete = state.matcher.as_ref().is_some_and(|m| m.can_finish());
+            let complete = state.matcher.as_mut().is_some_and(|m| m.can_finish());
             finish = Some(if complete {
                 FinishReason::Stop
             } else {
@@ -580,10 +596,10 @@ impl EngineCore {
 
 /// Samples the next token of a request from its logits under its grammar mask (with the copy
 /// bias on the tokens that continue a run copied from its document), keeping its constrained
-/// output able to close within `room` more tokens. The plain mask costs nothing
-/// extra: the drawn token is tried on the matcher, and only when it would leave too little room
-/// does the mask that keeps room get built (a full walk, near the end of the budget) and the
-/// token drawn again from it. Greedy, this is the argmax of the tighter mask; sampled, the
+/// output able to close within `room` more tokens. The plain mask is used as it is: the drawn
+/// token is tried on the matcher (an accept, a completion cost and a rollback, about a
+/// microsecond), and only when it would leave too little room does the mask that keeps room get
+/// built (a full walk, near the end of the budget) and the token drawn again from it. Greedy, this is the argmax of the tighter mask; sampled, the
 /// distribution the tighter mask gives.
 fn draw_within(state: &mut State, logits: &[f32], mask: Option<&[u32]>, room: usize, words: usize) -> SampledToken {
     let bias = state.sampler.params().copy_bias;
@@ -626,7 +642,8 @@ fn draw_within(state: &mut State, logits: &[f32], mask: Option<&[u32]>, room: us
     let mut tight = vec![0u32; words];
     m.fill_bitmask_within(&mut tight, room);
     if tight.iter().all(|&w| w == 0) {
-        // Not reachable while completion costs are exact; the plain draw then stands.
+        // Not reachable while completion costs are exact (some byte always brings the end one
+        // closer); should it happen, the plain draw stands.
         state.sampler.record(sampled.token);
         return sampled;
     }

@@ -54,10 +54,11 @@ impl CompiledConstraint {
     /// For one request with a document (see `JsonGrammar::with_document`): the matcher tells
     /// which tokens continue a copy from it, and with `verbatim` the free strings of a JSON
     /// Schema constraint must be its substrings. Other constraints are unchanged.
-    pub fn with_document(&self, document: &str, verbatim: bool) -> CompiledConstraint {
+    /// `None` for a document too long for the copy automaton (`MAX_DOCUMENT_CHARS`).
+    pub fn with_document(&self, document: &str, verbatim: bool) -> Option<CompiledConstraint> {
         match self {
-            CompiledConstraint::Json(g) => CompiledConstraint::Json(g.with_document(document, verbatim)),
-            other => other.clone(),
+            CompiledConstraint::Json(g) => g.with_document(document, verbatim).map(CompiledConstraint::Json),
+            other => Some(other.clone()),
         }
     }
 

@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use quarry_grammar::document::MAX_DOCUMENT_CHARS;
 use quarry_grammar::json::Whitespace;
 use quarry_grammar::GrammarError;
 use serde::Serialize;
@@ -183,6 +184,8 @@ pub enum ExtractError {
     SchemaRejected(GrammarError),
     #[error("{0}")]
     Refused(SubmitError),
+    #[error("verbatim strings take documents of at most {MAX_DOCUMENT_CHARS} characters")]
+    DocumentTooLong,
     #[error("{0}")]
     Internal(String),
 }
@@ -196,8 +199,10 @@ impl ExtractError {
                 "input_too_long"
             }
             ExtractError::Refused(SubmitError::Refused(AddError::MaxTokensTooSmall { .. })) => "max_tokens_too_small",
+            ExtractError::Refused(SubmitError::Refused(AddError::NoValidOutput)) => "schema_rejected",
             ExtractError::Refused(SubmitError::Refused(_)) => "refused",
             ExtractError::Refused(SubmitError::Stopped) => "unavailable",
+            ExtractError::DocumentTooLong => "input_too_long",
             ExtractError::Internal(_) => "internal",
         }
     }
@@ -239,9 +244,14 @@ impl Extractor {
                 t.instructions.as_deref(),
             )
             .map_err(|e| ExtractError::Internal(e.to_string()))?;
-            // The document, for copies: verbatim free strings, and the copy bias.
+            // The document, for copies: verbatim free strings, and the copy bias (a prior,
+            // which a document too long for the copy automaton simply goes without).
             let constraint = match t.verbatim || t.copy_bias > 0.0 {
-                true => compiled.with_document(&t.document, t.verbatim),
+                true => match compiled.with_document(&t.document, t.verbatim) {
+                    Some(c) => c,
+                    None if t.verbatim => return Err(ExtractError::DocumentTooLong),
+                    None => compiled.clone(),
+                },
                 false => compiled.clone(),
             };
             Ok::<_, ExtractError>((compiled, constraint, validator, prompt))

@@ -152,13 +152,13 @@ impl KeywordEntry {
 
     /// The note of a record the token budget closed: the model would have run past
     /// `max_tokens`, so a string or an array may be cut short.
-    pub fn budget_closed(tokens: usize) -> KeywordEntry {
+    pub fn budget_closed(max_tokens: usize) -> KeywordEntry {
         KeywordEntry {
             keyword: "max_tokens".into(),
             pointer: String::new(),
             status: "budget_closed".into(),
             detail: Some(format!(
-                "the record was closed within the budget of {tokens} tokens: a string or array may be cut short (raise max_tokens)"
+                "the record was closed within the budget of {max_tokens} tokens: a string or array may be cut short (raise max_tokens)"
             )),
         }
     }

@@ -118,6 +118,7 @@ async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractRespon
     let x = state.extractor.run(task).await.map_err(|e| match e {
         ExtractError::SchemaRejected(e) => ApiError::schema_rejected(e),
         ExtractError::Refused(e) => submit_error(e),
+        e @ ExtractError::DocumentTooLong => ApiError::new(StatusCode::BAD_REQUEST, "input_too_long", e.to_string()),
         ExtractError::Internal(m) => ApiError::internal(m),
     })?;
     let m = &x.metrics;
@@ -126,7 +127,7 @@ async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractRespon
     let mut notes = x.compiled.report().map(KeywordEntry::from_report).unwrap_or_default();
     notes.retain(KeywordEntry::is_caveat);
     if m.budget_closed {
-        notes.push(KeywordEntry::budget_closed(x.completion_tokens));
+        notes.push(KeywordEntry::budget_closed(max_tokens));
     }
     Ok(ExtractResponse {
         partial: (x.outcome != Outcome::Ok).then_some(x.text),
@@ -160,12 +161,17 @@ pub(super) fn submit_error(e: SubmitError) -> ApiError {
                 StatusCode::BAD_REQUEST,
                 "max_tokens_too_small",
                 format!(
-                    "max_tokens is {max_tokens}, but the shortest output the schema allows takes {minimum} tokens; ask for at least {minimum}"
+                    "at most {max_tokens} tokens fit (max_tokens, and the context after the prompt), but the schema's shortest record is {minimum} bytes; ask for at least {minimum} tokens"
                 ),
             );
             err.detail.minimum = Some(minimum.min(u32::MAX as usize) as u32);
             err
         }
+        SubmitError::Refused(e @ AddError::NoValidOutput) => ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "schema_rejected",
+            format!("{e}: no value satisfies the schema"),
+        ),
         SubmitError::Refused(e) => ApiError::bad_request(e.to_string()),
         SubmitError::Stopped => ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,

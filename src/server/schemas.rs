@@ -8,7 +8,6 @@ use std::sync::{Arc, RwLock};
 use axum::extract::{Path as UrlPath, State};
 use axum::http::StatusCode;
 use axum::Json;
-use quarry_grammar::json::Whitespace;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::ToSchema;
@@ -16,7 +15,7 @@ use utoipa::ToSchema;
 use super::api::KeywordEntry;
 use super::error::{ApiError, ErrorBody};
 use super::{ApiJson, AppState};
-use crate::engine::Constraint;
+use crate::extract::Task;
 
 /// Most schemas registered over the API; ready-made ones do not count.
 const MAX_REGISTERED: usize = 10_000;
@@ -120,13 +119,12 @@ pub(super) async fn preflight(
     schema: &Value,
     strict: bool,
 ) -> Result<Vec<KeywordEntry>, ApiError> {
-    let constraint = Constraint::Json {
-        schema: schema.clone(),
-        whitespace: Whitespace::Compact,
+    // As an extraction with the default options compiles it, so that one finds it cached.
+    let constraint = Task {
         strict,
-        close_objects: true,
-        ordered_properties: true,
-    };
+        ..Task::new(schema.clone(), String::new())
+    }
+    .constraint();
     let work = state.clone();
     let compiled = tokio::task::spawn_blocking(move || work.extractor.structured.compile(&constraint))
         .await

@@ -147,6 +147,13 @@ impl<'a> Compiler<'a> {
             let Node::Object(r) = node else { continue };
             let declares = !r.properties.is_empty() || !r.pattern_properties.is_empty();
             if let (true, Some(pointer)) = (declares, self.implicit_open.get(&r.additional)) {
+                // A required name the object does not declare is one it promises all the same:
+                // it keeps the schema the open object gave it.
+                for name in &r.required {
+                    if !r.properties.iter().any(|(n, _)| n == name) {
+                        r.properties.push((name.clone(), r.additional));
+                    }
+                }
                 r.additional = never;
                 closed.push(pointer.clone());
             }

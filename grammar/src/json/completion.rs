@@ -252,7 +252,13 @@ impl JsonGrammar {
             // Optional declared properties still allowed, each once, then the repeatable
             // cheapest other key.
             let mut optional: Vec<u64> = (0..keys.num_props)
-                .filter(|p| !keys.required_sorted.contains(p) && !self.prop_blocked(keys, written, *p))
+                // In schema order an optional property may still come anywhere after the last
+                // one written, before or after the required ones still missing.
+                .filter(|p| {
+                    !keys.required_sorted.contains(p)
+                        && written.binary_search(p).is_err()
+                        && !(self.ordered && written.last().is_some_and(|&m| *p < m))
+                })
                 .map(|p| props[p as usize])
                 .collect();
             optional.sort_unstable();

@@ -186,18 +186,14 @@ impl JsonGrammar {
     /// JSON-escaped as they must be, so the model can copy a name or an address but not invent
     /// one; either way the matcher tells which tokens continue a copy (`copy_mask`).
     /// Everything compiled is shared; the document's automaton and its masks belong to the
-    /// request.
-    pub fn with_document(&self, document: &str, verbatim: bool) -> Arc<JsonGrammar> {
-        Arc::new(JsonGrammar {
+    /// request. `None` for a document longer than `MAX_DOCUMENT_CHARS`.
+    pub fn with_document(&self, document: &str, verbatim: bool) -> Option<Arc<JsonGrammar>> {
+        let spans = DocumentSpans::new(document, self.vocab.clone())?;
+        Some(Arc::new(JsonGrammar {
             compiled: self.compiled.clone(),
-            document: Some(Arc::new(DocumentSpans::new(document, self.vocab.clone()))),
+            document: Some(Arc::new(spans)),
             verbatim,
-        })
-    }
-
-    /// Whether some string of the schema is free, so that a document would constrain it.
-    pub fn has_free_strings(&self) -> bool {
-        self.free_string.iter().any(|&f| f)
+        }))
     }
 
     /// The automaton of lexeme `lex`.

@@ -217,9 +217,10 @@ fn ecma_to_rust(p: &str) -> Result<String, String> {
 }
 
 /// The digits a number may have: 20 before the point (every 64-bit integer), 20 after it,
-/// 2 in the exponent. JSON itself sets no bound, but a longer number is no value any reader
-/// holds (serde_json refuses one past 1.8e308), and only a model stuck repeating a digit
-/// writes one. MaskBench's valid instances have at most 16.
+/// 2 in the exponent. JSON itself sets no bound, but readers do (serde_json refuses a number
+/// past 1.8e308, so a model stuck repeating a digit wrote records nobody could read), and with
+/// these bounds every number stays within 1e120 of zero either way. MaskBench's valid
+/// instances have at most 16 digits.
 pub const NUMBER_DIGITS: &str = r"-?(?:0|[1-9][0-9]{0,19})(?:\.[0-9]{1,20})?(?:[eE][+-]?[0-9]{1,2})?";
 
 /// Largest `multipleOf` enforced: the DFA has a state per remainder.

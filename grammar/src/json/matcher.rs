@@ -93,7 +93,7 @@ impl JsonMatcher {
     pub fn copy_mask(&self) -> Option<&[u32]> {
         let (copy, doc) = (self.copy.as_ref()?, self.stacks.grammar.document.as_ref()?);
         let state = *copy.current();
-        (state != crate::dfa::DEAD).then(|| doc.continuing(state))
+        (state != crate::dfa::DEAD).then(|| doc.prior(state))
     }
 
     /// The bytes the schema alone decides from here: while exactly one byte can follow and
