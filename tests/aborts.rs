@@ -91,12 +91,18 @@ fn job() -> impl Strategy<Value = Job> {
 }
 
 fn request(m: &Model, j: &Job) -> EngineRequest {
+    // A constrained request gets at least its schema's shortest record ({"id":0,"tag":""}):
+    // fewer tokens are refused at admission.
+    let max_tokens = match j.constrained {
+        true => j.max_tokens + m.constraint.matcher().completion_cost().unwrap_or(0),
+        false => j.max_tokens,
+    };
     EngineRequest {
         id: 0,
         prompt: j.prompt.clone(),
         params: SamplingParams {
             ignore_eos: !j.constrained,
-            ..SamplingParams::greedy(j.max_tokens)
+            ..SamplingParams::greedy(max_tokens)
         },
         priority: 0,
         constraint: j.constrained.then(|| m.constraint.clone()),

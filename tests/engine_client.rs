@@ -99,12 +99,17 @@ fn request(job: &Job, structured: &StructuredOutputs) -> EngineRequest {
             })
             .unwrap()
     });
+    // A constrained job gets its budget on top of its schema's shortest record: fewer tokens
+    // than that are refused at admission.
+    let minimum = constraint
+        .as_ref()
+        .map_or(0, |c| c.matcher().completion_cost().unwrap_or(0));
     EngineRequest {
         id: 0,
         prompt: job.prompt.clone(),
         params: SamplingParams {
             ignore_eos: job.schema.is_none(),
-            ..SamplingParams::greedy(job.max_tokens)
+            ..SamplingParams::greedy(job.max_tokens + minimum)
         },
         priority: 0,
         constraint,
