@@ -264,10 +264,12 @@ impl EngineCore {
             if minimum >= NO_OUTPUT {
                 return Err(AddError::NoValidOutput);
             }
-            let room = r
-                .params
-                .max_tokens
-                .min(self.scheduler.token_limit().saturating_sub(r.prompt.len()));
+            // A prompt that leaves no room at all is the scheduler's to refuse (too long).
+            let context = self.scheduler.token_limit().saturating_sub(r.prompt.len());
+            let room = match context {
+                0 => r.params.max_tokens,
+                c => r.params.max_tokens.min(c),
+            };
             if minimum > room {
                 return Err(AddError::MaxTokensTooSmall {
                     max_tokens: room,
