@@ -12,7 +12,8 @@ use std::sync::Arc;
 use clap::{Args, Parser, Subcommand};
 
 use crate::engine::{EngineConfig, EngineCore};
-use crate::runtime::cpu::{CpuBackend, CpuOptions, Prefault};
+use crate::runtime::cpu::{CpuOptions, Prefault};
+use crate::runtime::{Backend, DeviceChoice, LoadFormat, LoadOptions, ModelConfig};
 use crate::tokenizer::Tokenizer;
 
 #[derive(Parser)]
@@ -48,6 +49,20 @@ pub struct ModelArgs {
     /// GGUF model file [default: models/SmolLM2-135M-Instruct.Q4_1.gguf, or $QUARRY_MODEL]
     #[arg(long)]
     model: Option<PathBuf>,
+    /// Where the model runs: auto (the first GPU when there is one), cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto", env = "QUARRY_DEVICE")]
+    device: DeviceChoice,
+    /// `dummy`: deterministic random weights of the shape --model-config names (GPU
+    /// benchmarks of large shapes; the tokenizer still comes from --model).
+    #[arg(long, default_value = "auto", value_parser = parse_load_format)]
+    load_format: LoadFormat,
+    /// The shape of dummy weights: llama-3.1-8b, qwen2.5-7b or a Hugging Face config.json.
+    #[arg(long)]
+    model_config: Option<String>,
+    /// Share of the GPU's memory the backend may take, KV cache included (vLLM's
+    /// --gpu-memory-utilization).
+    #[arg(long, default_value_t = 0.9)]
+    gpu_memory_utilization: f32,
     /// CPU threads for the model [default: all cores]
     #[arg(long)]
     threads: Option<usize>,
@@ -73,6 +88,14 @@ pub struct ModelArgs {
     /// Take the KV cache's memory at start (servers), not as blocks are first used.
     #[arg(skip)]
     prefault_kv: Prefault,
+}
+
+fn parse_load_format(text: &str) -> Result<LoadFormat, String> {
+    match text {
+        "auto" => Ok(LoadFormat::Auto),
+        "dummy" => Ok(LoadFormat::Dummy),
+        other => Err(format!("`{other}` is not a load format (auto, dummy)")),
+    }
 }
 
 /// `512MiB`, `2GiB`, `1.5GB`, or plain bytes.
@@ -112,28 +135,54 @@ fn default_kv_cache_memory() -> u64 {
 }
 
 impl ModelArgs {
-    fn load(&self) -> anyhow::Result<(CpuBackend, Tokenizer)> {
+    fn load(&self) -> anyhow::Result<(Box<dyn Backend>, Tokenizer)> {
         if let Some(n) = self.threads {
             anyhow::ensure!(n > 0, "--threads must be at least 1");
             // Read once by candle's thread pool, which has not started yet.
             std::env::set_var("CANDLE_NUM_THREADS", n.to_string());
             std::env::set_var("RAYON_NUM_THREADS", n.to_string());
         }
+        anyhow::ensure!(
+            self.gpu_memory_utilization > 0.0 && self.gpu_memory_utilization <= 1.0,
+            "--gpu-memory-utilization must be in (0, 1]"
+        );
         let path = self.model.clone().unwrap_or_else(crate::model_path::default_model_path);
         let tokenizer = Tokenizer::from_model_file(&path)?;
-        let options = match self.kv_cache_tokens {
-            Some(tokens) => CpuOptions {
-                kv_cache_tokens: tokens,
-                prefault_kv: self.prefault_kv,
-                ..Default::default()
-            },
-            None => CpuOptions {
-                kv_cache_bytes: Some(self.kv_cache_memory.unwrap_or_else(default_kv_cache_memory)),
-                prefault_kv: self.prefault_kv,
-                ..Default::default()
-            },
+        let model_config = match &self.model_config {
+            None => None,
+            Some(name) => {
+                Some(match ModelConfig::preset(name) {
+                    Some(c) => c,
+                    None => {
+                        let text = std::fs::read_to_string(name).map_err(|e| {
+                        anyhow::anyhow!("--model-config {name}: not a preset (llama-3.1-8b, qwen2.5-7b) nor a readable file: {e}")
+                    })?;
+                        ModelConfig::from_hf_json(&text)?
+                    }
+                })
+            }
         };
-        let backend = CpuBackend::load(&path, &options)?;
+        // The CPU's default pool is a share of host memory; the GPU's, of device memory.
+        let kv_cache_bytes = match (self.kv_cache_memory, self.device) {
+            (Some(b), _) => Some(b),
+            (None, DeviceChoice::Cpu) => Some(default_kv_cache_memory()),
+            (None, _) => None,
+        };
+        let options = LoadOptions {
+            load_format: self.load_format,
+            model_config,
+            kv_cache_tokens: self.kv_cache_tokens,
+            kv_cache_bytes,
+            cpu: CpuOptions {
+                kv_cache_bytes: Some(default_kv_cache_memory()),
+                prefault_kv: self.prefault_kv,
+                ..Default::default()
+            },
+            gpu_memory_utilization: Some(self.gpu_memory_utilization),
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_num_seqs: self.max_num_seqs,
+        };
+        let backend = crate::runtime::load(self.device, &path, options)?;
         Ok((backend, tokenizer))
     }
 }
@@ -144,7 +193,7 @@ impl ModelArgs {
         let (backend, tokenizer) = self.load()?;
         let tokenizer = Arc::new(tokenizer);
         let config = self.engine_config()?;
-        Ok((EngineCore::new(Box::new(backend), tokenizer.clone(), config), tokenizer))
+        Ok((EngineCore::new(backend, tokenizer.clone(), config), tokenizer))
     }
 
     /// The model's name as the API reports it: its file name without `.gguf`.
@@ -155,9 +204,9 @@ impl ModelArgs {
 
     /// The model, tokenizer and engine configuration, for commands that build several engines
     /// over one backend.
-    fn load_shared(&self) -> anyhow::Result<(Box<dyn crate::runtime::Backend>, Arc<Tokenizer>, EngineConfig)> {
+    fn load_shared(&self) -> anyhow::Result<(Box<dyn Backend>, Arc<Tokenizer>, EngineConfig)> {
         let (backend, tokenizer) = self.load()?;
-        Ok((Box::new(backend), Arc::new(tokenizer), self.engine_config()?))
+        Ok((backend, Arc::new(tokenizer), self.engine_config()?))
     }
 
     fn engine_config(&self) -> anyhow::Result<EngineConfig> {

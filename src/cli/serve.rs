@@ -41,12 +41,17 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
     let schemas = server::schemas::SchemaRegistry::load(&args.schemas)?;
     let (engine, tokenizer) = args.model.engine()?;
     let model = args.model.model_name();
+    let device = engine.backend().device_name();
+    eprintln!("quarry: model {model} on {device}");
+    let mut metrics = server::metrics::Metrics::default();
+    metrics.register_device(&device);
     let state = Arc::new(AppState {
         extractor: Arc::new(Extractor::new(EngineClient::start(engine), tokenizer)),
         schemas,
         model,
+        device,
         api_keys: args.api_key,
-        metrics: Default::default(),
+        metrics,
         max_pending: args.max_pending,
         jobs: Default::default(),
     });

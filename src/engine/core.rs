@@ -16,7 +16,7 @@ use super::scheduler::{AdmitError, Scheduled, Scheduler, SchedulerConfig};
 use super::stop::{StopScan, StopStrings};
 use super::structured::CompiledConstraint;
 use super::BlockPool;
-use crate::runtime::{Backend, ForwardBatch, RuntimeError};
+use crate::runtime::{Backend, ForwardBatch, RowRequest, RuntimeError};
 use crate::sampling::{SampledToken, Sampler, SamplingParamError, SamplingParams};
 use crate::tokenizer::Tokenizer;
 
@@ -380,7 +380,9 @@ impl EngineCore {
         }
 
         // The masks depend only on the tokens accepted so far: fill them while the model runs.
-        let words = bitmask_words(self.backend.config().vocab_size);
+        // Masks span the grammar's vocabulary, the tokenizer's; a model may have more rows
+        // (padding, or a stand-in tokenizer for dummy weights), which a mask never allows.
+        let words = bitmask_words(self.tokenizer.vocab_size());
         let mut masks: Vec<Option<Vec<u32>>> = vec![None; sampling.len()];
         let mut matchers: Vec<(usize, &mut ContainedMatcher)> = Vec::new();
         {
@@ -394,25 +396,38 @@ impl EngineCore {
                 }
             }
         }
+        // The forward pass is queued from this thread (a GPU context is bound to the thread that
+        // made it); the masks are filled on the pool meanwhile.
         let backend = &mut self.backend;
-        let (logits, filled) = rayon::join(
-            || backend.forward(&batch),
-            || {
-                use rayon::prelude::*;
-                matchers
-                    .into_par_iter()
-                    .map(|(i, m)| {
-                        let mut mask = vec![0u32; words];
-                        m.fill_bitmask(&mut mask);
-                        (i, mask)
-                    })
-                    .collect::<Vec<_>>()
-            },
-        );
-        let logits = logits?;
+        let filled = std::sync::Mutex::new(Vec::with_capacity(matchers.len()));
+        let ran = rayon::in_place_scope(|scope| {
+            for (i, m) in matchers {
+                let filled = &filled;
+                scope.spawn(move |_| {
+                    let mut mask = vec![0u32; words];
+                    m.fill_bitmask(&mut mask);
+                    filled.lock().unwrap_or_else(|e| e.into_inner()).push((i, mask));
+                });
+            }
+            backend.run(&batch)
+        });
+        let filled = filled.into_inner().unwrap_or_else(|e| e.into_inner());
+        ran?;
         for (i, mask) in filled {
             masks[i] = Some(mask);
         }
+        let requests: Vec<RowRequest<'_>> = sampling
+            .iter()
+            .zip(&masks)
+            .map(|(s, mask)| RowRequest {
+                mask: mask.as_deref(),
+                greedy: self
+                    .states
+                    .get(&s.id)
+                    .is_some_and(|st| st.sampler.params().is_plain_greedy()),
+            })
+            .collect();
+        let decided = self.backend.sample(&requests)?;
         self.steps += 1;
 
         let mut outputs = Vec::new();
@@ -424,7 +439,11 @@ impl EngineCore {
         for (row, (s, mask)) in sampling.iter().zip(masks).enumerate() {
             let room = self.room_after_next(s.id);
             let state = self.states.get_mut(&s.id).expect("every request has a state");
-            let sampled = draw_within(state, logits.row(row), mask.as_deref(), room, words);
+            let sampled = match (decided.tokens[row], decided.host_row(row)) {
+                (Some(token), _) => keep_within(state, self.backend.as_mut(), row, token, room, words)?,
+                (None, Some(logits)) => draw_within(state, logits, mask.as_deref(), room, words),
+                (None, None) => unreachable!("a row without a token has logits"),
+            };
             self.scheduler.update(s, Some(sampled.token));
             let Some(mut out) = self.accept(s.id, sampled) else {
                 continue;
@@ -594,6 +613,41 @@ impl EngineCore {
             metrics: Some(metrics),
         }
     }
+}
+
+/// The token a backend chose for a plain greedy row (the argmax under the mask), kept if the
+/// output can still close within `room` more tokens; otherwise the argmax under the mask that
+/// keeps room, taken again where the logits are. The same choice `draw_within` makes for a
+/// greedy request.
+fn keep_within(
+    state: &mut State,
+    backend: &mut dyn crate::runtime::Backend,
+    row: usize,
+    token: u32,
+    room: usize,
+    words: usize,
+) -> Result<SampledToken, RuntimeError> {
+    let mut token = token;
+    if let Some(m) = state.matcher.as_mut() {
+        let fits = match m.accept(token) {
+            Ok(()) => {
+                let fits = m.is_finished() || m.completion_cost().is_none_or(|c| c <= room);
+                let _ = m.rollback(1);
+                fits
+            }
+            // Refused: `accept` ends the request as internal.
+            Err(_) => true,
+        };
+        if !fits {
+            let mut tight = vec![0u32; words];
+            m.fill_bitmask_within(&mut tight, room);
+            if tight.iter().any(|&w| w != 0) {
+                state.metrics.budget_closed = true;
+                token = backend.argmax_within(row, &tight)?;
+            }
+        }
+    }
+    Ok(state.sampler.take(token))
 }
 
 /// Samples the next token of a request from its logits under its grammar mask (with the copy

@@ -134,7 +134,7 @@ impl ForwardBatch {
 }
 
 /// Logits of the rows asked for, row-major `[rows, vocab]`.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Logits {
     pub vocab_size: usize,
     pub data: Vec<f32>,

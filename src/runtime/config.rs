@@ -108,3 +108,69 @@ impl ModelConfig {
         self.num_kv_heads * self.head_dim
     }
 }
+
+impl ModelConfig {
+    /// A Hugging Face `config.json` (llama or qwen2). HF checkpoints keep q and k unpermuted,
+    /// so their heads rotate in halves whatever the architecture.
+    pub fn from_hf_json(text: &str) -> Result<Self> {
+        let bad = |key: &str, reason: &str| RuntimeError::BadMetadata {
+            key: key.into(),
+            reason: reason.into(),
+        };
+        let v: serde_json::Value = serde_json::from_str(text).map_err(|e| bad("config.json", &e.to_string()))?;
+        let int = |key: &str| -> Result<usize> {
+            v.get(key)
+                .and_then(|x| x.as_u64())
+                .map(|x| x as usize)
+                .ok_or_else(|| bad(key, "missing or not a whole number"))
+        };
+        let float = |key: &str, default: f64| v.get(key).and_then(|x| x.as_f64()).unwrap_or(default) as f32;
+        let model_type = v.get("model_type").and_then(|x| x.as_str()).unwrap_or("");
+        let (architecture, qkv_bias) = match model_type {
+            "llama" => (
+                Architecture::Llama,
+                v.get("attention_bias").and_then(|x| x.as_bool()).unwrap_or(false),
+            ),
+            "qwen2" => (Architecture::Qwen2, true),
+            other => return Err(RuntimeError::UnsupportedArchitecture(other.to_string())),
+        };
+        let hidden_size = int("hidden_size")?;
+        let num_heads = int("num_attention_heads")?;
+        let config = ModelConfig {
+            architecture,
+            vocab_size: int("vocab_size")?,
+            hidden_size,
+            intermediate_size: int("intermediate_size")?,
+            num_layers: int("num_hidden_layers")?,
+            num_heads,
+            num_kv_heads: int("num_key_value_heads").unwrap_or(num_heads),
+            head_dim: int("head_dim").unwrap_or(hidden_size / num_heads.max(1)),
+            rope_theta: float("rope_theta", 10_000.0),
+            rope_style: RopeStyle::Halves,
+            rms_norm_eps: float("rms_norm_eps", 1e-6),
+            context_length: int("max_position_embeddings").unwrap_or(2048),
+            qkv_bias,
+        };
+        config.check()?;
+        Ok(config)
+    }
+
+    /// Shapes of well-known models, for `--load-format dummy --model-config NAME` (their
+    /// Hugging Face configs; rope scaling is left out, it changes no cost).
+    pub fn preset(name: &str) -> Option<Self> {
+        let json = match name {
+            "llama-3.1-8b" => {
+                r#"{"model_type":"llama","vocab_size":128256,"hidden_size":4096,"intermediate_size":14336,
+                "num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"rope_theta":500000.0,
+                "rms_norm_eps":1e-5,"max_position_embeddings":131072}"#
+            }
+            "qwen2.5-7b" => {
+                r#"{"model_type":"qwen2","vocab_size":152064,"hidden_size":3584,"intermediate_size":18944,
+                "num_hidden_layers":28,"num_attention_heads":28,"num_key_value_heads":4,"rope_theta":1000000.0,
+                "rms_norm_eps":1e-6,"max_position_embeddings":32768}"#
+            }
+            _ => return None,
+        };
+        Self::from_hf_json(json).ok()
+    }
+}

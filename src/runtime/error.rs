@@ -18,6 +18,8 @@ pub enum RuntimeError {
     InvalidBatch(String),
     #[error("backend failure: {0}")]
     Backend(String),
+    #[error("GPU: {0}")]
+    Device(String),
 }
 
 impl From<candle_core::Error> for RuntimeError {

@@ -1,28 +1,165 @@
 //! The model runtime: one `Backend` interface over a paged KV cache, with a CPU implementation
-//! (candle, quantized GGUF) and, later, a CUDA one. Nothing here decides who runs; it computes
-//! the batch it is given.
+//! (candle, quantized GGUF) and a CUDA one (bf16, NVRTC kernels, cuBLAS). Nothing here decides
+//! who runs; it computes the batch it is given.
 
 pub mod batch;
 pub mod config;
 pub mod cpu;
+pub mod cuda;
+pub mod device;
 pub mod error;
 pub mod gguf;
 
 pub use batch::{ForwardBatch, KvLayout, Logits};
 pub use config::{Architecture, ModelConfig};
+pub use device::{Device, DeviceChoice};
 pub use error::{Result, RuntimeError};
+
+use std::path::Path;
 
 /// A model that can run one flattened, paged batch. Prefill chunks and decode tokens of
 /// different sequences may be mixed freely in one call.
+///
+/// A step is `run` (queue the pass; a GPU backend returns before it is done, so the engine
+/// fills the grammar masks meanwhile), then `sample` with each sampled row's mask: plain
+/// greedy rows may be decided where the logits are (on a GPU: the mask applied and the argmax
+/// taken on the device, only token ids cross the bus), the others get their logits back for
+/// the engine's sampler.
 pub trait Backend: Send {
     fn config(&self) -> &ModelConfig;
 
     fn kv_layout(&self) -> KvLayout;
 
-    /// Runs the batch, writing each query token's K and V into its slot, and returns the
-    /// logits of `batch.logits_rows`.
-    fn forward(&mut self, batch: &ForwardBatch) -> Result<Logits>;
+    /// Runs the batch, writing each query token's K and V into its slot; the logits of
+    /// `batch.logits_rows` are kept for `sample`.
+    fn run(&mut self, batch: &ForwardBatch) -> Result<()>;
+
+    /// One request per row of the last `run`'s `logits_rows`, in order.
+    fn sample(&mut self, rows: &[RowRequest<'_>]) -> Result<Sampled>;
+
+    /// The argmax of one row of the last `run` under a narrower mask (a row `sample` decided on
+    /// the backend, whose token left its output no room to close).
+    fn argmax_within(&mut self, row: usize, mask: &[u32]) -> Result<u32>;
+
+    /// `run`, then every row's logits.
+    fn forward(&mut self, batch: &ForwardBatch) -> Result<Logits> {
+        self.run(batch)?;
+        let rows = vec![
+            RowRequest {
+                mask: None,
+                greedy: false
+            };
+            batch.logits_rows.len()
+        ];
+        Ok(self.sample(&rows)?.logits)
+    }
 
     /// A short human-readable name of the device, for logs and benchmarks.
     fn device_name(&self) -> String;
+}
+
+/// What the engine asks of one sampled row.
+#[derive(Clone, Copy, Debug)]
+pub struct RowRequest<'a> {
+    /// The grammar's mask for the row: one bit per token of the grammar's vocabulary; tokens
+    /// past it are refused.
+    pub mask: Option<&'a [u32]>,
+    /// A plain greedy request (no penalties, biases or log-probabilities): its token is the
+    /// argmax under the mask, which the backend may take itself.
+    pub greedy: bool,
+}
+
+/// The tokens a backend decided, and the logits of the rows it left to the engine.
+#[derive(Debug, Clone)]
+pub struct Sampled {
+    /// Per row: the token, where the backend took the argmax.
+    pub tokens: Vec<Option<u32>>,
+    /// The rows without a token, in row order.
+    pub logits: Logits,
+}
+
+impl Sampled {
+    /// Every row left to the engine: what a backend whose logits are on the host returns.
+    pub fn all_logits(logits: Logits) -> Self {
+        Sampled {
+            tokens: vec![None; logits.rows()],
+            logits,
+        }
+    }
+
+    /// The logits of row `row`, where the backend did not decide it.
+    pub fn host_row(&self, row: usize) -> Option<&[f32]> {
+        if self.tokens.get(row)?.is_some() {
+            return None;
+        }
+        let before = self.tokens[..row].iter().filter(|t| t.is_none()).count();
+        Some(self.logits.row(before))
+    }
+}
+
+/// How the weights are loaded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LoadFormat {
+    /// From the model file.
+    #[default]
+    Auto,
+    /// Deterministic random weights of the shape in `LoadOptions::model_config` (benchmarks;
+    /// the CUDA backend only).
+    Dummy,
+}
+
+/// What every backend needs to load, and what only one of them reads.
+#[derive(Default)]
+pub struct LoadOptions {
+    pub load_format: LoadFormat,
+    /// The shape of dummy weights.
+    pub model_config: Option<ModelConfig>,
+    /// KV cache capacity in tokens; overrides `kv_cache_bytes`.
+    pub kv_cache_tokens: Option<usize>,
+    /// KV cache memory; when neither is set, the CPU backend takes its default and the GPU
+    /// backend a share of device memory (`gpu_memory_utilization`).
+    pub kv_cache_bytes: Option<u64>,
+    pub cpu: cpu::CpuOptions,
+    pub gpu_memory_utilization: Option<f32>,
+    pub max_num_batched_tokens: usize,
+    pub max_num_seqs: usize,
+}
+
+/// The one place a backend is chosen and built.
+pub fn load(device: DeviceChoice, model: &Path, options: LoadOptions) -> Result<Box<dyn Backend>> {
+    match device.resolve()? {
+        Device::Cpu => {
+            if options.load_format == LoadFormat::Dummy {
+                return Err(RuntimeError::Device(
+                    "--load-format dummy runs on the GPU only (the CPU backend reads quantized GGUF)".into(),
+                ));
+            }
+            let mut cpu = options.cpu;
+            if let Some(tokens) = options.kv_cache_tokens {
+                cpu.kv_cache_tokens = tokens;
+                cpu.kv_cache_bytes = None;
+            } else if options.kv_cache_bytes.is_some() {
+                cpu.kv_cache_bytes = options.kv_cache_bytes;
+            }
+            Ok(Box::new(cpu::CpuBackend::load(model, &cpu)?))
+        }
+        Device::Cuda(ordinal) => {
+            let cuda_options = cuda::CudaOptions {
+                ordinal,
+                kv_cache_tokens: options.kv_cache_tokens,
+                kv_cache_bytes: options.kv_cache_bytes,
+                gpu_memory_utilization: options.gpu_memory_utilization.unwrap_or(0.9),
+                max_num_batched_tokens: options.max_num_batched_tokens.max(1),
+                max_num_seqs: options.max_num_seqs.max(1),
+            };
+            let source = match (options.load_format, options.model_config) {
+                (LoadFormat::Dummy, Some(config)) => cuda::WeightSource::Dummy(config),
+                (LoadFormat::Dummy, None) => {
+                    return Err(RuntimeError::Device("--load-format dummy needs --model-config".into()))
+                }
+                (LoadFormat::Auto, _) => cuda::WeightSource::Gguf(model),
+            };
+            Ok(Box::new(cuda::CudaBackend::load(source, &cuda_options)?))
+        }
+    }
 }

@@ -100,6 +100,18 @@ impl Sampler {
         }
     }
 
+    /// A token chosen elsewhere (a backend's argmax for a plain greedy request): counted like
+    /// a drawn one.
+    pub fn take(&mut self, token: u32) -> SampledToken {
+        self.record(token);
+        SampledToken {
+            token,
+            logprob: None,
+            top: Vec::new(),
+            forced: false,
+        }
+    }
+
     /// A token the grammar forced: it counts for penalties like any output token.
     pub fn forced(&mut self, token: u32) -> SampledToken {
         self.record(token);

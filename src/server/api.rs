@@ -173,6 +173,8 @@ impl KeywordEntry {
 pub struct Health {
     pub status: String,
     pub model: String,
+    /// Where the model runs, e.g. `cpu (16 threads)` or `cuda:0 (NVIDIA H100 80GB HBM3)`.
+    pub device: String,
     pub waiting: usize,
     pub running: usize,
     pub kv_blocks_free: usize,

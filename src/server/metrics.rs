@@ -44,6 +44,14 @@ pub struct Metrics {
     preemptions: Gauge,
 }
 
+impl Metrics {
+    /// `quarry_device_info{device="..."} 1`: which device serves, for dashboards.
+    pub fn register_device(&mut self, device: &str) {
+        let info = prometheus_client::metrics::info::Info::new(vec![("device".to_string(), device.to_string())]);
+        self.registry.register("device", "The device the model runs on", info);
+    }
+}
+
 impl Default for Metrics {
     fn default() -> Self {
         let seconds = || Histogram::new(exponential_buckets(0.001, 2.0, 18));

@@ -34,6 +34,7 @@ pub struct AppState {
     pub extractor: Arc<Extractor>,
     pub schemas: schemas::SchemaRegistry,
     pub model: String,
+    pub device: String,
     /// Accepted bearer tokens; none means no authentication.
     pub api_keys: Vec<String>,
     pub metrics: metrics::Metrics,
@@ -145,6 +146,7 @@ async fn health(State(state): State<Arc<AppState>>) -> Json<Health> {
     Json(Health {
         status: "ok".into(),
         model: state.model.clone(),
+        device: state.device.clone(),
         waiting: s.waiting,
         running: s.running,
         kv_blocks_free: s.kv_blocks_free,

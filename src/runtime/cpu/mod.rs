@@ -17,14 +17,15 @@ use std::path::Path;
 pub use attention::MAX_GROUP as MAX_HEAD_GROUP;
 use attention::{paged_attention, AttentionInput, AttentionShape};
 use kv_cache::KvCache;
+pub use ops::rope_tables;
 use ops::Rope;
 use weights::ModelWeights;
 
 use super::batch::{ForwardBatch, KvLayout, Logits};
 use super::config::ModelConfig;
-use super::error::Result;
+use super::error::{Result, RuntimeError};
 use super::gguf::GgufFile;
-use super::Backend;
+use super::{Backend, RowRequest, Sampled};
 
 /// When the KV pool's pages are backed by memory.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -59,6 +60,8 @@ impl Default for CpuOptions {
 
 pub struct CpuBackend {
     config: ModelConfig,
+    /// The last pass's logits, until `sample` hands them over.
+    logits: Logits,
     weights: ModelWeights,
     rope: Rope,
     kv: KvCache,
@@ -107,6 +110,7 @@ impl CpuBackend {
         }
         Ok(CpuBackend {
             config,
+            logits: Logits::default(),
             weights,
             rope,
             kv,
@@ -128,7 +132,26 @@ impl Backend for CpuBackend {
         format!("cpu ({} threads)", pool::num_threads())
     }
 
-    fn forward(&mut self, batch: &ForwardBatch) -> Result<Logits> {
+    /// The logits are on the host already: every row goes back to the engine's sampler.
+    fn sample(&mut self, rows: &[RowRequest<'_>]) -> Result<Sampled> {
+        let logits = std::mem::take(&mut self.logits);
+        if logits.rows() != rows.len() {
+            return Err(RuntimeError::InvalidBatch(format!(
+                "{} rows asked for, the last pass computed {}",
+                rows.len(),
+                logits.rows()
+            )));
+        }
+        Ok(Sampled::all_logits(logits))
+    }
+
+    fn argmax_within(&mut self, _row: usize, _mask: &[u32]) -> Result<u32> {
+        Err(RuntimeError::Backend(
+            "the CPU backend leaves every row to the engine's sampler".into(),
+        ))
+    }
+
+    fn run(&mut self, batch: &ForwardBatch) -> Result<()> {
         let cfg = &self.config;
         batch.validate(self.kv.layout(), cfg.vocab_size, cfg.context_length)?;
         let (t, d) = (batch.num_tokens(), cfg.hidden_size);
@@ -215,9 +238,10 @@ impl Backend for CpuBackend {
         if rows > 0 {
             self.weights.lm_head.forward(&normed, rows, &mut data)?;
         }
-        Ok(Logits {
+        self.logits = Logits {
             vocab_size: cfg.vocab_size,
             data,
-        })
+        };
+        Ok(())
     }
 }

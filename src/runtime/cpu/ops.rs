@@ -94,22 +94,29 @@ pub struct Rope {
     sin: Vec<f32>,
 }
 
+/// cos and sin of every (position, pair) angle, `[max_positions, head_dim / 2]` each. Angles
+/// are built as ggml builds them (an f32 running product of the per-pair ratio), so positions
+/// rotate exactly as in the reference implementation; the CUDA backend uploads the same tables.
+pub fn rope_tables(head_dim: usize, theta: f32, max_positions: usize) -> (Vec<f32>, Vec<f32>) {
+    let half = head_dim / 2;
+    let mut cos = Vec::with_capacity(max_positions * half);
+    let mut sin = Vec::with_capacity(max_positions * half);
+    let ratio = theta.powf(-2.0 / head_dim as f32);
+    for p in 0..max_positions {
+        let mut angle = p as f32;
+        for _ in 0..half {
+            cos.push(angle.cos());
+            sin.push(angle.sin());
+            angle *= ratio;
+        }
+    }
+    (cos, sin)
+}
+
 impl Rope {
     pub fn new(head_dim: usize, theta: f32, max_positions: usize, style: RopeStyle) -> Self {
+        let (cos, sin) = rope_tables(head_dim, theta, max_positions);
         let half = head_dim / 2;
-        let mut cos = Vec::with_capacity(max_positions * half);
-        let mut sin = Vec::with_capacity(max_positions * half);
-        // Angles built as ggml builds them (an f32 running product of the per-pair ratio), so
-        // positions rotate exactly as in the reference implementation.
-        let ratio = theta.powf(-2.0 / head_dim as f32);
-        for p in 0..max_positions {
-            let mut angle = p as f32;
-            for _ in 0..half {
-                cos.push(angle.cos());
-                sin.push(angle.sin());
-                angle *= ratio;
-            }
-        }
         Rope { half, style, cos, sin }
     }
 

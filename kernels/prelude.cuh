@@ -1,0 +1,41 @@
+// Shared by every kernel file (prepended before NVRTC compiles it). bf16 is carried as its bit
+// pattern: the conversions are two lines, and NVRTC then needs no CUDA headers at all.
+typedef unsigned short bf16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define NEG_INF (__int_as_float(0xff800000))
+
+__device__ __forceinline__ float bf16_to_f32(bf16 h) {
+    return __uint_as_float(((u32)h) << 16);
+}
+
+// Round to nearest even, as torch and half::bf16 do; NaN stays NaN.
+__device__ __forceinline__ bf16 f32_to_bf16(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum over the whole block (at most 1024 threads); every thread gets the total.
+__device__ __forceinline__ float block_sum(float v) {
+    __shared__ float partial[32];
+    __shared__ float total;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float s = lane < (int)((blockDim.x + 31) >> 5) ? partial[lane] : 0.0f;
+        s = warp_sum(s);
+        if (lane == 0) total = s;
+    }
+    __syncthreads();
+    return total;
+}

@@ -1,0 +1,160 @@
+//! The CUDA kernels (kernels/*.cu, embedded in the binary), compiled by NVRTC for the device's
+//! architecture on first use and kept on disk, keyed by source, architecture and driver
+//! version, so a restart loads them instead of compiling again.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction};
+use cudarc::nvrtc::{CompileOptions, Ptx};
+
+use crate::runtime::error::{Result, RuntimeError};
+
+const PRELUDE: &str = include_str!("../../../kernels/prelude.cuh");
+
+/// Each file and the kernels it defines.
+const SOURCES: &[(&str, &str, &[&str])] = &[
+    (
+        "embedding.cu",
+        include_str!("../../../kernels/embedding.cu"),
+        &["embedding"],
+    ),
+    ("norm.cu", include_str!("../../../kernels/norm.cu"), &["add_rms_norm"]),
+    (
+        "rope.cu",
+        include_str!("../../../kernels/rope.cu"),
+        &["rope", "add_bias"],
+    ),
+    (
+        "cache.cu",
+        include_str!("../../../kernels/cache.cu"),
+        &["reshape_and_cache"],
+    ),
+    (
+        "attention.cu",
+        include_str!("../../../kernels/attention.cu"),
+        &["paged_attention"],
+    ),
+    (
+        "activation.cu",
+        include_str!("../../../kernels/activation.cu"),
+        &["silu_mul"],
+    ),
+    (
+        "sampling.cu",
+        include_str!("../../../kernels/sampling.cu"),
+        &["apply_bitmask", "argmax"],
+    ),
+    (
+        "random.cu",
+        include_str!("../../../kernels/random.cu"),
+        &["fill_uniform_bf16"],
+    ),
+];
+
+pub struct Kernels {
+    pub embedding: CudaFunction,
+    pub add_rms_norm: CudaFunction,
+    pub rope: CudaFunction,
+    pub add_bias: CudaFunction,
+    pub reshape_and_cache: CudaFunction,
+    pub paged_attention: CudaFunction,
+    pub silu_mul: CudaFunction,
+    pub apply_bitmask: CudaFunction,
+    pub argmax: CudaFunction,
+    pub fill_uniform_bf16: CudaFunction,
+}
+
+impl Kernels {
+    pub fn load(ctx: &Arc<CudaContext>) -> Result<Self> {
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| RuntimeError::Device(format!("reading the compute capability: {e}")))?;
+        let arch = format!("{major}{minor}");
+        let driver = driver_version();
+        let mut functions = std::collections::HashMap::new();
+        for (file, source, names) in SOURCES {
+            let ptx = compiled(file, source, &arch, driver)?;
+            let module = ctx
+                .load_module(ptx)
+                .map_err(|e| RuntimeError::Device(format!("loading kernels/{file}: {e}")))?;
+            for name in *names {
+                let f = module
+                    .load_function(name)
+                    .map_err(|e| RuntimeError::Device(format!("kernel `{name}` in kernels/{file}: {e}")))?;
+                functions.insert(*name, f);
+            }
+        }
+        let mut take = |name: &str| functions.remove(name).expect("every listed kernel was loaded");
+        Ok(Kernels {
+            embedding: take("embedding"),
+            add_rms_norm: take("add_rms_norm"),
+            rope: take("rope"),
+            add_bias: take("add_bias"),
+            reshape_and_cache: take("reshape_and_cache"),
+            paged_attention: take("paged_attention"),
+            silu_mul: take("silu_mul"),
+            apply_bitmask: take("apply_bitmask"),
+            argmax: take("argmax"),
+            fill_uniform_bf16: take("fill_uniform_bf16"),
+        })
+    }
+}
+
+fn driver_version() -> i32 {
+    let mut v = 0;
+    // SAFETY: writes one int; the driver was initialised by the device probe.
+    unsafe {
+        cudarc::driver::sys::cuDriverGetVersion(&mut v);
+    }
+    v
+}
+
+/// FNV-1a: stable across builds and Rust versions, unlike `DefaultHasher`.
+fn fnv(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf29ce484222325u64, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x100000001b3)
+    })
+}
+
+fn cache_dir() -> Option<PathBuf> {
+    let base = std::env::var_os("QUARRY_KERNEL_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("quarry/kernels")))
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/quarry/kernels")))?;
+    std::fs::create_dir_all(&base).ok()?;
+    Some(base)
+}
+
+/// The PTX of one file, from the disk cache or from NVRTC.
+fn compiled(file: &str, source: &str, arch: &str, driver: i32) -> Result<Ptx> {
+    let full = format!("{PRELUDE}\n#line 1 \"{file}\"\n{source}");
+    let key = format!(
+        "{}-{:016x}-sm{arch}-drv{driver}.ptx",
+        file.trim_end_matches(".cu"),
+        fnv(full.as_bytes())
+    );
+    let cached = cache_dir().map(|d| d.join(&key));
+    if let Some(text) = cached.as_ref().and_then(|p| std::fs::read_to_string(p).ok()) {
+        return Ok(Ptx::from_src(text));
+    }
+    let options = CompileOptions {
+        options: vec![format!("--gpu-architecture=compute_{arch}"), "--std=c++17".into()],
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(&full, options).map_err(|e| {
+        let detail = match &e {
+            cudarc::nvrtc::CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
+            other => format!("{other:?}"),
+        };
+        RuntimeError::Device(format!("compiling kernels/{file} (NVRTC, sm_{arch}): {detail}"))
+    })?;
+    if let Some(path) = cached {
+        // Written whole, then renamed: a concurrent start never reads half a file.
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        if std::fs::write(&tmp, ptx.to_src()).is_ok() {
+            let _ = std::fs::rename(&tmp, &path);
+        }
+    }
+    Ok(ptx)
+}

@@ -1,0 +1,602 @@
+//! The CUDA backend: bf16 weights and a paged bf16 KV cache in device memory, kernels compiled
+//! by NVRTC (kernels/*.cu), projections through cuBLAS. The layer loop is the CPU backend's:
+//! embed, then per layer norm, qkv, rope, cache write, paged attention, output projection,
+//! norm, gate|up, SiLU-and-multiply, down; the last norm and the head run only on the rows
+//! whose logits are wanted.
+
+mod gemm;
+mod kernels;
+mod weights;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+
+use self::gemm::{Gemm, OutType};
+use self::kernels::Kernels;
+use self::weights::Weights;
+use super::batch::{ForwardBatch, KvLayout, Logits};
+use super::config::{ModelConfig, RopeStyle};
+use super::error::{Result, RuntimeError};
+use super::gguf::GgufFile;
+use super::{Backend, RowRequest, Sampled};
+
+/// Tokens per KV block.
+pub const BLOCK_SIZE: usize = 16;
+
+pub struct CudaOptions {
+    pub ordinal: usize,
+    /// KV cache capacity in tokens (rounded up to whole blocks); else `kv_cache_bytes`; else
+    /// `gpu_memory_utilization` of the device's memory, less what is in use after loading.
+    pub kv_cache_tokens: Option<usize>,
+    pub kv_cache_bytes: Option<u64>,
+    pub gpu_memory_utilization: f32,
+    /// The largest batch the engine will send: activation buffers are taken for it at load,
+    /// before the KV cache is sized.
+    pub max_num_batched_tokens: usize,
+    pub max_num_seqs: usize,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        CudaOptions {
+            ordinal: 0,
+            kv_cache_tokens: None,
+            kv_cache_bytes: None,
+            gpu_memory_utilization: 0.9,
+            max_num_batched_tokens: 2048,
+            max_num_seqs: 128,
+        }
+    }
+}
+
+/// Where the weights come from.
+pub enum WeightSource<'a> {
+    Gguf(&'a Path),
+    /// Deterministic random weights of this shape.
+    Dummy(ModelConfig),
+}
+
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    kernels: Kernels,
+    gemm: Gemm,
+    config: ModelConfig,
+    weights: Weights,
+    rope_cos: CudaSlice<f32>,
+    rope_sin: CudaSlice<f32>,
+    k_cache: Vec<CudaSlice<u16>>,
+    v_cache: Vec<CudaSlice<u16>>,
+    layout: KvLayout,
+    buffers: Buffers,
+    /// Rows of logits the last `run` left in `buffers.logits`.
+    rows: usize,
+    name: String,
+}
+
+/// Activations, sized for the largest batch seen (at least the one given at load).
+struct Buffers {
+    tokens: usize,
+    rows: usize,
+    x: CudaSlice<f32>,
+    branch: CudaSlice<f32>,
+    normed: CudaSlice<u16>,
+    qkv: CudaSlice<f32>,
+    attn: CudaSlice<u16>,
+    gate_up: CudaSlice<f32>,
+    act: CudaSlice<u16>,
+    head_in: CudaSlice<u16>,
+    logits: CudaSlice<f32>,
+}
+
+impl Buffers {
+    fn new(stream: &Arc<CudaStream>, cfg: &ModelConfig, tokens: usize, rows: usize) -> Result<Self> {
+        let (d, inter) = (cfg.hidden_size, cfg.intermediate_size);
+        let width = cfg.q_size() + 2 * cfg.kv_size();
+        let oom = |e: cudarc::driver::DriverError| {
+            RuntimeError::Device(format!(
+                "out of device memory for the activations of {tokens} tokens: {e}"
+            ))
+        };
+        Ok(Buffers {
+            tokens,
+            rows,
+            x: stream.alloc_zeros(tokens * d).map_err(oom)?,
+            branch: stream.alloc_zeros(tokens * d).map_err(oom)?,
+            normed: stream.alloc_zeros(tokens * d).map_err(oom)?,
+            qkv: stream.alloc_zeros(tokens * width).map_err(oom)?,
+            attn: stream.alloc_zeros(tokens * cfg.q_size()).map_err(oom)?,
+            gate_up: stream.alloc_zeros(tokens * 2 * inter).map_err(oom)?,
+            act: stream.alloc_zeros(tokens * inter).map_err(oom)?,
+            head_in: stream.alloc_zeros(rows * d).map_err(oom)?,
+            logits: stream.alloc_zeros(rows * cfg.vocab_size).map_err(oom)?,
+        })
+    }
+}
+
+fn device_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> RuntimeError + '_ {
+    move |e| RuntimeError::Backend(format!("{what}: {e}"))
+}
+
+impl CudaBackend {
+    pub fn load(source: WeightSource<'_>, options: &CudaOptions) -> Result<Self> {
+        let ctx = CudaContext::new(options.ordinal)
+            .map_err(|e| RuntimeError::Device(format!("creating a context on cuda:{}: {e}", options.ordinal)))?;
+        // One stream does all the work in order, so cudarc's per-buffer events are not needed.
+        // SAFETY: no buffer is used on another stream.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.default_stream();
+        let kernels = Kernels::load(&ctx)?;
+        let (config, weights) = match source {
+            WeightSource::Gguf(path) => {
+                let mut gguf = GgufFile::open(path)?;
+                let config = ModelConfig::from_gguf(&gguf)?;
+                let weights = Weights::from_gguf(&mut gguf, &config, &stream)?;
+                (config, weights)
+            }
+            WeightSource::Dummy(config) => {
+                let weights = Weights::dummy(&config, &stream, &kernels)?;
+                (config, weights)
+            }
+        };
+        let (cos, sin) = super::cpu::rope_tables(config.head_dim, config.rope_theta, config.context_length);
+        let rope_cos = stream.clone_htod(&cos).map_err(device_err("rope tables"))?;
+        let rope_sin = stream.clone_htod(&sin).map_err(device_err("rope tables"))?;
+        let buffers = Buffers::new(
+            &stream,
+            &config,
+            options.max_num_batched_tokens.max(1),
+            options.max_num_seqs.max(1),
+        )?;
+        let gemm = Gemm::new(stream.clone())?;
+        stream.synchronize().map_err(device_err("loading the weights"))?;
+
+        // The KV cache takes what is left of the memory budget.
+        let kv_bytes_per_token = 2 * config.num_layers * config.kv_size() * 2;
+        let tokens = match (options.kv_cache_tokens, options.kv_cache_bytes) {
+            (Some(t), _) => t,
+            (None, Some(b)) => (b / kv_bytes_per_token as u64) as usize,
+            (None, None) => {
+                let (free, total) = ctx.mem_get_info().map_err(device_err("reading free memory"))?;
+                let budget = (total as f64 * options.gpu_memory_utilization as f64) as i64 - (total - free) as i64;
+                if budget <= 0 {
+                    return Err(RuntimeError::Device(format!(
+                        "no memory left for the KV cache: {} MiB of {} MiB in use after loading, the budget is {}",
+                        (total - free) >> 20,
+                        total >> 20,
+                        options.gpu_memory_utilization
+                    )));
+                }
+                budget as usize / kv_bytes_per_token
+            }
+        };
+        let layout = KvLayout {
+            num_blocks: tokens.div_ceil(BLOCK_SIZE).max(1),
+            block_size: BLOCK_SIZE,
+        };
+        let per_layer = layout.num_slots() * config.kv_size();
+        let mut k_cache = Vec::with_capacity(config.num_layers);
+        let mut v_cache = Vec::with_capacity(config.num_layers);
+        for li in 0..config.num_layers {
+            let oom = |e| {
+                RuntimeError::Device(format!(
+                    "out of device memory for layer {li}'s KV cache ({} blocks): {e}",
+                    layout.num_blocks
+                ))
+            };
+            // SAFETY: every slot is written by the cache kernel before attention reads it.
+            k_cache.push(unsafe { stream.alloc::<u16>(per_layer) }.map_err(oom)?);
+            v_cache.push(unsafe { stream.alloc::<u16>(per_layer) }.map_err(oom)?);
+        }
+        let name = format!(
+            "cuda:{} ({})",
+            options.ordinal,
+            ctx.name().unwrap_or_else(|_| "unknown GPU".into())
+        );
+        Ok(CudaBackend {
+            ctx,
+            stream,
+            kernels,
+            gemm,
+            config,
+            weights,
+            rope_cos,
+            rope_sin,
+            k_cache,
+            v_cache,
+            layout,
+            buffers,
+            rows: 0,
+            name,
+        })
+    }
+
+    fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
+        s.device_ptr(&self.stream).0
+    }
+
+    fn launch(&self, f: &CudaFunction, grid: (u32, u32), block: u32, args: &[&dyn Arg]) -> Result<()> {
+        launch(&self.stream, f, grid, block, args)
+    }
+}
+
+/// Queues one kernel on `stream`: a grid of `grid` blocks of `block` threads.
+fn launch(stream: &CudaStream, f: &CudaFunction, grid: (u32, u32), block: u32, args: &[&dyn Arg]) -> Result<()> {
+    let cfg = LaunchConfig {
+        grid_dim: (grid.0, grid.1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut builder = stream.launch_builder(f);
+    for a in args {
+        a.push(&mut builder);
+    }
+    // SAFETY: every pointer argument addresses a live buffer of the size its kernel reads;
+    // batches are validated (ids, slots, block tables) before any launch.
+    unsafe { builder.launch(cfg) }
+        .map(|_| ())
+        .map_err(|e| RuntimeError::Backend(format!("kernel launch: {e}")))
+}
+
+/// A kernel argument: device pointers travel as `u64`, sizes as `i32`, scalars as `f32`.
+trait Arg {
+    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>);
+}
+
+impl Arg for u64 {
+    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
+        b.arg(self);
+    }
+}
+
+impl Arg for i32 {
+    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
+        b.arg(self);
+    }
+}
+
+impl Arg for f32 {
+    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
+        b.arg(self);
+    }
+}
+
+const THREADS: u32 = 256;
+
+impl Backend for CudaBackend {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn kv_layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    fn device_name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn run(&mut self, batch: &ForwardBatch) -> Result<()> {
+        let cfg = self.config.clone();
+        self.rows = 0;
+        batch.validate(self.layout, cfg.vocab_size, cfg.context_length)?;
+        let (t, rows) = (batch.num_tokens(), batch.logits_rows.len());
+        if t > self.buffers.tokens || rows > self.buffers.rows {
+            self.buffers = Buffers::new(
+                &self.stream,
+                &cfg,
+                t.max(self.buffers.tokens),
+                rows.max(self.buffers.rows),
+            )?;
+        }
+        let s = &self.stream;
+        // The batch's metadata, one copy each.
+        let max_blocks = batch.block_tables.iter().map(Vec::len).max().unwrap_or(1).max(1);
+        let mut tables = vec![0u32; batch.num_seqs() * max_blocks];
+        let mut token_seq = vec![0u32; t];
+        for (i, table) in batch.block_tables.iter().enumerate() {
+            tables[i * max_blocks..][..table.len()].copy_from_slice(table);
+            let (lo, hi) = (batch.query_start[i] as usize, batch.query_start[i + 1] as usize);
+            token_seq[lo..hi].fill(i as u32);
+        }
+        let up = |v: &[u32]| s.clone_htod(v).map_err(device_err("copying the batch"));
+        let ids = up(&batch.token_ids)?;
+        let positions = up(&batch.positions)?;
+        let slots = up(&batch.slot_mapping)?;
+        let seqs = up(&token_seq)?;
+        let tables = up(&tables)?;
+        let picked = up(if rows > 0 { &batch.logits_rows } else { &[0] })?;
+
+        let (d, inter) = (cfg.hidden_size as i32, cfg.intermediate_size as i32);
+        let (q_size, kv_size) = (cfg.q_size() as i32, cfg.kv_size() as i32);
+        let width = q_size + 2 * kv_size;
+        let eps = cfg.rms_norm_eps;
+        let b = &self.buffers;
+        let (x, branch, normed, qkv, attn, gate_up, act) = (
+            self.ptr(&b.x),
+            self.ptr(&b.branch),
+            self.ptr(&b.normed),
+            self.ptr(&b.qkv),
+            self.ptr(&b.attn),
+            self.ptr(&b.gate_up),
+            self.ptr(&b.act),
+        );
+        let (ids, positions, slots, seqs, tables, picked) = (
+            self.ptr(&ids),
+            self.ptr(&positions),
+            self.ptr(&slots),
+            self.ptr(&seqs),
+            self.ptr(&tables),
+            self.ptr(&picked),
+        );
+        let k = &self.kernels;
+        let tt = t as u32;
+        let null = 0u64;
+        let halves = (cfg.rope_style == RopeStyle::Halves) as i32;
+        let scale = 1.0 / (cfg.head_dim as f32).sqrt();
+        let (heads, kv_heads, head_dim) = (cfg.num_heads as i32, cfg.num_kv_heads as i32, cfg.head_dim as i32);
+        let (block_size, max_blocks) = (self.layout.block_size as i32, max_blocks as i32);
+
+        self.launch(
+            &k.embedding,
+            (tt, 1),
+            THREADS,
+            &[&ids, &self.ptr(&self.weights.embedding), &x, &d],
+        )?;
+        for (li, layer) in self.weights.layers.iter().enumerate() {
+            // The previous layer's MLP output joins the residual stream here.
+            let residual = if li == 0 { null } else { branch };
+            let one = 1i32;
+            self.launch(
+                &k.add_rms_norm,
+                (tt, 1),
+                THREADS,
+                &[
+                    &x,
+                    &residual,
+                    &null,
+                    &one,
+                    &self.ptr(&layer.attn_norm),
+                    &normed,
+                    &d,
+                    &eps,
+                ],
+            )?;
+            self.gemm.matmul(
+                normed,
+                self.ptr(&layer.qkv),
+                qkv,
+                OutType::F32,
+                t,
+                width as usize,
+                d as usize,
+            )?;
+            if let Some(bias) = &layer.qkv_bias {
+                self.launch(&k.add_bias, (tt, 1), THREADS, &[&qkv, &self.ptr(bias), &width])?;
+            }
+            let rotated = heads + kv_heads;
+            self.launch(
+                &k.rope,
+                (tt, 1),
+                THREADS,
+                &[
+                    &qkv,
+                    &positions,
+                    &self.ptr(&self.rope_cos),
+                    &self.ptr(&self.rope_sin),
+                    &width,
+                    &rotated,
+                    &head_dim,
+                    &halves,
+                ],
+            )?;
+            let (kc, vc) = (self.ptr(&self.k_cache[li]), self.ptr(&self.v_cache[li]));
+            let v_offset = q_size + kv_size;
+            self.launch(
+                &k.reshape_and_cache,
+                (tt, 1),
+                THREADS,
+                &[&qkv, &width, &q_size, &v_offset, &kv_size, &slots, &kc, &vc],
+            )?;
+            self.launch(
+                &k.paged_attention,
+                (tt, heads as u32),
+                128,
+                &[
+                    &qkv,
+                    &width,
+                    &attn,
+                    &kc,
+                    &vc,
+                    &seqs,
+                    &positions,
+                    &tables,
+                    &max_blocks,
+                    &block_size,
+                    &heads,
+                    &kv_heads,
+                    &head_dim,
+                    &scale,
+                ],
+            )?;
+            self.gemm.matmul(
+                attn,
+                self.ptr(&layer.attn_out),
+                branch,
+                OutType::F32,
+                t,
+                d as usize,
+                q_size as usize,
+            )?;
+            self.launch(
+                &k.add_rms_norm,
+                (tt, 1),
+                THREADS,
+                &[&x, &branch, &null, &one, &self.ptr(&layer.ffn_norm), &normed, &d, &eps],
+            )?;
+            self.gemm.matmul(
+                normed,
+                self.ptr(&layer.gate_up),
+                gate_up,
+                OutType::F32,
+                t,
+                2 * inter as usize,
+                d as usize,
+            )?;
+            self.launch(&k.silu_mul, (tt, 1), THREADS, &[&gate_up, &act, &inter])?;
+            self.gemm.matmul(
+                act,
+                self.ptr(&layer.down),
+                branch,
+                OutType::F32,
+                t,
+                d as usize,
+                inter as usize,
+            )?;
+        }
+
+        if rows == 0 {
+            return Ok(());
+        }
+        // Only the rows whose logits are wanted go through the last residual add, the final
+        // norm and the head.
+        let (head_in, logits) = (self.ptr(&b.head_in), self.ptr(&b.logits));
+        let zero = 0i32;
+        self.launch(
+            &k.add_rms_norm,
+            (rows as u32, 1),
+            THREADS,
+            &[
+                &x,
+                &branch,
+                &picked,
+                &zero,
+                &self.ptr(&self.weights.output_norm),
+                &head_in,
+                &d,
+                &eps,
+            ],
+        )?;
+        let head = self.ptr(self.weights.lm_head.as_ref().unwrap_or(&self.weights.embedding));
+        self.gemm
+            .matmul(head_in, head, logits, OutType::F32, rows, cfg.vocab_size, d as usize)?;
+        self.rows = rows;
+        Ok(())
+    }
+
+    fn sample(&mut self, requests: &[RowRequest<'_>]) -> Result<Sampled> {
+        let (vocab, rows) = (self.config.vocab_size, self.rows);
+        if requests.len() != rows {
+            return Err(RuntimeError::InvalidBatch(format!(
+                "{} rows asked for, the last pass computed {rows}",
+                requests.len()
+            )));
+        }
+        let s = self.stream.clone();
+        let mut tokens = vec![None; rows];
+        if requests.iter().any(|r| r.greedy) {
+            // Masks of the greedy rows go up, are applied in place, and the argmax of every row
+            // comes back (an id per row; the rows the engine samples ignore theirs).
+            let words = vocab.div_ceil(32);
+            let mut masks = Vec::new();
+            let mut mask_rows = vec![-1i32; rows];
+            for (i, r) in requests.iter().enumerate() {
+                if let (true, Some(m)) = (r.greedy, r.mask) {
+                    mask_rows[i] = (masks.len() / words) as i32;
+                    let start = masks.len();
+                    masks.extend_from_slice(&m[..m.len().min(words)]);
+                    masks.resize(start + words, 0);
+                }
+            }
+            if !masks.is_empty() {
+                self.apply_masks(self.ptr(&self.buffers.logits), &masks, &mask_rows)?;
+            }
+            let ids = self.argmax_rows(self.ptr(&self.buffers.logits), rows)?;
+            for (i, r) in requests.iter().enumerate() {
+                if r.greedy {
+                    tokens[i] = Some(ids[i]);
+                }
+            }
+        }
+        // The other rows' logits come back, one copy per run of consecutive rows.
+        let mut data = Vec::new();
+        let mut i = 0;
+        while i < rows {
+            if tokens[i].is_some() {
+                i += 1;
+                continue;
+            }
+            let start = i;
+            while i < rows && tokens[i].is_none() {
+                i += 1;
+            }
+            let part = s
+                .clone_dtoh(&self.buffers.logits.slice(start * vocab..i * vocab))
+                .map_err(device_err("copying logits"))?;
+            data.extend_from_slice(&part);
+        }
+        s.synchronize().map_err(device_err("sampling"))?;
+        Ok(Sampled {
+            tokens,
+            logits: Logits {
+                vocab_size: vocab,
+                data,
+            },
+        })
+    }
+
+    fn argmax_within(&mut self, row: usize, mask: &[u32]) -> Result<u32> {
+        if row >= self.rows {
+            return Err(RuntimeError::InvalidBatch(format!("row {row} of {}", self.rows)));
+        }
+        let (vocab, words) = (self.config.vocab_size, self.config.vocab_size.div_ceil(32));
+        let mut m = mask[..mask.len().min(words)].to_vec();
+        m.resize(words, 0);
+        let at = self.ptr(&self.buffers.logits) + (row * vocab * std::mem::size_of::<f32>()) as u64;
+        self.apply_masks(at, &m, &[0])?;
+        Ok(self.argmax_rows(at, 1)?[0])
+    }
+}
+
+impl CudaBackend {
+    /// Sets to -inf, in place, the logits that `mask_rows[r]`'s mask refuses, for each row
+    /// `r` from `logits` on (-1: the row is left alone).
+    fn apply_masks(&self, logits: u64, masks: &[u32], mask_rows: &[i32]) -> Result<()> {
+        let vocab = self.config.vocab_size;
+        let s = &self.stream;
+        let masks_d = s.clone_htod(masks).map_err(device_err("copying masks"))?;
+        let rows_d = s.clone_htod(mask_rows).map_err(device_err("copying masks"))?;
+        let (v, w) = (vocab as i32, vocab.div_ceil(32) as i32);
+        self.launch(
+            &self.kernels.apply_bitmask,
+            (mask_rows.len() as u32, (vocab as u32).div_ceil(THREADS)),
+            THREADS,
+            &[&logits, &self.ptr(&masks_d), &self.ptr(&rows_d), &v, &w],
+        )
+    }
+
+    /// The argmax of `rows` rows of logits from `logits` on.
+    fn argmax_rows(&self, logits: u64, rows: usize) -> Result<Vec<u32>> {
+        let s = &self.stream;
+        let out = s.alloc_zeros::<u32>(rows).map_err(device_err("sampling"))?;
+        let v = self.config.vocab_size as i32;
+        self.launch(
+            &self.kernels.argmax,
+            (rows as u32, 1),
+            1024,
+            &[&logits, &v, &self.ptr(&out)],
+        )?;
+        s.clone_dtoh(&out).map_err(device_err("copying sampled tokens"))
+    }
+}
+
+#[cfg(test)]
+mod tests;
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        let _ = self.ctx.synchronize();
+    }
+}

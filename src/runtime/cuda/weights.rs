@@ -1,0 +1,183 @@
+//! The decoder's weights in device memory, bf16 matrices and f32 norm vectors, from a GGUF file
+//! (dequantized on load) or deterministic random values of any shape (`--load-format dummy`).
+//! The names are GGUF's; the layer loop is the CPU backend's, with the same stacking of
+//! q|k|v and gate|up.
+
+use std::sync::Arc;
+
+use candle_core::Device;
+use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use half::bf16;
+
+use super::kernels::Kernels;
+use crate::runtime::config::ModelConfig;
+use crate::runtime::error::{Result, RuntimeError};
+use crate::runtime::gguf::GgufFile;
+
+pub struct LayerWeights {
+    pub attn_norm: CudaSlice<f32>,
+    /// `[q | k | v]` rows stacked, `[q_size + 2 kv_size, hidden]`.
+    pub qkv: CudaSlice<u16>,
+    pub qkv_bias: Option<CudaSlice<f32>>,
+    pub attn_out: CudaSlice<u16>,
+    pub ffn_norm: CudaSlice<f32>,
+    /// `[gate | up]` rows stacked, `[2 intermediate, hidden]`.
+    pub gate_up: CudaSlice<u16>,
+    pub down: CudaSlice<u16>,
+}
+
+pub struct Weights {
+    pub embedding: CudaSlice<u16>,
+    pub layers: Vec<LayerWeights>,
+    pub output_norm: CudaSlice<f32>,
+    /// None: tied to the embedding.
+    pub lm_head: Option<CudaSlice<u16>>,
+}
+
+fn oom(what: &str, e: impl std::fmt::Display) -> RuntimeError {
+    RuntimeError::Device(format!("out of device memory loading {what}: {e}"))
+}
+
+fn upload_bf16(stream: &Arc<CudaStream>, name: &str, values: &[f32]) -> Result<CudaSlice<u16>> {
+    let bits: Vec<u16> = values.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+    stream.clone_htod(&bits).map_err(|e| oom(name, e))
+}
+
+fn upload_f32(stream: &Arc<CudaStream>, name: &str, values: &[f32]) -> Result<CudaSlice<f32>> {
+    stream.clone_htod(values).map_err(|e| oom(name, e))
+}
+
+impl Weights {
+    pub fn from_gguf(gguf: &mut GgufFile, cfg: &ModelConfig, stream: &Arc<CudaStream>) -> Result<Self> {
+        let has_head = gguf.has_tensor("output.weight");
+        let mut read = |name: &str, shape: &[usize]| -> Result<Vec<f32>> {
+            let t = gguf.tensor(name)?;
+            if t.shape().dims() != shape {
+                return Err(RuntimeError::BadTensor {
+                    name: name.into(),
+                    reason: format!("shape {:?}, expected {shape:?}", t.shape().dims()),
+                });
+            }
+            Ok(t.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?)
+        };
+        let (d, inter) = (cfg.hidden_size, cfg.intermediate_size);
+        let embedding = upload_bf16(
+            stream,
+            "token_embd.weight",
+            &read("token_embd.weight", &[cfg.vocab_size, d])?,
+        )?;
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for i in 0..cfg.num_layers {
+            let n = |t: &str| format!("blk.{i}.{t}");
+            let mut qkv = read(&n("attn_q.weight"), &[cfg.q_size(), d])?;
+            qkv.extend(read(&n("attn_k.weight"), &[cfg.kv_size(), d])?);
+            qkv.extend(read(&n("attn_v.weight"), &[cfg.kv_size(), d])?);
+            let qkv_bias = if cfg.qkv_bias {
+                let mut b = read(&n("attn_q.bias"), &[cfg.q_size()])?;
+                b.extend(read(&n("attn_k.bias"), &[cfg.kv_size()])?);
+                b.extend(read(&n("attn_v.bias"), &[cfg.kv_size()])?);
+                Some(upload_f32(stream, &n("attn_qkv.bias"), &b)?)
+            } else {
+                None
+            };
+            let mut gate_up = read(&n("ffn_gate.weight"), &[inter, d])?;
+            gate_up.extend(read(&n("ffn_up.weight"), &[inter, d])?);
+            layers.push(LayerWeights {
+                attn_norm: upload_f32(stream, &n("attn_norm.weight"), &read(&n("attn_norm.weight"), &[d])?)?,
+                qkv: upload_bf16(stream, &n("attn_qkv.weight"), &qkv)?,
+                qkv_bias,
+                attn_out: upload_bf16(
+                    stream,
+                    &n("attn_output.weight"),
+                    &read(&n("attn_output.weight"), &[d, cfg.q_size()])?,
+                )?,
+                ffn_norm: upload_f32(stream, &n("ffn_norm.weight"), &read(&n("ffn_norm.weight"), &[d])?)?,
+                gate_up: upload_bf16(stream, &n("ffn_gate_up.weight"), &gate_up)?,
+                down: upload_bf16(
+                    stream,
+                    &n("ffn_down.weight"),
+                    &read(&n("ffn_down.weight"), &[d, inter])?,
+                )?,
+            });
+        }
+        let output_norm = upload_f32(stream, "output_norm.weight", &read("output_norm.weight", &[d])?)?;
+        // Small models tie the output head to the embedding matrix.
+        let lm_head = if has_head {
+            Some(upload_bf16(
+                stream,
+                "output.weight",
+                &read("output.weight", &[cfg.vocab_size, d])?,
+            )?)
+        } else {
+            None
+        };
+        Ok(Weights {
+            embedding,
+            layers,
+            output_norm,
+            lm_head,
+        })
+    }
+
+    /// Uniform random matrices (the same on every run for a given shape), unit norms, an
+    /// untied head: the memory traffic and arithmetic of the real model, for benchmarks.
+    pub fn dummy(cfg: &ModelConfig, stream: &Arc<CudaStream>, kernels: &Kernels) -> Result<Self> {
+        let mut seed = 0u64;
+        let mut matrix = |name: &str, rows: usize, cols: usize| -> Result<CudaSlice<u16>> {
+            let n = rows * cols;
+            let mut m = stream.alloc_zeros::<u16>(n).map_err(|e| oom(name, e))?;
+            seed += 1;
+            let scale = 1.0f32 / (cols as f32).sqrt();
+            let (n64, cfg_launch) = (
+                n as u64,
+                LaunchConfig {
+                    grid_dim: (1024, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                },
+            );
+            // SAFETY: the kernel writes n values of the allocation just made.
+            unsafe {
+                stream
+                    .launch_builder(&kernels.fill_uniform_bf16)
+                    .arg(&mut m)
+                    .arg(&n64)
+                    .arg(&seed)
+                    .arg(&scale)
+                    .launch(cfg_launch)
+            }
+            .map_err(|e| RuntimeError::Device(format!("filling {name}: {e}")))?;
+            Ok(m)
+        };
+        let (d, inter) = (cfg.hidden_size, cfg.intermediate_size);
+        let ones = vec![1.0f32; d];
+        let embedding = matrix("embedding", cfg.vocab_size, d)?;
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for i in 0..cfg.num_layers {
+            let n = |t: &str| format!("layer {i} {t}");
+            layers.push(LayerWeights {
+                attn_norm: upload_f32(stream, &n("attn_norm"), &ones)?,
+                qkv: matrix(&n("qkv"), cfg.q_size() + 2 * cfg.kv_size(), d)?,
+                qkv_bias: if cfg.qkv_bias {
+                    Some(upload_f32(
+                        stream,
+                        &n("qkv bias"),
+                        &vec![0.0; cfg.q_size() + 2 * cfg.kv_size()],
+                    )?)
+                } else {
+                    None
+                },
+                attn_out: matrix(&n("attn_out"), d, cfg.q_size())?,
+                ffn_norm: upload_f32(stream, &n("ffn_norm"), &ones)?,
+                gate_up: matrix(&n("gate_up"), 2 * inter, d)?,
+                down: matrix(&n("down"), d, inter)?,
+            });
+        }
+        Ok(Weights {
+            embedding,
+            layers,
+            output_norm: upload_f32(stream, "output_norm", &ones)?,
+            lm_head: Some(matrix("lm_head", cfg.vocab_size, d)?),
+        })
+    }
+}

@@ -1,0 +1,141 @@
+//! The CUDA backend against llama.cpp (the goldens of tests/reference.rs) and against the CPU
+//! backend, on the default model. Skipped, with a message, where there is no GPU.
+
+mod common;
+
+use quarry::runtime::{Backend, DeviceChoice, ForwardBatch, LoadOptions};
+
+/// bf16 weights and activations against llama.cpp's Q4_1 with 8-bit activations: the CPU
+/// backend's tolerances (tests/reference.rs) widened for bf16 rounding of every weight and
+/// activation (relative 2^-9 each). Measured values are printed, see the issue note.
+const MEAN_LOGPROB_TOLERANCE: f64 = 0.3;
+const MAX_LOGPROB_TOLERANCE: f64 = 2.0;
+const DECISIVE_MARGIN: f64 = 0.5;
+
+fn gpu_backend(kv_cache_tokens: usize) -> Option<Box<dyn Backend>> {
+    let path = common::model_path()?;
+    if let Err(why) = quarry::runtime::device::cuda_devices() {
+        eprintln!("skipping: {why}");
+        return None;
+    }
+    let options = LoadOptions {
+        kv_cache_tokens: Some(kv_cache_tokens),
+        max_num_batched_tokens: 512,
+        max_num_seqs: 64,
+        ..Default::default()
+    };
+    Some(quarry::runtime::load(DeviceChoice::Cuda(0), &path, options).expect("load on the GPU"))
+}
+
+fn log_softmax(row: &[f32]) -> Vec<f64> {
+    let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
+    let log_z = max + row.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln();
+    row.iter().map(|&v| v as f64 - log_z).collect()
+}
+
+#[test]
+fn gpu_logprobs_and_decisive_choices_match_llama_cpp() {
+    let golden = common::golden();
+    let Some(mut backend) = gpu_backend(4096) else { return };
+    println!("device: {}", backend.device_name());
+    let (mut worst_mean, mut worst_max, mut flips) = (0.0f64, 0.0f64, 0usize);
+    for p in &golden.prompts {
+        let mut seq = p.prompt_tokens.clone();
+        seq.extend_from_slice(&p.greedy_tokens[..p.greedy_tokens.len() - 1]);
+        let ours = common::score(backend.as_mut(), &seq, p.prompt_tokens.len() - 1);
+        let (mut sum, mut n, mut max) = (0.0, 0.0, 0.0f64);
+        for (pos, reference) in p.top_logprobs.iter().enumerate() {
+            for &(token, want) in reference {
+                let diff = (ours[pos][token as usize] - want).abs();
+                max = max.max(diff);
+                sum += diff;
+                n += 1.0;
+            }
+            let best = (0..ours[pos].len())
+                .max_by(|&a, &b| ours[pos][a].total_cmp(&ours[pos][b]))
+                .unwrap();
+            let margin = reference[0].1 - reference[1].1;
+            if best as u32 != reference[0].0 {
+                flips += 1;
+                println!(
+                    "{} pos {pos}: chose {best}, llama.cpp {} (its margin {margin:.3})",
+                    p.name, reference[0].0
+                );
+                assert!(
+                    margin < DECISIVE_MARGIN,
+                    "{} pos {pos}: decisive choice differs (margin {margin:.3})",
+                    p.name
+                );
+            }
+        }
+        println!("{}: mean deviation {:.3}, max {:.3}", p.name, sum / n, max);
+        worst_mean = worst_mean.max(sum / n);
+        worst_max = worst_max.max(max);
+    }
+    println!("against llama.cpp: worst mean {worst_mean:.3}, worst max {worst_max:.3}, {flips} near-tie flips");
+    assert!(worst_mean <= MEAN_LOGPROB_TOLERANCE, "mean deviation {worst_mean:.3}");
+    assert!(worst_max <= MAX_LOGPROB_TOLERANCE, "max deviation {worst_max:.3}");
+}
+
+/// Three sequences through prefill chunks and decode steps in mixed batches (a chunk crossing
+/// block boundaries beside decode tokens), on both backends, block tables scattered: every
+/// sampled row's log-probabilities agree within the tolerances above.
+#[test]
+fn gpu_and_cpu_agree_on_mixed_chunked_batches() {
+    let golden = common::golden();
+    let Some(mut gpu) = gpu_backend(4096) else { return };
+    let (mut cpu, _) = common::load(4096).unwrap();
+    let prompts: Vec<Vec<u32>> = golden.prompts.iter().take(3).map(|p| p.prompt_tokens.clone()).collect();
+    let block = cpu.kv_layout().block_size;
+    assert_eq!(block, gpu.kv_layout().block_size);
+    // Sequence s owns blocks s, s + 3, s + 6, ...: interleaved, never contiguous.
+    let tables: Vec<Vec<u32>> = (0..3u32).map(|s| (0..40).map(|i| s + 3 * i).collect()).collect();
+    let mut seqs: Vec<Vec<u32>> = prompts.clone();
+    let mut done = [0usize; 3]; // tokens already in each sequence's KV
+    let (mut sum, mut n, mut max, mut flips) = (0.0f64, 0.0f64, 0.0f64, 0usize);
+    for step in 0..24 {
+        let mut batch = ForwardBatch::default();
+        let mut sampled = Vec::new();
+        for s in 0..3 {
+            // Sequence 0 prefills in chunks of 7, the others whole; then all decode.
+            let chunk = if s == 0 { 7 } else { seqs[s].len() };
+            let end = (done[s] + chunk).min(seqs[s].len());
+            batch.push_sequence(&seqs[s][done[s]..end], done[s], &tables[s], block);
+            done[s] = end;
+            if end == seqs[s].len() {
+                batch.logits_rows.push(batch.num_tokens() as u32 - 1);
+                sampled.push(s);
+            }
+        }
+        let a = cpu.forward(&batch).expect("cpu forward");
+        let b = gpu.forward(&batch).expect("gpu forward");
+        for (row, &s) in sampled.iter().enumerate() {
+            let (x, y) = (log_softmax(a.row(row)), log_softmax(b.row(row)));
+            let cpu_best = quarry::sampling::argmax(a.row(row)) as usize;
+            let gpu_best = quarry::sampling::argmax(b.row(row)) as usize;
+            let mut order: Vec<usize> = (0..x.len()).collect();
+            order.sort_by(|&i, &j| x[j].total_cmp(&x[i]));
+            for &t in &order[..5] {
+                let d = (x[t] - y[t]).abs();
+                max = max.max(d);
+                sum += d;
+                n += 1.0;
+            }
+            if cpu_best != gpu_best {
+                flips += 1;
+                let margin = x[order[0]] - x[order[1]];
+                assert!(
+                    margin < DECISIVE_MARGIN,
+                    "step {step} seq {s}: cpu {cpu_best}, gpu {gpu_best}, margin {margin:.3}"
+                );
+            }
+            // Both continue with the CPU's choice, so the sequences stay the same.
+            seqs[s].push(cpu_best as u32);
+        }
+    }
+    println!(
+        "gpu vs cpu over mixed batches: mean deviation {:.3}, max {max:.3}, {flips} near-tie flips",
+        sum / n
+    );
+    assert!(sum / n <= MEAN_LOGPROB_TOLERANCE && max <= MAX_LOGPROB_TOLERANCE);
+}
