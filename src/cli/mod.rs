@@ -41,6 +41,28 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Print the OpenAPI document of the HTTP API.
     Openapi(serve::OpenApiArgs),
+    /// Write a GGUF model's tokenizer into a model directory as Hugging Face files
+    /// (tokenizer.json, tokenizer_config.json): for test models saved by transformers.
+    #[command(hide = true)]
+    ExportTokenizer(ExportTokenizerArgs),
+}
+
+#[derive(Args)]
+pub struct ExportTokenizerArgs {
+    #[arg(long)]
+    model: Option<PathBuf>,
+    #[arg(long)]
+    output: PathBuf,
+}
+
+fn export_tokenizer(args: ExportTokenizerArgs) -> anyhow::Result<()> {
+    let path = args.model.unwrap_or_else(crate::model_path::default_model_path);
+    let gguf = crate::runtime::gguf::GgufFile::open(&path)?;
+    let template = gguf.string("tokenizer.chat_template").ok();
+    let tokenizer = Tokenizer::from_gguf(&gguf)?;
+    std::fs::create_dir_all(&args.output)?;
+    tokenizer.save_to_dir(&args.output, template.as_deref())?;
+    Ok(())
 }
 
 /// Options every command that loads a model shares.
@@ -245,6 +267,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(cmd) => bench::run(cmd),
         Command::Serve(args) => serve::run(args),
         Command::Openapi(args) => serve::openapi(args),
+        Command::ExportTokenizer(args) => export_tokenizer(args),
     }
 }
 

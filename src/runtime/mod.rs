@@ -9,6 +9,8 @@ pub mod cuda;
 pub mod device;
 pub mod error;
 pub mod gguf;
+pub mod hf;
+pub mod names;
 
 pub use batch::{ForwardBatch, KvLayout, Logits};
 pub use config::{Architecture, ModelConfig};
@@ -134,6 +136,12 @@ pub fn load(device: DeviceChoice, model: &Path, options: LoadOptions) -> Result<
                     "--load-format dummy runs on the GPU only (the CPU backend reads quantized GGUF)".into(),
                 ));
             }
+            if hf::is_model_dir(model) {
+                return Err(RuntimeError::Device(format!(
+                    "{} is a model directory (bf16 safetensors), which runs on the GPU; the CPU backend reads quantized GGUF files",
+                    model.display()
+                )));
+            }
             let mut cpu = options.cpu;
             if let Some(tokens) = options.kv_cache_tokens {
                 cpu.kv_cache_tokens = tokens;
@@ -157,6 +165,7 @@ pub fn load(device: DeviceChoice, model: &Path, options: LoadOptions) -> Result<
                 (LoadFormat::Dummy, None) => {
                     return Err(RuntimeError::Device("--load-format dummy needs --model-config".into()))
                 }
+                (LoadFormat::Auto, _) if hf::is_model_dir(model) => cuda::WeightSource::HuggingFace(model),
                 (LoadFormat::Auto, _) => cuda::WeightSource::Gguf(model),
             };
             Ok(Box::new(cuda::CudaBackend::load(source, &cuda_options)?))

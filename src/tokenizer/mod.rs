@@ -3,6 +3,7 @@
 
 mod chat;
 mod gguf_vocab;
+mod hf_dir;
 
 use std::path::Path;
 
@@ -54,8 +55,18 @@ pub struct Tokenizer {
 }
 
 impl Tokenizer {
+    /// The tokenizer of a GGUF file or of a Hugging Face model directory.
     pub fn from_model_file(path: &Path) -> Result<Self, TokenizerError> {
+        if path.is_dir() {
+            return hf_dir::load(path);
+        }
         Self::from_gguf(&GgufFile::open(path)?)
+    }
+
+    /// Writes this tokenizer into a model directory as Hugging Face files, with the chat
+    /// template given (the GGUF's, for a model made to match it).
+    pub fn save_to_dir(&self, dir: &Path, chat_template: Option<&str>) -> Result<(), TokenizerError> {
+        hf_dir::save(self, dir, chat_template)
     }
 
     pub fn from_gguf(gguf: &GgufFile) -> Result<Self, TokenizerError> {

@@ -11,7 +11,12 @@ use crate::runtime::error::{Result, RuntimeError};
 
 pub struct Gemm {
     blas: CudaBlas,
+    /// cuBLAS's scratch space: Hopper kernels want one (NVIDIA suggests 32 MiB), and without
+    /// it cuBLAS may choose slower ones.
+    _workspace: cudarc::driver::CudaSlice<u8>,
 }
+
+const WORKSPACE_BYTES: usize = 32 << 20;
 
 /// The product's element type: f32 feeds the kernels that follow in full precision.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -21,8 +26,21 @@ pub enum OutType {
 
 impl Gemm {
     pub fn new(stream: Arc<CudaStream>) -> Result<Self> {
-        let blas = CudaBlas::new(stream).map_err(|e| RuntimeError::Device(format!("starting cuBLAS: {e}")))?;
-        Ok(Gemm { blas })
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| RuntimeError::Device(format!("starting cuBLAS: {e}")))?;
+        let workspace = stream
+            .alloc_zeros::<u8>(WORKSPACE_BYTES)
+            .map_err(|e| RuntimeError::Device(format!("cuBLAS workspace: {e}")))?;
+        let (ptr, _) = cudarc::driver::DevicePtr::device_ptr(&workspace, &stream);
+        // SAFETY: the workspace lives as long as the handle (both in this struct).
+        let status =
+            unsafe { cudarc::cublas::sys::cublasSetWorkspace_v2(*blas.handle(), ptr as *mut _, WORKSPACE_BYTES) };
+        if status != cudarc::cublas::sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return Err(RuntimeError::Device(format!("cuBLAS workspace: {status:?}")));
+        }
+        Ok(Gemm {
+            blas,
+            _workspace: workspace,
+        })
     }
 
     /// `y[rows, n] = x[rows, k] * w[n, k]^T`; `x` and `w` bf16, `y` f32 or bf16. Pointers are

@@ -6,6 +6,7 @@
 
 mod gemm;
 mod kernels;
+mod timing;
 mod weights;
 
 use std::path::Path;
@@ -15,6 +16,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr
 
 use self::gemm::{Gemm, OutType};
 use self::kernels::Kernels;
+use self::timing::{Phase, Timing};
 use self::weights::Weights;
 use super::batch::{ForwardBatch, KvLayout, Logits};
 use super::config::{ModelConfig, RopeStyle};
@@ -54,6 +56,8 @@ impl Default for CudaOptions {
 /// Where the weights come from.
 pub enum WeightSource<'a> {
     Gguf(&'a Path),
+    /// A Hugging Face model directory.
+    HuggingFace(&'a Path),
     /// Deterministic random weights of this shape.
     Dummy(ModelConfig),
 }
@@ -74,6 +78,7 @@ pub struct CudaBackend {
     /// Rows of logits the last `run` left in `buffers.logits`.
     rows: usize,
     name: String,
+    timing: Option<Timing>,
 }
 
 /// Activations, sized for the largest batch seen (at least the one given at load).
@@ -136,6 +141,11 @@ impl CudaBackend {
                 let weights = Weights::from_gguf(&mut gguf, &config, &stream)?;
                 (config, weights)
             }
+            WeightSource::HuggingFace(dir) => {
+                let (config, tied) = super::hf::config(dir)?;
+                let weights = Weights::from_hf(dir, &config, tied, &stream)?;
+                (config, weights)
+            }
             WeightSource::Dummy(config) => {
                 let weights = Weights::dummy(&config, &stream, &kernels)?;
                 (config, weights)
@@ -195,6 +205,7 @@ impl CudaBackend {
             options.ordinal,
             ctx.name().unwrap_or_else(|_| "unknown GPU".into())
         );
+        let timing = Timing::from_env(&ctx);
         Ok(CudaBackend {
             ctx,
             stream,
@@ -210,6 +221,7 @@ impl CudaBackend {
             buffers,
             rows: 0,
             name,
+            timing,
         })
     }
 
@@ -219,6 +231,12 @@ impl CudaBackend {
 
     fn launch(&self, f: &CudaFunction, grid: (u32, u32), block: u32, args: &[&dyn Arg]) -> Result<()> {
         launch(&self.stream, f, grid, block, args)
+    }
+
+    fn mark(&self, phase: Phase) {
+        if let Some(t) = &self.timing {
+            t.mark(phase, &self.stream);
+        }
     }
 }
 
@@ -279,6 +297,7 @@ impl Backend for CudaBackend {
     }
 
     fn run(&mut self, batch: &ForwardBatch) -> Result<()> {
+        let started = std::time::Instant::now();
         let cfg = self.config.clone();
         self.rows = 0;
         batch.validate(self.layout, cfg.vocab_size, cfg.context_length)?;
@@ -339,6 +358,7 @@ impl Backend for CudaBackend {
         let (heads, kv_heads, head_dim) = (cfg.num_heads as i32, cfg.num_kv_heads as i32, cfg.head_dim as i32);
         let (block_size, max_blocks) = (self.layout.block_size as i32, max_blocks as i32);
 
+        self.mark(Phase::Elementwise);
         self.launch(
             &k.embedding,
             (tt, 1),
@@ -349,6 +369,7 @@ impl Backend for CudaBackend {
             // The previous layer's MLP output joins the residual stream here.
             let residual = if li == 0 { null } else { branch };
             let one = 1i32;
+            self.mark(Phase::Elementwise);
             self.launch(
                 &k.add_rms_norm,
                 (tt, 1),
@@ -364,6 +385,7 @@ impl Backend for CudaBackend {
                     &eps,
                 ],
             )?;
+            self.mark(Phase::Gemm);
             self.gemm.matmul(
                 normed,
                 self.ptr(&layer.qkv),
@@ -377,6 +399,7 @@ impl Backend for CudaBackend {
                 self.launch(&k.add_bias, (tt, 1), THREADS, &[&qkv, &self.ptr(bias), &width])?;
             }
             let rotated = heads + kv_heads;
+            self.mark(Phase::Elementwise);
             self.launch(
                 &k.rope,
                 (tt, 1),
@@ -400,6 +423,7 @@ impl Backend for CudaBackend {
                 THREADS,
                 &[&qkv, &width, &q_size, &v_offset, &kv_size, &slots, &kc, &vc],
             )?;
+            self.mark(Phase::Attention);
             self.launch(
                 &k.paged_attention,
                 (tt, heads as u32),
@@ -421,6 +445,7 @@ impl Backend for CudaBackend {
                     &scale,
                 ],
             )?;
+            self.mark(Phase::Gemm);
             self.gemm.matmul(
                 attn,
                 self.ptr(&layer.attn_out),
@@ -430,12 +455,14 @@ impl Backend for CudaBackend {
                 d as usize,
                 q_size as usize,
             )?;
+            self.mark(Phase::Elementwise);
             self.launch(
                 &k.add_rms_norm,
                 (tt, 1),
                 THREADS,
                 &[&x, &branch, &null, &one, &self.ptr(&layer.ffn_norm), &normed, &d, &eps],
             )?;
+            self.mark(Phase::Gemm);
             self.gemm.matmul(
                 normed,
                 self.ptr(&layer.gate_up),
@@ -445,7 +472,9 @@ impl Backend for CudaBackend {
                 2 * inter as usize,
                 d as usize,
             )?;
+            self.mark(Phase::Elementwise);
             self.launch(&k.silu_mul, (tt, 1), THREADS, &[&gate_up, &act, &inter])?;
+            self.mark(Phase::Gemm);
             self.gemm.matmul(
                 act,
                 self.ptr(&layer.down),
@@ -458,10 +487,14 @@ impl Backend for CudaBackend {
         }
 
         if rows == 0 {
+            if let Some(timing) = &self.timing {
+                timing.finish(s, started, false, t);
+            }
             return Ok(());
         }
         // Only the rows whose logits are wanted go through the last residual add, the final
         // norm and the head.
+        self.mark(Phase::Head);
         let (head_in, logits) = (self.ptr(&b.head_in), self.ptr(&b.logits));
         let zero = 0i32;
         self.launch(
@@ -495,6 +528,8 @@ impl Backend for CudaBackend {
             )));
         }
         let s = self.stream.clone();
+        let started = std::time::Instant::now();
+        self.mark(Phase::Sample);
         let mut tokens = vec![None; rows];
         if requests.iter().any(|r| r.greedy) {
             // Masks of the greedy rows go up, are applied in place, and the argmax of every row
@@ -538,6 +573,9 @@ impl Backend for CudaBackend {
             data.extend_from_slice(&part);
         }
         s.synchronize().map_err(device_err("sampling"))?;
+        if let Some(timing) = &self.timing {
+            timing.finish(&s, started, true, 0);
+        }
         Ok(Sampled {
             tokens,
             logits: Logits {
@@ -598,5 +636,8 @@ mod tests;
 impl Drop for CudaBackend {
     fn drop(&mut self) {
         let _ = self.ctx.synchronize();
+        if let Some(t) = &self.timing {
+            eprintln!("{}", t.report());
+        }
     }
 }

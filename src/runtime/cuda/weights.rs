@@ -13,6 +13,7 @@ use super::kernels::Kernels;
 use crate::runtime::config::ModelConfig;
 use crate::runtime::error::{Result, RuntimeError};
 use crate::runtime::gguf::GgufFile;
+use crate::runtime::names::{Format, Part};
 
 pub struct LayerWeights {
     pub attn_norm: CudaSlice<f32>,
@@ -47,9 +48,12 @@ fn upload_f32(stream: &Arc<CudaStream>, name: &str, values: &[f32]) -> Result<Cu
     stream.clone_htod(values).map_err(|e| oom(name, e))
 }
 
+/// Reads one tensor of exactly the given shape, as f32.
+pub type Reader<'a> = dyn FnMut(&str, &[usize]) -> Result<Vec<f32>> + 'a;
+
 impl Weights {
     pub fn from_gguf(gguf: &mut GgufFile, cfg: &ModelConfig, stream: &Arc<CudaStream>) -> Result<Self> {
-        let has_head = gguf.has_tensor("output.weight");
+        let has_head = gguf.has_tensor(Format::Gguf.head());
         let mut read = |name: &str, shape: &[usize]| -> Result<Vec<f32>> {
             let t = gguf.tensor(name)?;
             if t.shape().dims() != shape {
@@ -60,53 +64,63 @@ impl Weights {
             }
             Ok(t.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?)
         };
-        let (d, inter) = (cfg.hidden_size, cfg.intermediate_size);
+        Self::load(&mut read, Format::Gguf, has_head, cfg, stream)
+    }
+
+    pub fn from_hf(dir: &std::path::Path, cfg: &ModelConfig, tied: bool, stream: &Arc<CudaStream>) -> Result<Self> {
+        let shards = crate::runtime::hf::Shards::open(dir)?;
+        let has_head = !tied && shards.has(Format::HuggingFace.head());
+        let mut read = |name: &str, shape: &[usize]| shards.read(name, shape);
+        Self::load(&mut read, Format::HuggingFace, has_head, cfg, stream)
+    }
+
+    /// The weights by name, q|k|v and gate|up stacked as the kernels want them.
+    fn load(
+        read: &mut Reader<'_>,
+        names: Format,
+        has_head: bool,
+        cfg: &ModelConfig,
+        stream: &Arc<CudaStream>,
+    ) -> Result<Self> {
+        let (d, inter, q, kv) = (cfg.hidden_size, cfg.intermediate_size, cfg.q_size(), cfg.kv_size());
         let embedding = upload_bf16(
             stream,
-            "token_embd.weight",
-            &read("token_embd.weight", &[cfg.vocab_size, d])?,
+            names.embedding(),
+            &read(names.embedding(), &[cfg.vocab_size, d])?,
         )?;
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for i in 0..cfg.num_layers {
-            let n = |t: &str| format!("blk.{i}.{t}");
-            let mut qkv = read(&n("attn_q.weight"), &[cfg.q_size(), d])?;
-            qkv.extend(read(&n("attn_k.weight"), &[cfg.kv_size(), d])?);
-            qkv.extend(read(&n("attn_v.weight"), &[cfg.kv_size(), d])?);
+            let n = |p: Part| names.layer(i, p);
+            let mut qkv = read(&n(Part::Q), &[q, d])?;
+            qkv.extend(read(&n(Part::K), &[kv, d])?);
+            qkv.extend(read(&n(Part::V), &[kv, d])?);
             let qkv_bias = if cfg.qkv_bias {
-                let mut b = read(&n("attn_q.bias"), &[cfg.q_size()])?;
-                b.extend(read(&n("attn_k.bias"), &[cfg.kv_size()])?);
-                b.extend(read(&n("attn_v.bias"), &[cfg.kv_size()])?);
-                Some(upload_f32(stream, &n("attn_qkv.bias"), &b)?)
+                let mut b = read(&n(Part::QBias), &[q])?;
+                b.extend(read(&n(Part::KBias), &[kv])?);
+                b.extend(read(&n(Part::VBias), &[kv])?);
+                Some(upload_f32(stream, &n(Part::QBias), &b)?)
             } else {
                 None
             };
-            let mut gate_up = read(&n("ffn_gate.weight"), &[inter, d])?;
-            gate_up.extend(read(&n("ffn_up.weight"), &[inter, d])?);
+            let mut gate_up = read(&n(Part::Gate), &[inter, d])?;
+            gate_up.extend(read(&n(Part::Up), &[inter, d])?);
             layers.push(LayerWeights {
-                attn_norm: upload_f32(stream, &n("attn_norm.weight"), &read(&n("attn_norm.weight"), &[d])?)?,
-                qkv: upload_bf16(stream, &n("attn_qkv.weight"), &qkv)?,
+                attn_norm: upload_f32(stream, &n(Part::AttnNorm), &read(&n(Part::AttnNorm), &[d])?)?,
+                qkv: upload_bf16(stream, &n(Part::Q), &qkv)?,
                 qkv_bias,
-                attn_out: upload_bf16(
-                    stream,
-                    &n("attn_output.weight"),
-                    &read(&n("attn_output.weight"), &[d, cfg.q_size()])?,
-                )?,
-                ffn_norm: upload_f32(stream, &n("ffn_norm.weight"), &read(&n("ffn_norm.weight"), &[d])?)?,
-                gate_up: upload_bf16(stream, &n("ffn_gate_up.weight"), &gate_up)?,
-                down: upload_bf16(
-                    stream,
-                    &n("ffn_down.weight"),
-                    &read(&n("ffn_down.weight"), &[d, inter])?,
-                )?,
+                attn_out: upload_bf16(stream, &n(Part::AttnOut), &read(&n(Part::AttnOut), &[d, q])?)?,
+                ffn_norm: upload_f32(stream, &n(Part::FfnNorm), &read(&n(Part::FfnNorm), &[d])?)?,
+                gate_up: upload_bf16(stream, &n(Part::Gate), &gate_up)?,
+                down: upload_bf16(stream, &n(Part::Down), &read(&n(Part::Down), &[d, inter])?)?,
             });
         }
-        let output_norm = upload_f32(stream, "output_norm.weight", &read("output_norm.weight", &[d])?)?;
+        let output_norm = upload_f32(stream, names.output_norm(), &read(names.output_norm(), &[d])?)?;
         // Small models tie the output head to the embedding matrix.
         let lm_head = if has_head {
             Some(upload_bf16(
                 stream,
-                "output.weight",
-                &read("output.weight", &[cfg.vocab_size, d])?,
+                names.head(),
+                &read(names.head(), &[cfg.vocab_size, d])?,
             )?)
         } else {
             None

@@ -1,0 +1,100 @@
+//! Where a GPU step's time goes, when `QUARRY_CUDA_TIMING=1`: an event before each kernel and
+//! GEMM, read back once the step is done, summed per kind of work and printed when the backend
+//! is dropped. Off by default: the events and the synchronization cost time themselves.
+
+use std::cell::RefCell;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    Gemm,
+    Attention,
+    Elementwise,
+    Head,
+    Sample,
+    End,
+}
+
+const PHASES: [Phase; 5] = [
+    Phase::Gemm,
+    Phase::Attention,
+    Phase::Elementwise,
+    Phase::Head,
+    Phase::Sample,
+];
+
+#[derive(Default)]
+struct Totals {
+    gpu_ms: [f64; 5],
+    steps: usize,
+    tokens: usize,
+    run_wall: Duration,
+    sample_wall: Duration,
+}
+
+pub struct Timing {
+    ctx: Arc<CudaContext>,
+    marks: RefCell<Vec<(Phase, CudaEvent)>>,
+    totals: RefCell<Totals>,
+}
+
+impl Timing {
+    pub fn from_env(ctx: &Arc<CudaContext>) -> Option<Self> {
+        (std::env::var("QUARRY_CUDA_TIMING").as_deref() == Ok("1")).then(|| Timing {
+            ctx: ctx.clone(),
+            marks: RefCell::new(Vec::new()),
+            totals: RefCell::new(Totals::default()),
+        })
+    }
+
+    /// The work queued from here to the next mark counts as `phase`.
+    pub fn mark(&self, phase: Phase, stream: &CudaStream) {
+        if let Ok(e) = self.ctx.new_event(None) {
+            if e.record(stream).is_ok() {
+                self.marks.borrow_mut().push((phase, e));
+            }
+        }
+    }
+
+    /// Closes the step: waits for the GPU, then adds each interval to its phase.
+    pub fn finish(&self, stream: &CudaStream, started: Instant, sampling: bool, tokens: usize) {
+        self.mark(Phase::End, stream);
+        let _ = stream.synchronize();
+        let mut t = self.totals.borrow_mut();
+        let marks = std::mem::take(&mut *self.marks.borrow_mut());
+        for pair in marks.windows(2) {
+            if let (Some(i), Ok(ms)) = (
+                PHASES.iter().position(|&p| p == pair[0].0),
+                pair[0].1.elapsed_ms(&pair[1].1),
+            ) {
+                t.gpu_ms[i] += ms as f64;
+            }
+        }
+        if sampling {
+            t.sample_wall += started.elapsed();
+        } else {
+            t.steps += 1;
+            t.tokens += tokens;
+            t.run_wall += started.elapsed();
+        }
+    }
+
+    pub fn report(&self) -> String {
+        let t = self.totals.borrow();
+        let steps = t.steps.max(1) as f64;
+        let mut line = format!(
+            "quarry cuda timing: {} steps, {} tokens; per step: run {:.2} ms wall, sample {:.2} ms wall; GPU",
+            t.steps,
+            t.tokens,
+            t.run_wall.as_secs_f64() * 1e3 / steps,
+            t.sample_wall.as_secs_f64() * 1e3 / steps
+        );
+        for (p, ms) in PHASES.iter().zip(t.gpu_ms) {
+            line.push_str(&format!(" {p:?} {:.2} ms", ms / steps));
+        }
+        line
+    }
+}
