@@ -7,11 +7,13 @@ use std::path::PathBuf;
 
 use quarry::runtime::{DeviceChoice, ForwardBatch, LoadOptions};
 
-/// transformers runs these models in bf16 end to end (activations included); Quarry keeps the
-/// residual stream in f32 and rounds only GEMM inputs and the KV cache to bf16. The logits of
-/// the two agree to within this share of the reference's largest logit; measured values are
-/// printed (see the issue note).
-const MAX_ERROR_SHARE: f64 = 0.05;
+/// The reference is the saved bf16 weights computed in float32. bf16 arithmetic moves logits
+/// away from it by itself: transformers' own bf16 run of the same weights is the yardstick.
+/// Quarry (f32 residual stream, bf16 GEMM inputs and KV cache) must stay within this multiple
+/// of that spread, or within 1% of the largest logit where the spread is smaller. Measured
+/// values are printed (see the issue note).
+const SPREAD_FACTOR: f64 = 1.5;
+const FLOOR_SHARE: f64 = 0.01;
 
 #[derive(serde::Deserialize)]
 struct Reference {
@@ -22,6 +24,7 @@ struct Reference {
 struct Prompt {
     ids: Vec<u32>,
     last_logits: Vec<f32>,
+    bf16_logits: Vec<f32>,
     greedy: Vec<u32>,
 }
 
@@ -60,25 +63,24 @@ fn last_logits_and_greedy_continuations_match_transformers() {
             batch.logits_rows.push(p.ids.len() as u32 - 1);
             let ours = backend.forward(&batch).unwrap();
             let scale = p.last_logits.iter().fold(0f32, |m, &v| m.max(v.abs())) as f64;
-            let err = ours
-                .row(0)
-                .iter()
-                .zip(&p.last_logits)
-                .map(|(&a, &b)| (a as f64 - b as f64).abs())
-                .fold(0.0, f64::max);
-            worst = worst.max(err / scale);
+            let distance = |a: &[f32]| {
+                a.iter()
+                    .zip(&p.last_logits)
+                    .map(|(&a, &b)| (a as f64 - b as f64).abs())
+                    .fold(0.0, f64::max)
+            };
+            let (err, spread) = (distance(ours.row(0)), distance(&p.bf16_logits));
+            worst = worst.max(err / spread.max(FLOOR_SHARE * scale));
             println!(
-                "{} prompt of {}: max |logit error| {err:.4} of max |logit| {scale:.3} ({:.2}%)",
+                "{} prompt of {}: max |logit error| ours {err:.4}, transformers bf16 {spread:.4} (max |logit| {scale:.3})",
                 dir.display(),
-                p.ids.len(),
-                100.0 * err / scale
+                p.ids.len()
             );
             assert!(
-                err <= MAX_ERROR_SHARE * scale,
-                "{}: logits differ by {err}",
+                err <= (SPREAD_FACTOR * spread).max(FLOOR_SHARE * scale),
+                "{}: logits differ by {err}, bf16's own spread is {spread}",
                 dir.display()
             );
-
             // Greedy: the same tokens up to the first place our choice is a near-tie.
             let mut seq = p.ids.clone();
             let mut logits = ours.row(0).to_vec();

@@ -125,6 +125,28 @@ impl ModelConfig {
                 .ok_or_else(|| bad(key, "missing or not a whole number"))
         };
         let float = |key: &str, default: f64| v.get(key).and_then(|x| x.as_f64()).unwrap_or(default) as f32;
+        // transformers 5 keeps rope settings in `rope_parameters` (4.x: `rope_theta` and
+        // `rope_scaling`). Scaled ropes (llama3, yarn, ...) are not implemented: refused, never
+        // silently computed as plain rope.
+        let rope = v
+            .get("rope_parameters")
+            .or_else(|| v.get("rope_scaling"))
+            .filter(|r| !r.is_null());
+        if let Some(kind) = rope
+            .and_then(|r| r.get("rope_type").or_else(|| r.get("type")))
+            .and_then(|t| t.as_str())
+            .filter(|&t| t != "default")
+        {
+            return Err(bad(
+                "rope_parameters",
+                &format!("rope type `{kind}` is not supported (plain rope only)"),
+            ));
+        }
+        let rope_theta = rope
+            .and_then(|r| r.get("rope_theta"))
+            .and_then(|t| t.as_f64())
+            .map(|t| t as f32)
+            .unwrap_or_else(|| float("rope_theta", 10_000.0));
         let model_type = v.get("model_type").and_then(|x| x.as_str()).unwrap_or("");
         let (architecture, qkv_bias) = match model_type {
             "llama" => (
@@ -145,7 +167,7 @@ impl ModelConfig {
             num_heads,
             num_kv_heads: int("num_key_value_heads").unwrap_or(num_heads),
             head_dim: int("head_dim").unwrap_or(hidden_size / num_heads.max(1)),
-            rope_theta: float("rope_theta", 10_000.0),
+            rope_theta,
             rope_style: RopeStyle::Halves,
             rms_norm_eps: float("rms_norm_eps", 1e-6),
             context_length: int("max_position_embeddings").unwrap_or(2048),
@@ -172,5 +194,31 @@ impl ModelConfig {
             _ => return None,
         };
         Self::from_hf_json(json).ok()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hugging_face_configs_of_both_generations_read_their_rope() {
+        let base = r#""model_type":"qwen2","vocab_size":10,"hidden_size":8,"intermediate_size":16,
+            "num_hidden_layers":1,"num_attention_heads":2,"num_key_value_heads":1"#;
+        let old = ModelConfig::from_hf_json(&format!("{{{base},\"rope_theta\":1000000.0}}")).unwrap();
+        let new = ModelConfig::from_hf_json(&format!(
+            "{{{base},\"rope_parameters\":{{\"rope_type\":\"default\",\"rope_theta\":1000000.0}}}}"
+        ))
+        .unwrap();
+        assert_eq!((old.rope_theta, new.rope_theta), (1e6, 1e6));
+        assert!(old.qkv_bias && old.rope_style == RopeStyle::Halves);
+        let scaled = ModelConfig::from_hf_json(&format!(
+            "{{{base},\"rope_scaling\":{{\"rope_type\":\"llama3\",\"factor\":8.0}}}}"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(scaled.contains("llama3"), "{scaled}");
+        assert_eq!(ModelConfig::preset("llama-3.1-8b").unwrap().num_kv_heads, 8);
+        assert!(ModelConfig::preset("gpt-5").is_none());
     }
 }

@@ -516,6 +516,9 @@ impl Backend for CudaBackend {
         self.gemm
             .matmul(head_in, head, logits, OutType::F32, rows, cfg.vocab_size, d as usize)?;
         self.rows = rows;
+        if let Some(timing) = &self.timing {
+            timing.finish(s, started, false, t);
+        }
         Ok(())
     }
 
