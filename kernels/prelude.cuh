@@ -23,6 +23,11 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
 // Sum over the whole block (at most 1024 threads); every thread gets the total.
 __device__ __forceinline__ float block_sum(float v) {
     __shared__ float partial[32];

@@ -52,7 +52,10 @@ impl Timing {
 
     /// The work queued from here to the next mark counts as `phase`.
     pub fn mark(&self, phase: Phase, stream: &CudaStream) {
-        if let Ok(e) = self.ctx.new_event(None) {
+        if let Ok(e) = self
+            .ctx
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+        {
             if e.record(stream).is_ok() {
                 self.marks.borrow_mut().push((phase, e));
             }
