@@ -3,6 +3,10 @@
 //! greedy output it gets alone, also when the pool is small enough to preempt and when every
 //! prompt is split into chunks; a client that drops its stream frees the request's blocks and
 //! leaves the others' outputs alone.
+//!
+//! With `QUARRY_TEST_DEVICE=cuda` (scripts/gpu-check) the same runs go to the GPU, where a
+//! batch's shape may change a GEMM's summation order: there outputs must agree up to the first
+//! near-tie, which the requests' top log-probabilities show.
 
 mod common;
 
@@ -87,7 +91,20 @@ fn jobs(tok: &Tokenizer) -> Vec<Job> {
     jobs
 }
 
-fn request(job: &Job, structured: &StructuredOutputs) -> EngineRequest {
+/// Exact comparisons on the CPU; on the GPU, top log-probabilities to judge near-ties by.
+fn exact() -> bool {
+    common::test_device() == quarry::runtime::DeviceChoice::Cpu
+}
+
+/// Two greedy runs of one request part only where the first run's choice and the second's were
+/// within this many nats of each other (the CUDA backend's spread against llama.cpp, see
+/// tests/gpu_backend.rs).
+const NEAR_TIE: f32 = 0.5;
+
+/// `logprobs`: the reference runs on the GPU ask for the top alternatives (their rows come back
+/// to the host sampler); the runs compared with them do not, so their greedy rows are decided
+/// on the device.
+fn request(job: &Job, structured: &StructuredOutputs, logprobs: bool) -> EngineRequest {
     let constraint = job.schema.as_ref().map(|schema| {
         structured
             .compile(&Constraint::Json {
@@ -109,6 +126,7 @@ fn request(job: &Job, structured: &StructuredOutputs) -> EngineRequest {
         prompt: job.prompt.clone(),
         params: SamplingParams {
             ignore_eos: job.schema.is_none(),
+            logprobs: logprobs.then_some(quarry::sampling::MAX_LOGPROBS),
             ..SamplingParams::greedy(job.max_tokens + minimum)
         },
         priority: 0,
@@ -117,19 +135,63 @@ fn request(job: &Job, structured: &StructuredOutputs) -> EngineRequest {
 }
 
 /// What a request produced, as the client saw it.
-#[derive(Debug, PartialEq)]
+#[derive(Debug)]
 struct Seen {
     tokens: Vec<u32>,
     text: String,
     finish: FinishReason,
+    /// Per token, the most likely alternatives (GPU runs only).
+    top: Vec<Vec<(u32, f32)>>,
+}
+
+impl PartialEq for Seen {
+    fn eq(&self, other: &Self) -> bool {
+        (&self.tokens, &self.text, self.finish) == (&other.tokens, &other.text, other.finish)
+    }
+}
+
+/// Every output equal to its reference; on the GPU, equal up to a near-tie of the reference
+/// run, where the two parted. Returns how many parted.
+fn same_up_to_near_ties(got: &[Seen], reference: &[Seen], what: &str) -> usize {
+    if exact() {
+        assert_eq!(got, reference, "{what}");
+        return 0;
+    }
+    let mut parted = 0;
+    for (i, (g, r)) in got.iter().zip(reference).enumerate() {
+        if g == r {
+            continue;
+        }
+        let at = g.tokens.iter().zip(&r.tokens).position(|(a, b)| a != b);
+        let Some(at) = at else {
+            panic!("{what}: request {i} differs without a differing token: {g:?} vs {r:?}");
+        };
+        let logprob = |t: u32| r.top[at].iter().find(|(tok, _)| *tok == t).map(|&(_, lp)| lp);
+        let (chosen, other) = (logprob(r.tokens[at]), logprob(g.tokens[at]));
+        match (chosen, other) {
+            (Some(a), Some(b)) if a - b <= NEAR_TIE => parted += 1,
+            _ => panic!(
+                "{what}: request {i} parts at token {at} ({} vs {}) with log-probabilities {chosen:?} vs {other:?}",
+                r.tokens[at], g.tokens[at]
+            ),
+        }
+    }
+    eprintln!("{what}: {parted} of {} outputs parted at a near-tie", got.len());
+    parted
 }
 
 async fn collect(stream: quarry::engine::RequestStream) -> (Seen, usize) {
     let c = stream.collect().await.expect("the engine finished the request");
+    let top = c
+        .sampled
+        .iter()
+        .map(|s| s.top.iter().map(|t| (t.token, t.logprob)).collect())
+        .collect();
     let seen = Seen {
         tokens: c.tokens,
         text: c.text,
         finish: c.finish,
+        top,
     };
     (seen, c.metrics.preemptions)
 }
@@ -148,7 +210,7 @@ fn run(
         if together {
             let mut streams = Vec::new();
             for j in jobs {
-                streams.push(client.submit(request(j, structured)).await.unwrap());
+                streams.push(client.submit(request(j, structured, false)).await.unwrap());
             }
             let mut tasks = tokio::task::JoinSet::new();
             for (i, s) in streams.into_iter().enumerate() {
@@ -163,7 +225,7 @@ fn run(
         } else {
             let mut out = Vec::new();
             for j in jobs {
-                out.push(collect(client.submit(request(j, structured)).await.unwrap()).await);
+                out.push(collect(client.submit(request(j, structured, !exact())).await.unwrap()).await);
             }
             out
         }
@@ -189,7 +251,7 @@ fn engine(
 
 #[test]
 fn thirty_two_concurrent_requests_match_each_alone() {
-    let Some((backend, tok)) = common::load(8192) else {
+    let Some((backend, tok)) = common::load_backend(8192) else {
         return;
     };
     let tok = Arc::new(tok);
@@ -197,8 +259,9 @@ fn thirty_two_concurrent_requests_match_each_alone() {
     let jobs = jobs(&tok);
     let config = EngineConfig::default();
     let block_size = backend.kv_layout().block_size;
+    eprintln!("device: {}", backend.device_name());
 
-    let (alone, _, core) = run(engine(Box::new(backend), &tok, config, None), &jobs, &structured, false);
+    let (alone, _, core) = run(engine(backend, &tok, config, None), &jobs, &structured, false);
     for (j, a) in jobs.iter().zip(&alone) {
         match &j.schema {
             None => assert_eq!(a.tokens.len(), j.max_tokens),
@@ -211,7 +274,7 @@ fn thirty_two_concurrent_requests_match_each_alone() {
     }
 
     let (together, _, core) = run(core, &jobs, &structured, true);
-    assert_eq!(together, alone, "32 at once");
+    same_up_to_near_ties(&together, &alone, "32 at once");
 
     // Every prompt is longer than 4 tokens, so every one is split.
     assert!(jobs.iter().all(|j| j.prompt.len() > 4));
@@ -223,7 +286,7 @@ fn thirty_two_concurrent_requests_match_each_alone() {
         &structured,
         true,
     );
-    assert_eq!(out, alone, "every prompt in chunks of at most 4 tokens");
+    same_up_to_near_ties(&out, &alone, "every prompt in chunks of at most 4 tokens");
 
     // Room for about four of the 32 at a time.
     let longest = jobs.iter().map(|j| j.prompt.len() + j.max_tokens).max().unwrap();
@@ -235,7 +298,7 @@ fn thirty_two_concurrent_requests_match_each_alone() {
         true,
     );
     eprintln!("small pool: {preemptions} preemptions");
-    assert_eq!(out, alone, "a pool too small for everyone");
+    same_up_to_near_ties(&out, &alone, "a pool too small for everyone");
     assert!(preemptions > 0, "the small pool never preempted");
 }
 

@@ -26,6 +26,39 @@ pub fn model_path() -> Option<PathBuf> {
     None
 }
 
+/// The device the engine tests run on: the CPU, or the GPU where `QUARRY_TEST_DEVICE=cuda`
+/// (scripts/gpu-check sets it on the GPU machine).
+pub fn test_device() -> quarry::runtime::DeviceChoice {
+    std::env::var("QUARRY_TEST_DEVICE")
+        .ok()
+        .and_then(|d| d.parse().ok())
+        .unwrap_or(quarry::runtime::DeviceChoice::Cpu)
+}
+
+/// The default model on the test device, or `None` (with a message) where the model or the
+/// GPU asked for is missing.
+pub fn load_backend(kv_cache_tokens: usize) -> Option<(Box<dyn quarry::runtime::Backend>, Tokenizer)> {
+    let device = test_device();
+    if device == quarry::runtime::DeviceChoice::Cpu {
+        let (backend, tokenizer) = load(kv_cache_tokens)?;
+        return Some((Box::new(backend), tokenizer));
+    }
+    let path = model_path()?;
+    if let Err(why) = quarry::runtime::device::cuda_devices() {
+        eprintln!("skipping: {why}");
+        return None;
+    }
+    let options = quarry::runtime::LoadOptions {
+        kv_cache_tokens: Some(kv_cache_tokens),
+        max_num_batched_tokens: 2048,
+        max_num_seqs: 128,
+        ..Default::default()
+    };
+    let backend = quarry::runtime::load(device, &path, options).expect("load model");
+    let tokenizer = Tokenizer::from_model_file(&path).expect("load tokenizer");
+    Some((backend, tokenizer))
+}
+
 pub fn load(kv_cache_tokens: usize) -> Option<(CpuBackend, Tokenizer)> {
     let path = model_path()?;
     let backend = CpuBackend::load(
