@@ -44,3 +44,208 @@ extern "C" __global__ void argmax(const float* logits, int vocab, u32* out) {
         if (lane == 0) out[blockIdx.x] = idx == 0x7fffffff ? 0u : (u32)idx;
     }
 }
+
+// Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3"): a counter-based
+// generator, so a request's draw depends only on its seed and its output index, never on
+// which other requests share the batch.
+__device__ __forceinline__ uint4 philox(uint4 ctr, uint2 key) {
+    for (int i = 0; i < 10; i++) {
+        u32 hi0 = __umulhi(0xD2511F53u, ctr.x), lo0 = 0xD2511F53u * ctr.x;
+        u32 hi1 = __umulhi(0xCD9E8D57u, ctr.z), lo1 = 0xCD9E8D57u * ctr.z;
+        uint4 next;
+        next.x = hi1 ^ ctr.y ^ key.x;
+        next.y = lo1;
+        next.z = hi0 ^ ctr.w ^ key.y;
+        next.w = lo0;
+        ctr = next;
+        key.x += 0x9E3779B9u;
+        key.y += 0xBB67AE85u;
+    }
+    return ctr;
+}
+
+// A uniform draw in [0, 1) for (seed, counter).
+__device__ __forceinline__ float philox_uniform(u64 seed, u64 counter) {
+    uint4 ctr;
+    ctr.x = (u32)counter;
+    ctr.y = (u32)(counter >> 32);
+    ctr.z = 0u;
+    ctr.w = 0u;
+    uint2 key;
+    key.x = (u32)seed;
+    key.y = (u32)(seed >> 32);
+    uint4 r = philox(ctr, key);
+    return (float)(r.x >> 8) * (1.0f / 16777216.0f);
+}
+
+// Per row: temperature (> 0), top_k (0: all), top_p (1: all), min_p (0: none), seed, counter.
+struct SampleParams {
+    float temperature;
+    int top_k;
+    float top_p;
+    float min_p;
+    u64 seed;
+    u64 counter;
+};
+
+#define SAMPLE_THREADS 1024
+
+// Sum and count over the block of the weights at or above `cut`.
+__device__ void kept_totals(const float* row, int vocab, float max, float inv_t, float cut, float* sum, int* count) {
+    __shared__ float s_sum[32];
+    __shared__ int s_count[32];
+    float s = 0.0f;
+    int c = 0;
+    for (int t = threadIdx.x; t < vocab; t += blockDim.x) {
+        float w = expf((row[t] - max) * inv_t);
+        if (w > 0.0f && w >= cut) { s += w; c++; }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        s += __shfl_xor_sync(0xffffffffu, s, o);
+        c += __shfl_xor_sync(0xffffffffu, c, o);
+    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) { s_sum[warp] = s; s_count[warp] = c; }
+    __syncthreads();
+    if (warp == 0) {
+        int warps = blockDim.x >> 5;
+        s = lane < warps ? s_sum[lane] : 0.0f;
+        c = lane < warps ? s_count[lane] : 0;
+        for (int o = 16; o > 0; o >>= 1) {
+            s += __shfl_xor_sync(0xffffffffu, s, o);
+            c += __shfl_xor_sync(0xffffffffu, c, o);
+        }
+        if (lane == 0) { s_sum[0] = s; s_count[0] = c; }
+    }
+    __syncthreads();
+    *sum = s_sum[0];
+    *count = s_count[0];
+    __syncthreads();
+}
+
+// Temperature, min-p, top-k and top-p as the CPU sampler applies them, on masked logits, then
+// one seeded draw. Each filter keeps the tokens whose weight exp((logit - max) / T) reaches a
+// threshold, found by bisection over the weight (the CPU sorts instead, and breaks a tie that
+// straddles the k-th place by token id; here such ties are dropped together). The draw walks
+// the kept tokens in id order. One block of SAMPLE_THREADS per row; a row whose every logit is
+// -inf gets token 0.
+extern "C" __global__ void sample_rows(const float* logits, int vocab, const SampleParams* params, u32* out) {
+    __shared__ float s_max[32];
+    __shared__ float chunk_sums[SAMPLE_THREADS];
+    const float* row = logits + (size_t)blockIdx.x * vocab;
+    SampleParams p = params[blockIdx.x];
+    float inv_t = 1.0f / p.temperature;
+
+    float m = NEG_INF;
+    for (int t = threadIdx.x; t < vocab; t += blockDim.x) m = fmaxf(m, row[t]);
+    m = warp_max(m);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) s_max[warp] = m;
+    __syncthreads();
+    if (warp == 0) {
+        m = lane < (int)(blockDim.x >> 5) ? s_max[lane] : NEG_INF;
+        m = warp_max(m);
+        if (lane == 0) s_max[0] = m;
+    }
+    __syncthreads();
+    m = s_max[0];
+    if (m == NEG_INF) {
+        if (threadIdx.x == 0) out[blockIdx.x] = 0;
+        return;
+    }
+
+    // min-p: the best token weighs 1.
+    float cut = p.min_p;
+    float total;
+    int count;
+    kept_totals(row, vocab, m, inv_t, cut, &total, &count);
+    if (p.top_k > 0 && count > p.top_k) {
+        // The smallest cut that keeps at most k tokens.
+        float lo = cut, hi = 1.0f;
+        for (int i = 0; i < 40; i++) {
+            float mid = 0.5f * (lo + hi);
+            float s; int c;
+            kept_totals(row, vocab, m, inv_t, mid, &s, &c);
+            if (c > p.top_k) lo = mid; else hi = mid;
+        }
+        cut = hi;
+        kept_totals(row, vocab, m, inv_t, cut, &total, &count);
+    }
+    if (p.top_p < 1.0f) {
+        // The largest cut whose kept weight still reaches top_p of the total.
+        float want = p.top_p * total;
+        float lo = cut, hi = 1.0f;
+        for (int i = 0; i < 40; i++) {
+            float mid = 0.5f * (lo + hi);
+            float s; int c;
+            kept_totals(row, vocab, m, inv_t, mid, &s, &c);
+            if (s >= want) lo = mid; else hi = mid;
+        }
+        cut = lo;
+        kept_totals(row, vocab, m, inv_t, cut, &total, &count);
+    }
+
+    // The draw: each thread sums a contiguous chunk, a scan over the chunks finds the one that
+    // holds the target, and its thread walks it.
+    __shared__ int s_owner;
+    __shared__ float s_rest;
+    int chunk = (vocab + blockDim.x - 1) / blockDim.x;
+    int start = threadIdx.x * chunk;
+    int end = start + chunk < vocab ? start + chunk : vocab;
+    float s = 0.0f;
+    for (int t = start; t < end; t++) {
+        float w = expf((row[t] - m) * inv_t);
+        if (w > 0.0f && w >= cut) s += w;
+    }
+    chunk_sums[threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float target = philox_uniform(p.seed, p.counter) * total;
+        float acc = 0.0f;
+        int owner = -1;
+        float rest = 3.0e38f; // past every weight: rounding left the target beyond the total
+        for (int i = 0; i < (int)blockDim.x; i++) {
+            if (chunk_sums[i] <= 0.0f) continue;
+            owner = i;
+            if (target < acc + chunk_sums[i]) {
+                rest = target - acc;
+                break;
+            }
+            acc += chunk_sums[i];
+        }
+        s_owner = owner;
+        s_rest = rest;
+    }
+    __syncthreads();
+    if ((int)threadIdx.x == s_owner) {
+        float rest = s_rest;
+        u32 last = 0;
+        for (int t = start; t < end; t++) {
+            float w = expf((row[t] - m) * inv_t);
+            if (w > 0.0f && w >= cut) {
+                last = t;
+                if (rest < w) break;
+                rest -= w;
+            }
+        }
+        out[blockIdx.x] = last;
+    }
+}
+
+// Philox outputs as they are, for the known-answer test.
+extern "C" __global__ void philox_raw(const u32* ctr_key, u32* out) {
+    uint4 ctr;
+    ctr.x = ctr_key[0];
+    ctr.y = ctr_key[1];
+    ctr.z = ctr_key[2];
+    ctr.w = ctr_key[3];
+    uint2 key;
+    key.x = ctr_key[4];
+    key.y = ctr_key[5];
+    uint4 r = philox(ctr, key);
+    out[0] = r.x;
+    out[1] = r.y;
+    out[2] = r.z;
+    out[3] = r.w;
+}

@@ -43,7 +43,7 @@ const SOURCES: &[(&str, &str, &[&str])] = &[
     (
         "sampling.cu",
         include_str!("../../../kernels/sampling.cu"),
-        &["apply_bitmask", "argmax"],
+        &["apply_bitmask", "argmax", "sample_rows", "philox_raw"],
     ),
     (
         "random.cu",
@@ -62,8 +62,31 @@ pub struct Kernels {
     pub silu_mul: CudaFunction,
     pub apply_bitmask: CudaFunction,
     pub argmax: CudaFunction,
+    /// Seeded sampling (temperature, top-k, top-p, min-p): tested against the CPU's
+    /// semantics; the engine's sampled rows use it once the backend takes their parameters.
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub sample_rows: CudaFunction,
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub philox_raw: CudaFunction,
     pub fill_uniform_bf16: CudaFunction,
 }
+
+/// One row's sampling parameters, laid out as `SampleParams` in kernels/sampling.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+#[cfg_attr(not(test), allow(dead_code))]
+pub struct SampleParams {
+    pub temperature: f32,
+    pub top_k: i32,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub seed: u64,
+    /// The request's output index: with the seed, all a draw depends on.
+    pub counter: u64,
+}
+
+// SAFETY: plain old data with the C layout the kernel reads.
+unsafe impl cudarc::driver::DeviceRepr for SampleParams {}
 
 impl Kernels {
     pub fn load(ctx: &Arc<CudaContext>) -> Result<Self> {
@@ -96,6 +119,8 @@ impl Kernels {
             silu_mul: take("silu_mul"),
             apply_bitmask: take("apply_bitmask"),
             argmax: take("argmax"),
+            sample_rows: take("sample_rows"),
+            philox_raw: take("philox_raw"),
             fill_uniform_bf16: take("fill_uniform_bf16"),
         })
     }

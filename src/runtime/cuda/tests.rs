@@ -488,3 +488,128 @@ fn dummy_weights_are_deterministic_and_bounded() {
     let mean = a.iter().map(|&v| v as f64).sum::<f64>() / n as f64;
     assert!(mean.abs() < 0.01, "mean {mean}");
 }
+
+#[test]
+fn philox_matches_the_random123_known_answers() {
+    let Some(g) = gpu() else { return };
+    // Random123's kat_vectors for philox4x32_10: counter and key all zeros, and all ones.
+    for (input, want) in [
+        ([0u32; 6], [0x6627e8d5u32, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8]),
+        ([u32::MAX; 6], [0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd]),
+    ] {
+        let (inp, out) = (g.u32s(&input), g.u32s(&[0; 4]));
+        g.run(&g.k.philox_raw, (1, 1), 1, &[&g.p(&inp), &g.p(&out)]);
+        let got: Vec<u32> = g.stream.clone_dtoh(&out).unwrap();
+        assert_eq!(got, want);
+    }
+}
+
+/// The CPU sampler's filters (temperature, min-p, top-k, top-p over tokens sorted by weight),
+/// as normalized probabilities: what the kernel's draws must follow.
+fn reference_distribution(logits: &[f32], p: &kernels::SampleParams) -> Vec<f64> {
+    let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let mut cands: Vec<(usize, f64)> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &s)| (i, (((s - max) / p.temperature) as f64).exp()))
+        .filter(|&(_, w)| w > 0.0 && w >= p.min_p as f64)
+        .collect();
+    cands.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    if p.top_k > 0 {
+        cands.truncate(p.top_k as usize);
+    }
+    if p.top_p < 1.0 {
+        let total: f64 = cands.iter().map(|c| c.1).sum();
+        let mut cum = 0.0;
+        let keep = cands
+            .iter()
+            .position(|c| {
+                cum += c.1;
+                cum >= p.top_p as f64 * total
+            })
+            .map_or(cands.len(), |i| i + 1);
+        cands.truncate(keep);
+    }
+    let total: f64 = cands.iter().map(|c| c.1).sum();
+    let mut dist = vec![0.0; logits.len()];
+    for (i, w) in cands {
+        dist[i] = w / total;
+    }
+    dist
+}
+
+#[test]
+fn seeded_sampling_follows_the_filtered_distribution_and_depends_only_on_seed_and_counter() {
+    let Some(g) = gpu() else { return };
+    let vocab = 100usize;
+    let mut logits: Vec<f32> = values(vocab, 21).iter().map(|v| v * 3.0).collect();
+    for t in [3, 50, 77] {
+        logits[t] = f32::NEG_INFINITY; // masked
+    }
+    let draws = 20_000usize;
+    let cases = [
+        (0.7f32, 0i32, 1.0f32, 0.0f32),
+        (1.0, 10, 1.0, 0.0),
+        (1.0, 0, 0.8, 0.0),
+        (1.3, 20, 0.9, 0.05),
+    ];
+    for (temperature, top_k, top_p, min_p) in cases {
+        let params: Vec<kernels::SampleParams> = (0..draws as u64)
+            .map(|counter| kernels::SampleParams {
+                temperature,
+                top_k,
+                top_p,
+                min_p,
+                seed: 42,
+                counter,
+            })
+            .collect();
+        let rows: Vec<f32> = (0..draws).flat_map(|_| logits.iter().cloned()).collect();
+        let (ld, pd, out) = (
+            g.f32s(&rows),
+            g.stream.clone_htod(&params).unwrap(),
+            g.u32s(&vec![0; draws]),
+        );
+        let v = vocab as i32;
+        g.run(
+            &g.k.sample_rows,
+            (draws as u32, 1),
+            1024,
+            &[&g.p(&ld), &v, &g.p(&pd), &g.p(&out)],
+        );
+        let tokens: Vec<u32> = g.stream.clone_dtoh(&out).unwrap();
+        let want = reference_distribution(&logits, &params[0]);
+        let mut seen = vec![0usize; vocab];
+        for &t in &tokens {
+            seen[t as usize] += 1;
+        }
+        for t in 0..vocab {
+            let (freq, p) = (seen[t] as f64 / draws as f64, want[t]);
+            if p == 0.0 {
+                assert_eq!(
+                    seen[t], 0,
+                    "token {t} is filtered out but was drawn ({temperature}, {top_k}, {top_p}, {min_p})"
+                );
+            } else {
+                let sigma = (p * (1.0 - p) / draws as f64).sqrt();
+                assert!(
+                    (freq - p).abs() <= 5.0 * sigma + 1e-3,
+                    "token {t}: drawn {freq:.4}, expected {p:.4} ({temperature}, {top_k}, {top_p}, {min_p})"
+                );
+            }
+        }
+
+        // The same (seed, counter) draws the same token wherever its row sits in the batch.
+        let reversed: Vec<kernels::SampleParams> = params.iter().rev().cloned().collect();
+        let (pd2, out2) = (g.stream.clone_htod(&reversed).unwrap(), g.u32s(&vec![0; draws]));
+        g.run(
+            &g.k.sample_rows,
+            (draws as u32, 1),
+            1024,
+            &[&g.p(&ld), &v, &g.p(&pd2), &g.p(&out2)],
+        );
+        let mut again: Vec<u32> = g.stream.clone_dtoh(&out2).unwrap();
+        again.reverse();
+        assert_eq!(again, tokens);
+    }
+}
