@@ -35,6 +35,9 @@ pub struct ModelConfig {
     pub qkv_bias: bool,
 }
 
+/// The longest context a model may declare.
+const MAX_CONTEXT: usize = 1 << 20;
+
 impl ModelConfig {
     pub fn from_gguf(gguf: &GgufFile) -> Result<Self> {
         let arch_name = gguf.string("general.architecture")?;
@@ -44,6 +47,21 @@ impl ModelConfig {
             other => return Err(RuntimeError::UnsupportedArchitecture(other.to_string())),
         };
         let key = |k: &str| format!("{arch_name}.{k}");
+        // Scaled ropes (Llama 3.1's frequency table, linear or yarn scaling) are not implemented:
+        // refused, never computed as plain rope.
+        let scaling = gguf.string(&key("rope.scaling.type")).unwrap_or_default();
+        if !matches!(scaling.as_str(), "" | "none") {
+            return Err(RuntimeError::BadMetadata {
+                key: key("rope.scaling.type"),
+                reason: format!("rope scaling `{scaling}` is not supported (plain rope only)"),
+            });
+        }
+        if gguf.has_tensor("rope_freqs.weight") {
+            return Err(RuntimeError::BadMetadata {
+                key: "rope_freqs.weight".into(),
+                reason: "scaled rope frequencies are not supported (plain rope only)".into(),
+            });
+        }
         let hidden_size = gguf.usize(&key("embedding_length"))?;
         let num_heads = gguf.usize(&key("attention.head_count"))?;
         let num_kv_heads = gguf.usize_or(&key("attention.head_count_kv"), num_heads)?;
@@ -80,6 +98,23 @@ impl ModelConfig {
         };
         if self.num_heads == 0 || self.num_kv_heads == 0 || self.head_dim == 0 {
             return bad("zero heads or head dimension".into());
+        }
+        if [
+            self.vocab_size,
+            self.hidden_size,
+            self.intermediate_size,
+            self.num_layers,
+        ]
+        .contains(&0)
+        {
+            return bad("a zero vocabulary, width or layer count".into());
+        }
+        // The rope tables hold every position: a bound keeps a bad value from exhausting memory.
+        if self.context_length == 0 || self.context_length > MAX_CONTEXT {
+            return bad(format!(
+                "context length {}: 1 to {MAX_CONTEXT} positions are supported",
+                self.context_length
+            ));
         }
         if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return bad(format!(
@@ -128,10 +163,8 @@ impl ModelConfig {
         // transformers 5 keeps rope settings in `rope_parameters` (4.x: `rope_theta` and
         // `rope_scaling`). Scaled ropes (llama3, yarn, ...) are not implemented: refused, never
         // silently computed as plain rope.
-        let rope = v
-            .get("rope_parameters")
-            .or_else(|| v.get("rope_scaling"))
-            .filter(|r| !r.is_null());
+        let present = |k: &str| v.get(k).filter(|x| !x.is_null());
+        let rope = present("rope_parameters").or_else(|| present("rope_scaling"));
         if let Some(kind) = rope
             .and_then(|r| r.get("rope_type").or_else(|| r.get("type")))
             .and_then(|t| t.as_str())
@@ -148,6 +181,22 @@ impl ModelConfig {
             .map(|t| t as f32)
             .unwrap_or_else(|| float("rope_theta", 10_000.0));
         let model_type = v.get("model_type").and_then(|x| x.as_str()).unwrap_or("");
+        // What the layer loop does not compute is refused, never ignored.
+        let flag = |k: &str| v.get(k).and_then(|x| x.as_bool()).unwrap_or(false);
+        for (key, on) in [
+            ("mlp_bias", flag("mlp_bias")),
+            ("use_sliding_window", flag("use_sliding_window")),
+        ] {
+            if on {
+                return Err(bad(key, "not supported"));
+            }
+        }
+        if model_type == "llama" && flag("attention_bias") {
+            return Err(bad("attention_bias", "not supported (the output projection's bias)"));
+        }
+        if let Some(act) = v.get("hidden_act").and_then(|x| x.as_str()).filter(|&a| a != "silu") {
+            return Err(bad("hidden_act", &format!("`{act}`: only silu is supported")));
+        }
         let (architecture, qkv_bias) = match model_type {
             "llama" => (
                 Architecture::Llama,
@@ -218,6 +267,29 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(scaled.contains("llama3"), "{scaled}");
+        // A null rope_parameters does not hide the older key.
+        let hidden = ModelConfig::from_hf_json(&format!(
+            "{{{base},\"rope_parameters\":null,\"rope_scaling\":{{\"type\":\"yarn\"}}}}"
+        ));
+        assert!(hidden.unwrap_err().to_string().contains("yarn"));
+        // What the layer loop does not compute is refused by name.
+        for (extra, key) in [
+            (r#""mlp_bias":true"#, "mlp_bias"),
+            (r#""use_sliding_window":true"#, "use_sliding_window"),
+            (r#""hidden_act":"gelu""#, "hidden_act"),
+        ] {
+            let err = ModelConfig::from_hf_json(&format!("{{{base},{extra}}}"))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(key), "{extra}: {err}");
+        }
+        let llama = base.replace("qwen2", "llama");
+        let err = ModelConfig::from_hf_json(&format!("{{{llama},\"attention_bias\":true}}")).unwrap_err();
+        assert!(err.to_string().contains("attention_bias"), "{err}");
+        let zero = base.replace("\"num_hidden_layers\":1", "\"num_hidden_layers\":0");
+        assert!(ModelConfig::from_hf_json(&format!("{{{zero}}}")).is_err());
+        let long = ModelConfig::from_hf_json(&format!("{{{base},\"max_position_embeddings\":100000000000}}"));
+        assert!(long.unwrap_err().to_string().contains("context length"));
         assert_eq!(ModelConfig::preset("llama-3.1-8b").unwrap().num_kv_heads, 8);
         assert!(ModelConfig::preset("gpt-5").is_none());
     }

@@ -50,13 +50,43 @@ pub enum Device {
     Cuda(usize),
 }
 
-/// Why no GPU can be used here, or how many there are.
+/// The oldest driver whose API the bindings are built for (the `cuda-13000` feature): calls
+/// into an older one can reach symbols it lacks.
+const MIN_DRIVER: i32 = 13000;
+
+/// Why no GPU can be used here, or how many there are. Every library the backend opens is
+/// looked for first: cudarc panics when one is missing.
 pub fn cuda_devices() -> std::result::Result<usize, String> {
-    // SAFETY: only opens the library by name to see whether it is there.
-    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+    // SAFETY: these only open the libraries by name to see whether they are there.
+    let (driver, nvrtc, cublas) = unsafe {
+        (
+            cudarc::driver::sys::is_culib_present(),
+            cudarc::nvrtc::sys::is_culib_present(),
+            cudarc::cublas::sys::is_culib_present(),
+        )
+    };
+    if !driver {
         return Err("no CUDA driver library (libcuda.so) on this machine".into());
     }
+    if !nvrtc {
+        return Err("no NVRTC library (libnvrtc.so, CUDA 13) to compile the kernels".into());
+    }
+    if !cublas {
+        return Err("no cuBLAS library (libcublas.so, CUDA 13)".into());
+    }
     cudarc::driver::result::init().map_err(|e| format!("the CUDA driver did not start: {e}"))?;
+    let mut version = 0;
+    // SAFETY: writes one int; the driver is initialised.
+    unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) };
+    if version < MIN_DRIVER {
+        return Err(format!(
+            "the driver supports CUDA {}.{}, the GPU backend needs {}.{} or later",
+            version / 1000,
+            version % 1000 / 10,
+            MIN_DRIVER / 1000,
+            MIN_DRIVER % 1000 / 10
+        ));
+    }
     match cudarc::driver::result::device::get_count() {
         Ok(0) => Err("the CUDA driver sees no GPU".into()),
         Ok(n) => Ok(n as usize),

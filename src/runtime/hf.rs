@@ -62,6 +62,18 @@ impl Shards {
             }
             vec![single]
         };
+        // With an index, it decides which shard holds a tensor; without, the single file.
+        let index_map: Option<HashMap<String, PathBuf>> = if index.is_file() {
+            let text = std::fs::read_to_string(&index).map_err(|e| corrupt(&index, e))?;
+            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| corrupt(&index, e))?;
+            v.get("weight_map").and_then(|m| m.as_object()).map(|m| {
+                m.iter()
+                    .filter_map(|(name, f)| f.as_str().map(|f| (name.clone(), dir.join(f))))
+                    .collect()
+            })
+        } else {
+            None
+        };
         let mut maps = Vec::new();
         let mut by_name = HashMap::new();
         for file in files {
@@ -71,7 +83,10 @@ impl Shards {
             let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| corrupt(&file, e))?;
             let (_, meta) = SafeTensors::read_metadata(&map).map_err(|e| corrupt(&file, e))?;
             for name in meta.tensors().keys() {
-                by_name.insert(name.clone(), maps.len());
+                let listed = index_map.as_ref().is_none_or(|m| m.get(name) == Some(&file));
+                if listed {
+                    by_name.insert(name.clone(), maps.len());
+                }
             }
             maps.push((file, map));
         }

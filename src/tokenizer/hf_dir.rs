@@ -26,8 +26,30 @@ fn read_json(path: &Path) -> Result<Option<Value>, TokenizerError> {
     }
 }
 
+/// Whether a tokenizer.json is byte-level BPE (GPT-2, Llama 3, Qwen2, SmolLM2): the grammar
+/// reads token spellings as byte-level text. SentencePiece vocabularies (`▁word`, `<0x0A>`)
+/// would be read wrongly, so they are refused.
+fn is_byte_level(json: &Value) -> bool {
+    let is_bl = |v: &Value| v.get("type").and_then(|t| t.as_str()) == Some("ByteLevel");
+    let decoder = json.get("decoder").is_some_and(|d| {
+        is_bl(d)
+            || d.get("decoders")
+                .and_then(|l| l.as_array())
+                .is_some_and(|l| l.iter().any(is_bl))
+    });
+    json.pointer("/model/type").and_then(|t| t.as_str()) == Some("BPE") && decoder
+}
+
 pub fn load(dir: &Path) -> Result<Tokenizer, TokenizerError> {
     let file = dir.join("tokenizer.json");
+    if let Some(json) = read_json(&file)? {
+        if !is_byte_level(&json) {
+            return Err(TokenizerError::Unsupported(format!(
+                "{}: only byte-level BPE tokenizers are supported",
+                file.display()
+            )));
+        }
+    }
     let tokenizer = tokenizers::Tokenizer::from_file(&file)
         .map_err(|e| TokenizerError::Unsupported(format!("{}: {e}", file.display())))?;
     let config = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
@@ -72,7 +94,8 @@ pub fn load(dir: &Path) -> Result<Tokenizer, TokenizerError> {
             .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
             .and_then(|t| t.get("template").and_then(|s| s.as_str()))
             .map(str::to_string),
-        _ => None,
+        // Newer checkpoints keep it in a file of its own.
+        _ => std::fs::read_to_string(dir.join("chat_template.jinja")).ok(),
     };
     let chat_template = match template {
         Some(src) => Some(ChatTemplate::new(

@@ -97,10 +97,18 @@ impl Kernels {
         let driver = driver_version();
         let mut functions = std::collections::HashMap::new();
         for (file, source, names) in SOURCES {
-            let ptx = compiled(file, source, &arch, driver)?;
-            let module = ctx
-                .load_module(ptx)
-                .map_err(|e| RuntimeError::Device(format!("loading kernels/{file}: {e}")))?;
+            let (ptx, cached) = compiled(file, source, &arch, driver, true)?;
+            let module = match (ctx.load_module(ptx), cached) {
+                (Ok(m), _) => m,
+                // A damaged cache entry: dropped and compiled again.
+                (Err(_), Some(path)) => {
+                    let _ = std::fs::remove_file(&path);
+                    let (ptx, _) = compiled(file, source, &arch, driver, false)?;
+                    ctx.load_module(ptx)
+                        .map_err(|e| RuntimeError::Device(format!("loading kernels/{file}: {e}")))?
+                }
+                (Err(e), None) => return Err(RuntimeError::Device(format!("loading kernels/{file}: {e}"))),
+            };
             for name in *names {
                 let f = module
                     .load_function(name)
@@ -151,8 +159,9 @@ fn cache_dir() -> Option<PathBuf> {
     Some(base)
 }
 
-/// The PTX of one file, from the disk cache or from NVRTC.
-fn compiled(file: &str, source: &str, arch: &str, driver: i32) -> Result<Ptx> {
+/// The PTX of one file, from the disk cache (with its path) when `use_cache` and it is there,
+/// else from NVRTC.
+fn compiled(file: &str, source: &str, arch: &str, driver: i32, use_cache: bool) -> Result<(Ptx, Option<PathBuf>)> {
     let full = format!("{PRELUDE}\n#line 1 \"{file}\"\n{source}");
     let key = format!(
         "{}-{:016x}-sm{arch}-drv{driver}.ptx",
@@ -160,8 +169,10 @@ fn compiled(file: &str, source: &str, arch: &str, driver: i32) -> Result<Ptx> {
         fnv(full.as_bytes())
     );
     let cached = cache_dir().map(|d| d.join(&key));
-    if let Some(text) = cached.as_ref().and_then(|p| std::fs::read_to_string(p).ok()) {
-        return Ok(Ptx::from_src(text));
+    if let (true, Some(path)) = (use_cache, cached.as_ref()) {
+        if let Ok(text) = std::fs::read_to_string(path) {
+            return Ok((Ptx::from_src(text), Some(path.clone())));
+        }
     }
     let options = CompileOptions {
         options: vec![format!("--gpu-architecture=compute_{arch}"), "--std=c++17".into()],
@@ -176,10 +187,14 @@ fn compiled(file: &str, source: &str, arch: &str, driver: i32) -> Result<Ptx> {
     })?;
     if let Some(path) = cached {
         // Written whole, then renamed: a concurrent start never reads half a file.
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        // Unique per writer, also across containers that share the cache and a pid.
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let tmp = path.with_extension(format!("tmp{}-{nanos}", std::process::id()));
         if std::fs::write(&tmp, ptx.to_src()).is_ok() {
             let _ = std::fs::rename(&tmp, &path);
         }
     }
-    Ok(ptx)
+    Ok((ptx, None))
 }

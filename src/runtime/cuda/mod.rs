@@ -27,6 +27,9 @@ use super::{Backend, RowRequest, Sampled};
 /// Tokens per KV block.
 pub const BLOCK_SIZE: usize = 16;
 
+/// kernels/attention.cu's MAX_HEAD_DIM.
+const MAX_HEAD_DIM: usize = 256;
+
 pub struct CudaOptions {
     pub ordinal: usize,
     /// KV cache capacity in tokens (rounded up to whole blocks); else `kv_cache_bytes`; else
@@ -151,6 +154,16 @@ impl CudaBackend {
                 (config, weights)
             }
         };
+        // The attention kernel holds a head in registers and shared memory of 256 values.
+        if config.head_dim > MAX_HEAD_DIM {
+            return Err(RuntimeError::BadMetadata {
+                key: "head_dim".into(),
+                reason: format!(
+                    "{}: the GPU backend supports heads of up to {MAX_HEAD_DIM}",
+                    config.head_dim
+                ),
+            });
+        }
         let (cos, sin) = super::cpu::rope_tables(config.head_dim, config.rope_theta, config.context_length);
         let rope_cos = stream.clone_htod(&cos).map_err(device_err("rope tables"))?;
         let rope_sin = stream.clone_htod(&sin).map_err(device_err("rope tables"))?;
@@ -183,7 +196,8 @@ impl CudaBackend {
             }
         };
         let layout = KvLayout {
-            num_blocks: tokens.div_ceil(BLOCK_SIZE).max(1),
+            // Slots are u32 in batches.
+            num_blocks: tokens.div_ceil(BLOCK_SIZE).clamp(1, u32::MAX as usize / BLOCK_SIZE),
             block_size: BLOCK_SIZE,
         };
         let per_layer = layout.num_slots() * config.kv_size();

@@ -69,7 +69,7 @@ impl Weights {
 
     pub fn from_hf(dir: &std::path::Path, cfg: &ModelConfig, tied: bool, stream: &Arc<CudaStream>) -> Result<Self> {
         let shards = crate::runtime::hf::Shards::open(dir)?;
-        let has_head = !tied && shards.has(Format::HuggingFace.head());
+        let has_head = !tied;
         let mut read = |name: &str, shape: &[usize]| shards.read(name, shape);
         Self::load(&mut read, Format::HuggingFace, has_head, cfg, stream)
     }
