@@ -35,5 +35,35 @@ fn a_tokenizer_written_as_hugging_face_files_reads_back_the_same() {
         copy.encode_chat(&messages).unwrap(),
         original.encode_chat(&messages).unwrap()
     );
+
+    // Without `add_bos_token`, a post-processor that puts BOS first decides (Llama 3's
+    // directories do it this way).
+    let config_path = dir.join("tokenizer_config.json");
+    let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    config.as_object_mut().unwrap().remove("add_bos_token");
+    config["bos_token"] = serde_json::json!("<|im_start|>");
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    let path = dir.join("tokenizer.json");
+    let mut json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let bos_id = copy.encode_fragment("<|im_start|>", true).unwrap()[0];
+    json["post_processor"] = serde_json::json!({
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<|im_start|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [bos_id], "tokens": ["<|im_start|>"]}}
+    });
+    std::fs::write(&path, json.to_string()).unwrap();
+    let with_bos = Tokenizer::from_model_file(&dir).unwrap();
+    let ids = with_bos.encode("hello", false).unwrap();
+    assert_eq!(ids[0], bos_id, "BOS first: {ids:?}");
+    assert_eq!(&ids[1..], &copy.encode("hello", false).unwrap()[..]);
+
+    // A SentencePiece-style decoder: its spellings (`▁word`, `<0x0A>`) are not byte-level
+    // text, which the grammar's vocabulary assumes, so the directory is refused.
+    json["decoder"] =
+        serde_json::json!({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": true});
+    std::fs::write(&path, json.to_string()).unwrap();
+    let err = Tokenizer::from_model_file(&dir).err().expect("refused").to_string();
+    assert!(err.contains("byte-level"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

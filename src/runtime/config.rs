@@ -198,10 +198,7 @@ impl ModelConfig {
             return Err(bad("hidden_act", &format!("`{act}`: only silu is supported")));
         }
         let (architecture, qkv_bias) = match model_type {
-            "llama" => (
-                Architecture::Llama,
-                v.get("attention_bias").and_then(|x| x.as_bool()).unwrap_or(false),
-            ),
+            "llama" => (Architecture::Llama, false),
             "qwen2" => (Architecture::Qwen2, true),
             other => return Err(RuntimeError::UnsupportedArchitecture(other.to_string())),
         };

@@ -40,10 +40,31 @@ fn is_byte_level(json: &Value) -> bool {
     json.pointer("/model/type").and_then(|t| t.as_str()) == Some("BPE") && decoder
 }
 
+/// Whether a `TemplateProcessing` post-processor puts `bos` before a single sequence.
+fn post_processor_adds(json: Option<&Value>, bos: Option<&str>) -> bool {
+    let (Some(json), Some(bos)) = (json, bos) else {
+        return false;
+    };
+    let processors: Vec<&Value> = match json.get("post_processor") {
+        Some(p) if p.get("type").and_then(|t| t.as_str()) == Some("Sequence") => p
+            .get("processors")
+            .and_then(|l| l.as_array())
+            .map(|l| l.iter().collect())
+            .unwrap_or_default(),
+        Some(p) => vec![p],
+        None => Vec::new(),
+    };
+    processors.iter().any(|p| {
+        p.get("type").and_then(|t| t.as_str()) == Some("TemplateProcessing")
+            && p.pointer("/single/0/SpecialToken/id").and_then(|i| i.as_str()) == Some(bos)
+    })
+}
+
 pub fn load(dir: &Path) -> Result<Tokenizer, TokenizerError> {
     let file = dir.join("tokenizer.json");
-    if let Some(json) = read_json(&file)? {
-        if !is_byte_level(&json) {
+    let json = read_json(&file)?;
+    if let Some(json) = &json {
+        if !is_byte_level(json) {
             return Err(TokenizerError::Unsupported(format!(
                 "{}: only byte-level BPE tokenizers are supported",
                 file.display()
@@ -69,7 +90,12 @@ pub fn load(dir: &Path) -> Result<Tokenizer, TokenizerError> {
     let id_of = |name: &Option<String>| name.as_ref().and_then(|n| vocab.get(n).copied());
     let (bos, eos) = (token_name(config.get("bos_token")), token_name(config.get("eos_token")));
     let bos_id = id_of(&bos);
-    let add_bos = config.get("add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false);
+    // Llama 3 directories leave `add_bos_token` out and add BOS in tokenizer.json's
+    // post-processor; we encode without it, so it is read from there.
+    let add_bos = config
+        .get("add_bos_token")
+        .and_then(|v| v.as_bool())
+        .unwrap_or_else(|| post_processor_adds(json.as_ref(), bos.as_deref()));
     let mut end_of_generation: Vec<u32> = id_of(&eos).into_iter().collect();
     if let Some(g) = read_json(&dir.join("generation_config.json"))? {
         let ids: Vec<u32> = match g.get("eos_token_id") {
