@@ -184,17 +184,13 @@ impl ModelArgs {
                 })
             }
         };
-        // The CPU's default pool is a share of host memory; the GPU's, of device memory.
-        let kv_cache_bytes = match (self.kv_cache_memory, self.device) {
-            (Some(b), _) => Some(b),
-            (None, DeviceChoice::Cpu) => Some(default_kv_cache_memory()),
-            (None, _) => None,
-        };
+        // Without --kv-cache-*, the CPU's pool is a share of host memory (its options carry
+        // the default); the GPU's, of device memory.
         let options = LoadOptions {
             load_format: self.load_format,
             model_config,
             kv_cache_tokens: self.kv_cache_tokens,
-            kv_cache_bytes,
+            kv_cache_bytes: self.kv_cache_memory,
             cpu: CpuOptions {
                 kv_cache_bytes: Some(default_kv_cache_memory()),
                 prefault_kv: self.prefault_kv,

@@ -629,34 +629,43 @@ fn keep_within(
 ) -> Result<SampledToken, RuntimeError> {
     let mut token = token;
     if let Some(m) = state.matcher.as_mut() {
-        let fits = match m.accept(token) {
-            Ok(()) => {
-                let fits = m.is_finished() || m.completion_cost().is_none_or(|c| c <= room);
-                let _ = m.rollback(1);
-                fits
-            }
-            // Refused: `accept` ends the request as internal.
-            Err(_) => true,
-        };
-        if !fits {
-            let mut tight = vec![0u32; words];
-            m.fill_bitmask_within(&mut tight, room);
-            if tight.iter().any(|&w| w != 0) {
-                state.metrics.budget_closed = true;
-                token = backend.argmax_within(row, &tight)?;
-            }
+        if let Some(tight) = room_keeping_mask(m, token, room, words) {
+            state.metrics.budget_closed = true;
+            token = backend.argmax_within(row, &tight)?;
         }
     }
     Ok(state.sampler.take(token))
 }
 
+/// The mask that keeps room to close within `room` more tokens, where `token` would not: tried
+/// on the matcher (an accept, a completion cost and a rollback, about a microsecond); only then
+/// is the full walk made. `None` where `token` fits, or where no token would (not reachable
+/// while completion costs are exact: some byte always brings the end one closer), so the
+/// plain choice stands.
+fn room_keeping_mask(m: &mut ContainedMatcher, token: u32, room: usize, words: usize) -> Option<Vec<u32>> {
+    let fits = match m.accept(token) {
+        Ok(()) => {
+            let fits = m.is_finished() || m.completion_cost().is_none_or(|c| c <= room);
+            let _ = m.rollback(1);
+            fits
+        }
+        // Refused: `accept` ends the request as internal.
+        Err(_) => true,
+    };
+    if fits {
+        return None;
+    }
+    let mut tight = vec![0u32; words];
+    m.fill_bitmask_within(&mut tight, room);
+    tight.iter().any(|&w| w != 0).then_some(tight)
+}
+
 /// Samples the next token of a request from its logits under its grammar mask (with the copy
 /// bias on the tokens that continue a run copied from its document), keeping its constrained
-/// output able to close within `room` more tokens. The plain mask is used as it is: the drawn
-/// token is tried on the matcher (an accept, a completion cost and a rollback, about a
-/// microsecond), and only when it would leave too little room does the mask that keeps room get
-/// built (a full walk, near the end of the budget) and the token drawn again from it. Greedy, this is the argmax of the tighter mask; sampled, the
-/// distribution the tighter mask gives.
+/// output able to close within `room` more tokens: the plain mask is used as it is, and only
+/// when the drawn token would leave too little room is it drawn again under the mask that keeps
+/// room. Greedy, this is the argmax of the tighter mask; sampled, the distribution the tighter
+/// mask gives.
 fn draw_within(state: &mut State, logits: &[f32], mask: Option<&[u32]>, room: usize, words: usize) -> SampledToken {
     let bias = state.sampler.params().copy_bias;
     let copying = match (bias > 0.0, state.matcher.as_mut()) {
@@ -682,27 +691,10 @@ fn draw_within(state: &mut State, logits: &[f32], mask: Option<&[u32]>, room: us
         state.sampler.record(sampled.token);
         return sampled;
     };
-    let fits = match m.accept(sampled.token) {
-        Ok(()) => {
-            let fits = m.is_finished() || m.completion_cost().is_none_or(|c| c <= room);
-            let _ = m.rollback(1);
-            fits
-        }
-        // Refused: `accept` ends the request as internal.
-        Err(_) => true,
+    let Some(tight) = room_keeping_mask(m, sampled.token, room, words) else {
+        state.sampler.record(sampled.token);
+        return sampled;
     };
-    if fits {
-        state.sampler.record(sampled.token);
-        return sampled;
-    }
-    let mut tight = vec![0u32; words];
-    m.fill_bitmask_within(&mut tight, room);
-    if tight.iter().all(|&w| w == 0) {
-        // Not reachable while completion costs are exact (some byte always brings the end one
-        // closer); should it happen, the plain draw stands.
-        state.sampler.record(sampled.token);
-        return sampled;
-    }
     state.metrics.budget_closed = true;
     state.sampler.sample(&masked(&tight))
 }

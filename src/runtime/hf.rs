@@ -44,35 +44,27 @@ fn corrupt(path: &Path, reason: impl std::fmt::Display) -> RuntimeError {
 impl Shards {
     pub fn open(dir: &Path) -> Result<Self> {
         let index = dir.join("model.safetensors.index.json");
-        let files: Vec<PathBuf> = if index.is_file() {
+        // With an index, it decides which shard holds each tensor; without, the single file.
+        let (files, index_map): (Vec<PathBuf>, Option<HashMap<String, PathBuf>>) = if index.is_file() {
             let text = std::fs::read_to_string(&index).map_err(|e| corrupt(&index, e))?;
             let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| corrupt(&index, e))?;
-            let map = v
+            let map: HashMap<String, PathBuf> = v
                 .get("weight_map")
                 .and_then(|m| m.as_object())
-                .ok_or_else(|| corrupt(&index, "no weight_map"))?;
-            let mut files: Vec<PathBuf> = map.values().filter_map(|f| f.as_str()).map(|f| dir.join(f)).collect();
+                .ok_or_else(|| corrupt(&index, "no weight_map"))?
+                .iter()
+                .filter_map(|(name, f)| f.as_str().map(|f| (name.clone(), dir.join(f))))
+                .collect();
+            let mut files: Vec<PathBuf> = map.values().cloned().collect();
             files.sort();
             files.dedup();
-            files
+            (files, Some(map))
         } else {
             let single = dir.join("model.safetensors");
             if !single.is_file() {
                 return Err(RuntimeError::ModelNotFound(single));
             }
-            vec![single]
-        };
-        // With an index, it decides which shard holds a tensor; without, the single file.
-        let index_map: Option<HashMap<String, PathBuf>> = if index.is_file() {
-            let text = std::fs::read_to_string(&index).map_err(|e| corrupt(&index, e))?;
-            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| corrupt(&index, e))?;
-            v.get("weight_map").and_then(|m| m.as_object()).map(|m| {
-                m.iter()
-                    .filter_map(|(name, f)| f.as_str().map(|f| (name.clone(), dir.join(f))))
-                    .collect()
-            })
-        } else {
-            None
+            (vec![single], None)
         };
         let mut maps = Vec::new();
         let mut by_name = HashMap::new();
