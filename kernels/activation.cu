@@ -1,11 +1,12 @@
 // SiLU(gate) * up, from the stacked [gate | up] projection (f32) to the down projection's
-// bf16 input.
-extern "C" __global__ void silu_mul(const float* gate_up, bf16* out, int inter) {
-    const float* g = gate_up + (size_t)blockIdx.x * 2 * inter;
-    const float* u = g + inter;
-    bf16* o = out + (size_t)blockIdx.x * inter;
-    for (int i = threadIdx.x; i < inter; i += blockDim.x) {
-        float x = g[i];
-        o[i] = f32_to_bf16(x / (1.0f + expf(-x)) * u[i]);
-    }
+// bf16 input. One thread per output element over the whole batch: a few rows of 14,336 would
+// otherwise leave all but a few SMs idle.
+extern "C" __global__ void silu_mul(const float* gate_up, bf16* out, int inter, long long total) {
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= total) return;
+    long long row = idx / inter;
+    int i = (int)(idx - row * inter);
+    const float* g = gate_up + row * 2 * inter;
+    float x = g[i];
+    out[idx] = f32_to_bf16(x / (1.0f + expf(-x)) * g[inter + i]);
 }

@@ -12,6 +12,33 @@ extern "C" __global__ void apply_bitmask(float* logits, const u32* masks, const 
     if (!((word >> (t & 31)) & 1u)) logits[(size_t)r * vocab + t] = NEG_INF;
 }
 
+// The copy bias: bias[r] added to the logits of row r that mask row mask_rows[r] allows (-1: the
+// row has no bias). Grid: (rows, ceil(vocab / blockDim)).
+extern "C" __global__ void add_bias_where(float* logits, const u32* masks, const int* mask_rows, const float* bias,
+                                          int vocab, int words) {
+    int r = blockIdx.x;
+    int m = mask_rows[r];
+    if (m < 0) return;
+    int t = blockIdx.y * blockDim.x + threadIdx.x;
+    if (t >= vocab) return;
+    u32 word = masks[(size_t)m * words + (t >> 5)];
+    if ((word >> (t & 31)) & 1u) logits[(size_t)r * vocab + t] += bias[r];
+}
+
+// Penalties, one thread per (row, token): the repetition factor divides a positive logit and
+// multiplies a negative one, then the sum of the additive penalties (frequency, presence, DRY)
+// is added, in the CPU sampler's order. A token appears at most once per row.
+extern "C" __global__ void apply_penalties(float* logits, int vocab, const u32* rows, const u32* tokens,
+                                           const float* factors, const float* adds, int count) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= count) return;
+    float* v = logits + (size_t)rows[i] * vocab + tokens[i];
+    float x = *v;
+    float f = factors[i];
+    if (f != 1.0f) x = x > 0.0f ? x / f : x * f;
+    *v = x + adds[i];
+}
+
 // Greedy: the index of each row's largest logit, the lowest index among equals (as the CPU
 // sampler's argmax). One block per row.
 extern "C" __global__ void argmax(const float* logits, int vocab, u32* out) {
@@ -129,11 +156,12 @@ __device__ void kept_totals(const float* row, int vocab, float max, float inv_t,
 // threshold, found by bisection over the weight (the CPU sorts instead, and breaks a tie that
 // straddles the k-th place by token id; here such ties are dropped together). The draw walks
 // the kept tokens in id order. One block of SAMPLE_THREADS per row; a row whose every logit is
-// -inf gets token 0.
-extern "C" __global__ void sample_rows(const float* logits, int vocab, const SampleParams* params, u32* out) {
+// -inf gets token 0. Block b draws from logits row rows[b] (rows null: row b) into out[b].
+extern "C" __global__ void sample_rows(const float* logits, const u32* rows, int vocab, const SampleParams* params,
+                                       u32* out) {
     __shared__ float s_max[32];
     __shared__ float chunk_sums[SAMPLE_THREADS];
-    const float* row = logits + (size_t)blockIdx.x * vocab;
+    const float* row = logits + (size_t)(rows ? rows[blockIdx.x] : blockIdx.x) * vocab;
     SampleParams p = params[blockIdx.x];
     float inv_t = 1.0f / p.temperature;
 

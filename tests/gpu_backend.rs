@@ -139,3 +139,153 @@ fn gpu_and_cpu_agree_on_mixed_chunked_batches() {
     );
     assert!(sum / n <= MEAN_LOGPROB_TOLERANCE && max <= MAX_LOGPROB_TOLERANCE);
 }
+
+/// Draws on the device against the same steps on the host, on the same logits: the grammar's
+/// mask, the copy bias and the penalties applied where the logits are give the host's argmax
+/// exactly; a redraw under a narrower mask stays inside it; a seeded draw depends on its seed and
+/// counter, not on its row in the batch.
+#[test]
+fn device_draws_match_the_host_on_the_same_logits() {
+    use quarry::runtime::{Draw, Penalty, RowRequest};
+    let golden = common::golden();
+    let Some(mut gpu) = gpu_backend(4096) else { return };
+    let block = gpu.kv_layout().block_size;
+    let prompts: Vec<Vec<u32>> = golden.prompts.iter().take(3).map(|p| p.prompt_tokens.clone()).collect();
+    let tables: Vec<Vec<u32>> = (0..3u32).map(|s| (0..40).map(|i| s + 3 * i).collect()).collect();
+    // Prefill all but the last token of each prompt; the batches compared decode the last one.
+    let mut prefill = ForwardBatch::default();
+    for s in 0..3 {
+        let p = &prompts[s];
+        prefill.push_sequence(&p[..p.len() - 1], 0, &tables[s], block);
+    }
+    gpu.forward(&prefill).expect("prefill");
+    let decode = |order: &[usize]| {
+        let mut b = ForwardBatch::default();
+        for &s in order {
+            let p = &prompts[s];
+            b.push_sequence(&p[p.len() - 1..], p.len() - 1, &tables[s], block);
+            b.logits_rows.push(b.num_tokens() as u32 - 1);
+        }
+        b
+    };
+    let batch = decode(&[0, 1, 2]);
+    let logits = gpu.forward(&batch).expect("decode");
+    let vocab = logits.vocab_size;
+    let words = vocab.div_ceil(32);
+    let bits = |f: &dyn Fn(usize) -> bool| -> Vec<u32> {
+        let mut m = vec![0u32; words];
+        for t in (0..vocab).filter(|&t| f(t)) {
+            m[t / 32] |= 1 << (t % 32);
+        }
+        m
+    };
+    let allowed = |m: &[u32], t: usize| m[t / 32] >> (t % 32) & 1 == 1;
+    // Row 0: a scattered mask, a copy bias and penalties on its three best tokens; row 1: no
+    // mask, a penalty that pushes its best token down; row 2: a mask of every third token.
+    let best: Vec<Vec<u32>> = (0..3)
+        .map(|r| {
+            let row = logits.row(r);
+            let mut order: Vec<u32> = (0..vocab as u32).collect();
+            order.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]));
+            order[..3].to_vec()
+        })
+        .collect();
+    let mask0 = bits(&|t| (t * 2654435761) % 7 < 4 || best[0].contains(&(t as u32)));
+    let mask2 = bits(&|t| t % 3 == 0);
+    let copy0 = bits(&|t| t % 5 == 0);
+    let pen0: Vec<Penalty> = best[0]
+        .iter()
+        .map(|&token| Penalty {
+            token,
+            factor: 1.3,
+            add: -0.7,
+        })
+        .collect();
+    let pen1 = vec![Penalty {
+        token: best[1][0],
+        factor: 1.0,
+        add: -5.0,
+    }];
+    let masks = [Some(&mask0[..]), None, Some(&mask2[..])];
+    let biases = [Some((&copy0[..], 1.5f32)), None, None];
+    let pens: [&[Penalty]; 3] = [&pen0, &pen1, &[]];
+    let host = |r: usize, narrower: Option<&[u32]>| -> u32 {
+        let mut scores: Vec<f32> = logits.row(r).to_vec();
+        for (t, x) in scores.iter_mut().enumerate() {
+            let open = masks[r].is_none_or(|m| allowed(m, t)) && narrower.is_none_or(|m| allowed(m, t));
+            if !open {
+                *x = f32::NEG_INFINITY;
+            } else if let Some((c, b)) = biases[r] {
+                if allowed(c, t) {
+                    *x += b;
+                }
+            }
+        }
+        for p in pens[r] {
+            let x = &mut scores[p.token as usize];
+            if p.factor != 1.0 {
+                *x = if *x > 0.0 { *x / p.factor } else { *x * p.factor };
+            }
+            *x += p.add;
+        }
+        quarry::sampling::argmax(&scores)
+    };
+    let draw = |r: usize, temperature: f32, counter: u64| Draw {
+        temperature,
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        seed: 1234 + r as u64,
+        counter,
+        bias: biases[r],
+        penalties: pens[r],
+    };
+    let greedy: Vec<RowRequest> = (0..3)
+        .map(|r| RowRequest {
+            mask: masks[r],
+            draw: Some(draw(r, 0.0, 0)),
+        })
+        .collect();
+    gpu.run(&batch).unwrap();
+    let out = gpu.sample(&greedy).unwrap();
+    for r in 0..3 {
+        assert_eq!(out.tokens[r], Some(host(r, None)), "row {r}");
+    }
+    assert_ne!(out.tokens[1], Some(best[1][0]), "the penalty moved row 1 off its best token");
+    // A narrower mask for row 0: tokens 100..200 only.
+    let narrow = bits(&|t| (100..200).contains(&t));
+    let again = gpu.redraw_within(0, &narrow).unwrap();
+    assert_eq!(again, host(0, Some(&narrow)));
+    assert!((100..200).contains(&(again as usize)));
+
+    // Seeded draws: in order, then with the rows reversed, the same token per sequence.
+    let seeded = |order: &[usize], gpu: &mut Box<dyn Backend>| -> Vec<u32> {
+        gpu.run(&decode(order)).unwrap();
+        let requests: Vec<RowRequest> = order
+            .iter()
+            .map(|&r| RowRequest {
+                mask: masks[r],
+                draw: Some(draw(r, 1.0, 5)),
+            })
+            .collect();
+        let got = gpu.sample(&requests).unwrap();
+        let mut by_seq = vec![0u32; 3];
+        for (i, &r) in order.iter().enumerate() {
+            by_seq[r] = got.tokens[i].expect("drawn on the device");
+        }
+        by_seq
+    };
+    let forward = seeded(&[0, 1, 2], &mut gpu);
+    let reversed = seeded(&[2, 1, 0], &mut gpu);
+    assert_eq!(forward, reversed);
+    for r in [0, 2] {
+        assert!(allowed(masks[r].unwrap(), forward[r] as usize), "row {r} drew a masked token");
+    }
+    // Rows without a draw come back as logits, in row order.
+    gpu.run(&batch).unwrap();
+    let mixed = [greedy[0], RowRequest { mask: None, draw: None }, greedy[2]];
+    let out = gpu.sample(&mixed).unwrap();
+    assert_eq!(out.tokens[1], None);
+    assert_eq!(out.host_row(1).unwrap(), logits.row(1));
+    assert_eq!((out.tokens[0], out.tokens[2]), (Some(host(0, None)), Some(host(2, None))));
+}

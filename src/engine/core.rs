@@ -16,8 +16,8 @@ use super::scheduler::{AdmitError, Scheduled, Scheduler, SchedulerConfig};
 use super::stop::{StopScan, StopStrings};
 use super::structured::CompiledConstraint;
 use super::BlockPool;
-use crate::runtime::{Backend, ForwardBatch, RowRequest, RuntimeError};
-use crate::sampling::{SampledToken, Sampler, SamplingParamError, SamplingParams};
+use crate::runtime::{Backend, Draw, ForwardBatch, RowRequest, RuntimeError};
+use crate::sampling::{DeviceDraw, SampledToken, Sampler, SamplingParamError, SamplingParams};
 use crate::tokenizer::Tokenizer;
 
 /// What a client asks of the engine.
@@ -416,15 +416,36 @@ impl EngineCore {
         for (i, mask) in filled {
             masks[i] = Some(mask);
         }
-        let requests: Vec<RowRequest<'_>> = sampling
+        // Where the backend draws on its device, each row's draw goes with it: the sampler's
+        // parameters and penalties, and the copy bias's mask.
+        let mut draws: Vec<Option<(DeviceDraw, Option<(Vec<u32>, f32)>)>> = vec![None; sampling.len()];
+        if self.backend.draws_on_device() {
+            for (i, s) in sampling.iter().enumerate() {
+                let Some(state) = self.states.get_mut(&s.id) else { continue };
+                let Some(draw) = state.sampler.device_draw() else { continue };
+                let bias = state.sampler.params().copy_bias;
+                let copying = match (bias > 0.0, state.matcher.as_mut()) {
+                    (true, Some(m)) => m.copy_mask().map(|c| (c, bias)),
+                    _ => None,
+                };
+                draws[i] = Some((draw, copying));
+            }
+        }
+        let requests: Vec<RowRequest<'_>> = masks
             .iter()
-            .zip(&masks)
-            .map(|(s, mask)| RowRequest {
+            .zip(&draws)
+            .map(|(mask, draw)| RowRequest {
                 mask: mask.as_deref(),
-                greedy: self
-                    .states
-                    .get(&s.id)
-                    .is_some_and(|st| st.sampler.params().is_plain_greedy()),
+                draw: draw.as_ref().map(|(d, copying)| Draw {
+                    temperature: d.temperature,
+                    top_k: d.top_k,
+                    top_p: d.top_p,
+                    min_p: d.min_p,
+                    seed: d.seed,
+                    counter: d.counter,
+                    bias: copying.as_ref().map(|(c, b)| (&c[..], *b)),
+                    penalties: &d.penalties,
+                }),
             })
             .collect();
         let decided = self.backend.sample(&requests)?;
@@ -615,10 +636,9 @@ impl EngineCore {
     }
 }
 
-/// The token a backend chose for a plain greedy row (the argmax under the mask), kept if the
-/// output can still close within `room` more tokens; otherwise the argmax under the mask that
-/// keeps room, taken again where the logits are. The same choice `draw_within` makes for a
-/// greedy request.
+/// The token a backend drew for a row, kept if the output can still close within `room` more
+/// tokens; otherwise drawn again where the logits are, under the mask that keeps room: the same
+/// choice `draw_within` makes on the host.
 fn keep_within(
     state: &mut State,
     backend: &mut dyn crate::runtime::Backend,
@@ -631,7 +651,7 @@ fn keep_within(
     if let Some(m) = state.matcher.as_mut() {
         if let Some(tight) = room_keeping_mask(m, token, room, words) {
             state.metrics.budget_closed = true;
-            token = backend.argmax_within(row, &tight)?;
+            token = backend.redraw_within(row, &tight)?;
         }
     }
     Ok(state.sampler.take(token))

@@ -23,9 +23,10 @@ use std::path::Path;
 /// different sequences may be mixed freely in one call.
 ///
 /// A step is `run` (queue the pass; a GPU backend returns before it is done, so the engine
-/// fills the grammar masks meanwhile), then `sample` with each sampled row's mask: plain
-/// greedy rows may be decided where the logits are (on a GPU: the mask applied and the argmax
-/// taken on the device, only token ids cross the bus), the others get their logits back for
+/// fills the grammar masks meanwhile), then `sample` with each sampled row's mask and, where the
+/// backend may decide the row itself, how to draw it: a GPU backend applies the mask, the copy
+/// bias and the penalties and draws on the device, so only token ids cross the bus; the rows it
+/// leaves (and every row of a backend whose logits are on the host) get their logits back for
 /// the engine's sampler.
 pub trait Backend: Send {
     fn config(&self) -> &ModelConfig;
@@ -39,9 +40,10 @@ pub trait Backend: Send {
     /// One request per row of the last `run`'s `logits_rows`, in order.
     fn sample(&mut self, rows: &[RowRequest<'_>]) -> Result<Sampled>;
 
-    /// The argmax of one row of the last `run` under a narrower mask (a row `sample` decided on
-    /// the backend, whose token left its output no room to close).
-    fn argmax_within(&mut self, row: usize, mask: &[u32]) -> Result<u32>;
+    /// Decides again a row that `sample` decided on the backend, under a narrower mask (its
+    /// token left the output no room to close), with the same draw: the argmax, or the same
+    /// seeded draw from what the narrower mask leaves.
+    fn redraw_within(&mut self, row: usize, mask: &[u32]) -> Result<u32>;
 
     /// `run`, then every row's logits.
     fn forward(&mut self, batch: &ForwardBatch) -> Result<Logits> {
@@ -49,11 +51,17 @@ pub trait Backend: Send {
         let rows = vec![
             RowRequest {
                 mask: None,
-                greedy: false
+                draw: None
             };
             batch.logits_rows.len()
         ];
         Ok(self.sample(&rows)?.logits)
+    }
+
+    /// Whether `sample` draws the rows given a `Draw` itself (else the engine need not make
+    /// them: every row comes back as logits).
+    fn draws_on_device(&self) -> bool {
+        false
     }
 
     /// A short human-readable name of the device, for logs and benchmarks.
@@ -66,15 +74,44 @@ pub struct RowRequest<'a> {
     /// The grammar's mask for the row: one bit per token of the grammar's vocabulary; tokens
     /// past it are refused.
     pub mask: Option<&'a [u32]>,
-    /// A plain greedy request (no penalties, biases or log-probabilities): its token is the
-    /// argmax under the mask, which the backend may take itself.
-    pub greedy: bool,
+    /// How to draw the row where its logits are; `None`: the engine samples it from its logits
+    /// (log-probabilities, which the engine computes).
+    pub draw: Option<Draw<'a>>,
+}
+
+/// One row's draw, in the engine sampler's order: the grammar's mask, the copy bias, the
+/// penalties, then the argmax (temperature 0) or a seeded draw after temperature, min-p, top-k
+/// and top-p.
+#[derive(Clone, Copy, Debug)]
+pub struct Draw<'a> {
+    pub temperature: f32,
+    /// 0: no limit.
+    pub top_k: usize,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub seed: u64,
+    /// The draw's place in the request's output: with the seed, all the draw depends on (not
+    /// the batch around it).
+    pub counter: u64,
+    /// Added to the logits of the tokens this mask allows.
+    pub bias: Option<(&'a [u32], f32)>,
+    /// At most one per token.
+    pub penalties: &'a [Penalty],
+}
+
+/// A penalty on one token's logit: `factor` divides it where positive and multiplies it where
+/// negative (the repetition penalty), then `add` is added (frequency, presence, DRY).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Penalty {
+    pub token: u32,
+    pub factor: f32,
+    pub add: f32,
 }
 
 /// The tokens a backend decided, and the logits of the rows it left to the engine.
 #[derive(Debug, Clone)]
 pub struct Sampled {
-    /// Per row: the token, where the backend took the argmax.
+    /// Per row: the token, where the backend drew it.
     pub tokens: Vec<Option<u32>>,
     /// The rows without a token, in row order.
     pub logits: Logits,

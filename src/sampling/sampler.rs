@@ -5,6 +5,19 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::params::SamplingParams;
+pub use crate::runtime::Penalty;
+
+/// A draw made where the logits are (`Sampler::device_draw`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeviceDraw {
+    pub temperature: f32,
+    pub top_k: usize,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub seed: u64,
+    pub counter: u64,
+    pub penalties: Vec<Penalty>,
+}
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TopLogprob {
@@ -29,7 +42,11 @@ pub struct SampledToken {
 /// One request's sampling state: its random stream and the token counts penalties need.
 pub struct Sampler {
     params: SamplingParams,
+    /// The seed of `rng`, and of draws made on a device (which have their own generator).
+    seed: u64,
     rng: ChaCha8Rng,
+    /// Tokens recorded so far: the counter of the next device draw.
+    recorded: u64,
     /// Occurrences in the output so far (frequency and presence penalties).
     output_counts: HashMap<u32, u32>,
     /// Tokens seen in prompt or output (repetition penalty).
@@ -50,7 +67,9 @@ impl Sampler {
         };
         Sampler {
             params,
+            seed,
             rng: ChaCha8Rng::seed_from_u64(seed),
+            recorded: 0,
             output_counts: HashMap::new(),
             seen,
             output: Vec::new(),
@@ -125,6 +144,7 @@ impl Sampler {
 
     /// Counts an output token for the penalties.
     pub fn record(&mut self, token: u32) {
+        self.recorded += 1;
         *self.output_counts.entry(token).or_default() += 1;
         if self.params.dry.is_some() {
             self.output.push(token);
@@ -132,6 +152,53 @@ impl Sampler {
         if self.params.repetition_penalty != 1.0 {
             self.seen.insert(token, ());
         }
+    }
+
+    /// The next token's draw for a backend that draws where the logits are: the parameters,
+    /// the seed and the draw's counter, and the penalties as per-token edits (`apply_penalties`'s
+    /// effect). `None` where log-probabilities are asked for: the engine computes those from
+    /// the logits.
+    pub fn device_draw(&self) -> Option<DeviceDraw> {
+        let p = &self.params;
+        if p.logprobs.is_some() {
+            return None;
+        }
+        Some(DeviceDraw {
+            temperature: p.temperature,
+            top_k: p.top_k,
+            top_p: p.top_p,
+            min_p: p.min_p,
+            seed: self.seed,
+            counter: self.recorded,
+            penalties: self.penalties(),
+        })
+    }
+
+    /// `apply_penalties` as one edit per token it changes.
+    fn penalties(&self) -> Vec<Penalty> {
+        let p = &self.params;
+        let mut edits: HashMap<u32, (f32, f32)> = HashMap::new();
+        if p.repetition_penalty != 1.0 {
+            for &t in self.seen.keys() {
+                edits.entry(t).or_insert((1.0, 0.0)).0 = p.repetition_penalty;
+            }
+        }
+        if p.frequency_penalty != 0.0 || p.presence_penalty != 0.0 {
+            for (&t, &n) in &self.output_counts {
+                edits.entry(t).or_insert((1.0, 0.0)).1 -= p.frequency_penalty * n as f32 + p.presence_penalty;
+            }
+        }
+        if let Some(dry) = &p.dry {
+            let is_breaker = |t: u32| self.breakers.as_ref().is_some_and(|b| b.get(t as usize) == Some(&true));
+            for (t, run) in dry_runs(&self.output, dry.allowed_length, is_breaker) {
+                let over = (run - dry.allowed_length).min(30) as i32;
+                edits.entry(t).or_insert((1.0, 0.0)).1 -= dry.multiplier * dry.base.powi(over);
+            }
+        }
+        edits
+            .into_iter()
+            .map(|(token, (factor, add))| Penalty { token, factor, add })
+            .collect()
     }
 
     fn apply_penalties(&self, scores: &mut [f32]) {
@@ -390,6 +457,48 @@ mod tests {
             plain.record(t);
         }
         assert_eq!(plain.sample(&[0.0, 2.0, 0.0, 1.0]).token, 1);
+    }
+
+    /// The edits a device applies (factor, then the addition; as kernels/sampling.cu's
+    /// apply_penalties does) change the logits as the CPU sampler's penalties do.
+    #[test]
+    fn device_penalty_edits_are_the_samplers_penalties() {
+        use crate::sampling::DryParams;
+        let vocab = 40usize;
+        let logits: Vec<f32> = (0..vocab).map(|i| ((i * 37 % 17) as f32 - 8.0) * 0.37).collect();
+        let mut s = Sampler::new(
+            params(|p| {
+                p.repetition_penalty = 1.3;
+                p.frequency_penalty = 0.4;
+                p.presence_penalty = 0.2;
+                p.dry = Some(DryParams::default());
+                p.seed = Some(9);
+            }),
+            &[3, 4, 5, 30],
+        );
+        for t in [1, 2, 3, 1, 2, 3, 1, 2, 7, 7, 1, 2] {
+            s.record(t);
+        }
+        let mut want = logits.clone();
+        s.apply_penalties(&mut want);
+        let draw = s.device_draw().unwrap();
+        assert_eq!((draw.seed, draw.counter), (9, 12));
+        let mut got = logits.clone();
+        for e in &draw.penalties {
+            let x = &mut got[e.token as usize];
+            if e.factor != 1.0 {
+                *x = if *x > 0.0 { *x / e.factor } else { *x * e.factor };
+            }
+            *x += e.add;
+        }
+        // The additions are summed before they are added: equal up to rounding.
+        for (t, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!((g - w).abs() <= 1e-6 * w.abs().max(1.0), "token {t}: {g} vs {w}");
+        }
+        assert_ne!(got, logits);
+        // DRY is in there: 3 continues the repeat of "1 2".
+        assert!(draw.penalties.iter().any(|e| e.token == 3 && e.add < -0.9));
+        assert!(Sampler::new(params(|p| p.logprobs = Some(1)), &[]).device_draw().is_none());
     }
 
     #[test]

@@ -1,22 +1,37 @@
-//! Matrix products through cuBLAS: bf16 operands, f32 accumulation, row-major activations
-//! times a row-major `[out, in]` weight (the layout of checkpoints), as `y = x W^T`.
+//! Matrix products: bf16 operands, f32 accumulation, row-major activations times a row-major
+//! `[out, in]` weight (the layout of checkpoints), as `y = x W^T`. cuBLAS computes them, except
+//! small weights times a few rows: there cuBLAS spends a fixed ~12 us whatever the size, and
+//! kernels/gemv.cu takes 4-8 us (measured on the H100, `test-quarry gemv_against_cublas
+//! --ignored`: SmolLM2's projections 0.4-0.65 of cuBLAS's time; from 8 MB of weights on, cuBLAS
+//! reads them at 1.9-2.8 TB/s and the GEMV kernel is the slower one).
 
 use std::sync::Arc;
 
 use cudarc::cublas::sys::{cublasComputeType_t, cublasOperation_t, cudaDataType};
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaFunction, CudaStream};
 
 use crate::runtime::error::{Result, RuntimeError};
 
 pub struct Gemm {
     blas: CudaBlas,
+    stream: Arc<CudaStream>,
+    gemv: CudaFunction,
     /// cuBLAS's scratch space: Hopper kernels want one (NVIDIA suggests 32 MiB), and without
     /// it cuBLAS may choose slower ones.
     _workspace: cudarc::driver::CudaSlice<u8>,
 }
 
 const WORKSPACE_BYTES: usize = 32 << 20;
+
+/// kernels/gemv.cu's GEMV_MAX_ROWS.
+pub const GEMV_MAX_ROWS: usize = 8;
+
+/// Weights up to this many elements take the GEMV kernel at `GEMV_MAX_ROWS` rows or fewer.
+const GEMV_MAX_WEIGHTS: usize = 4 << 20;
+
+/// Warps (output columns) per block of the GEMV kernel.
+const GEMV_WARPS: usize = 8;
 
 /// The product's element type: f32 feeds the kernels that follow in full precision.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -25,7 +40,7 @@ pub enum OutType {
 }
 
 impl Gemm {
-    pub fn new(stream: Arc<CudaStream>) -> Result<Self> {
+    pub fn new(stream: Arc<CudaStream>, gemv: CudaFunction) -> Result<Self> {
         let blas = CudaBlas::new(stream.clone()).map_err(|e| RuntimeError::Device(format!("starting cuBLAS: {e}")))?;
         let workspace = stream
             .alloc_zeros::<u8>(WORKSPACE_BYTES)
@@ -39,6 +54,8 @@ impl Gemm {
         }
         Ok(Gemm {
             blas,
+            stream,
+            gemv,
             _workspace: workspace,
         })
     }
@@ -47,6 +64,28 @@ impl Gemm {
     /// device addresses of buffers the caller keeps alive for the stream's work.
     #[allow(clippy::too_many_arguments)]
     pub fn matmul(&self, x: u64, w: u64, y: u64, out: OutType, rows: usize, n: usize, k: usize) -> Result<()> {
+        // The GEMV kernel reads rows of 8 bf16 at a time.
+        if rows <= GEMV_MAX_ROWS && n * k <= GEMV_MAX_WEIGHTS && k % 8 == 0 && (x | w) % 16 == 0 {
+            return self.gemv(x, w, y, rows, n, k);
+        }
+        self.cublas(x, w, y, out, rows, n, k)
+    }
+
+    /// `matmul` through the GEMV kernel (`rows <= GEMV_MAX_ROWS`, `k` a multiple of 8).
+    pub fn gemv(&self, x: u64, w: u64, y: u64, rows: usize, n: usize, k: usize) -> Result<()> {
+        let (r, n32, k32) = (rows as i32, n as i32, k as i32);
+        super::launch(
+            &self.stream,
+            &self.gemv,
+            (n.div_ceil(GEMV_WARPS) as u32, 1),
+            (GEMV_WARPS * 32) as u32,
+            &[&x, &w, &y, &r, &n32, &k32],
+        )
+    }
+
+    /// `matmul` through cuBLAS, whatever the shape.
+    #[allow(clippy::too_many_arguments)]
+    pub fn cublas(&self, x: u64, w: u64, y: u64, out: OutType, rows: usize, n: usize, k: usize) -> Result<()> {
         let (alpha, beta) = (1.0f32, 0.0f32);
         let out_type = match out {
             OutType::F32 => cudaDataType::CUDA_R_32F,

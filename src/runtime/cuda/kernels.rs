@@ -33,8 +33,9 @@ const SOURCES: &[(&str, &str, &[&str])] = &[
     (
         "attention.cu",
         include_str!("../../../kernels/attention.cu"),
-        &["paged_attention"],
+        &["paged_attention", "attention_merge"],
     ),
+    ("gemv.cu", include_str!("../../../kernels/gemv.cu"), &["gemv_bf16"]),
     (
         "activation.cu",
         include_str!("../../../kernels/activation.cu"),
@@ -43,7 +44,14 @@ const SOURCES: &[(&str, &str, &[&str])] = &[
     (
         "sampling.cu",
         include_str!("../../../kernels/sampling.cu"),
-        &["apply_bitmask", "argmax", "sample_rows", "philox_raw"],
+        &[
+            "apply_bitmask",
+            "add_bias_where",
+            "apply_penalties",
+            "argmax",
+            "sample_rows",
+            "philox_raw",
+        ],
     ),
     (
         "random.cu",
@@ -59,12 +67,13 @@ pub struct Kernels {
     pub add_bias: CudaFunction,
     pub reshape_and_cache: CudaFunction,
     pub paged_attention: CudaFunction,
+    pub attention_merge: CudaFunction,
+    pub gemv_bf16: CudaFunction,
     pub silu_mul: CudaFunction,
     pub apply_bitmask: CudaFunction,
+    pub add_bias_where: CudaFunction,
+    pub apply_penalties: CudaFunction,
     pub argmax: CudaFunction,
-    /// Seeded sampling (temperature, top-k, top-p, min-p): tested against the CPU's
-    /// semantics; the engine's sampled rows use it once the backend takes their parameters.
-    #[cfg_attr(not(test), allow(dead_code))]
     pub sample_rows: CudaFunction,
     #[cfg_attr(not(test), allow(dead_code))]
     pub philox_raw: CudaFunction,
@@ -74,7 +83,6 @@ pub struct Kernels {
 /// One row's sampling parameters, laid out as `SampleParams` in kernels/sampling.cu.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
-#[cfg_attr(not(test), allow(dead_code))]
 pub struct SampleParams {
     pub temperature: f32,
     pub top_k: i32,
@@ -124,8 +132,12 @@ impl Kernels {
             add_bias: take("add_bias"),
             reshape_and_cache: take("reshape_and_cache"),
             paged_attention: take("paged_attention"),
+            attention_merge: take("attention_merge"),
+            gemv_bf16: take("gemv_bf16"),
             silu_mul: take("silu_mul"),
             apply_bitmask: take("apply_bitmask"),
+            add_bias_where: take("add_bias_where"),
+            apply_penalties: take("apply_penalties"),
             argmax: take("argmax"),
             sample_rows: take("sample_rows"),
             philox_raw: take("philox_raw"),

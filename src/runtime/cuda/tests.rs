@@ -23,7 +23,7 @@ fn gpu() -> Option<Gpu> {
     unsafe { ctx.disable_event_tracking() };
     let stream = ctx.default_stream();
     let k = Kernels::load(&ctx).expect("kernels compile");
-    let gemm = Gemm::new(stream.clone()).expect("cublas");
+    let gemm = Gemm::new(stream.clone(), k.gemv_bf16.clone()).expect("cublas");
     Some(Gpu {
         _ctx: ctx,
         stream,
@@ -114,7 +114,7 @@ fn rms_norm_with_residual_add_matches_the_reference() {
         g.run(
             &g.k.add_rms_norm,
             (rows as u32, 1),
-            THREADS,
+            ROW_THREADS,
             &[&g.p(&x), &g.p(&y), &0u64, &one, &g.p(&wd), &g.p(&out), &di, &eps],
         );
         let sum: Vec<f32> = x0.iter().zip(&y0).map(|(a, b)| a + b).collect();
@@ -179,7 +179,7 @@ fn rope_rotates_adjacent_pairs_and_halves() {
         g.run(
             &g.k.rope,
             (positions.len() as u32, 1),
-            THREADS,
+            ROW_THREADS,
             &[&g.p(&qkv), &g.p(&pos), &g.p(&cos_d), &g.p(&sin_d), &w, &h, &hd, &halves],
         );
         let got = g.read_f32(&qkv);
@@ -259,7 +259,7 @@ fn paged_attention_matches_the_reference_over_a_mixed_batch() {
         g.run(
             &g.k.reshape_and_cache,
             (all_rows as u32, 1),
-            THREADS,
+            ROW_THREADS,
             &[&g.p(&qkv_d), &w, &qs, &vo, &ks, &g.p(&slots_d), &g.p(&kc), &g.p(&vc)],
         );
         // The cache holds each row's k and v, rounded to bf16, at its slot.
@@ -291,38 +291,43 @@ fn paged_attention_matches_the_reference_over_a_mixed_batch() {
         for (s, t) in tables.iter().enumerate() {
             flat[s * max_blocks..][..t.len()].copy_from_slice(t);
         }
-        let out = g.zeros_bf16(tokens * q_size);
         let (q_d, seq_d, pos_d, tab_d) = (g.f32s(&q_rows), g.u32s(&token_seq), g.u32s(&positions), g.u32s(&flat));
         let scale = 1.0 / (head_dim as f32).sqrt();
-        let (mb, bs, h, kvh, hd) = (
-            max_blocks as i32,
-            block as i32,
-            heads as i32,
-            kv_heads as i32,
-            head_dim as i32,
-        );
-        g.run(
-            &g.k.paged_attention,
-            (tokens as u32, heads as u32),
-            128,
-            &[
-                &g.p(&q_d),
-                &w,
-                &g.p(&out),
-                &g.p(&kc),
-                &g.p(&vc),
-                &g.p(&seq_d),
-                &g.p(&pos_d),
-                &g.p(&tab_d),
-                &mb,
-                &bs,
-                &h,
-                &kvh,
-                &hd,
-                &scale,
-            ],
-        );
-        let got = g.read_bf16(&out);
+        let max_len = *contexts.iter().max().unwrap();
+        // Whole (one partition), split as the backend would for these tokens, and in small
+        // partitions that leave most of the short sequences' blocks empty.
+        let splits = [
+            max_len.next_multiple_of(32),
+            attention::partition_keys(tokens, heads, max_len, 528),
+            64,
+        ];
+        let outs: Vec<Vec<f32>> = splits
+            .iter()
+            .map(|&part_keys| {
+                let out = g.zeros_bf16(tokens * q_size);
+                let parts = max_len.div_ceil(part_keys);
+                let partials = g.zeros_f32(tokens * heads * parts * (head_dim + 2));
+                let args = attention::AttentionArgs {
+                    qkv: g.p(&q_d),
+                    width: w,
+                    out: g.p(&out),
+                    k_cache: g.p(&kc),
+                    v_cache: g.p(&vc),
+                    token_seq: g.p(&seq_d),
+                    positions: g.p(&pos_d),
+                    tables: g.p(&tab_d),
+                    max_blocks: max_blocks as i32,
+                    block_size: block as i32,
+                    heads: heads as i32,
+                    kv_heads: kv_heads as i32,
+                    head_dim: head_dim as i32,
+                    scale,
+                };
+                attention::launch(&g.stream, &g.k, &args, tokens, max_len, part_keys, g.p(&partials)).unwrap();
+                g.stream.synchronize().unwrap();
+                g.read_bf16(&out)
+            })
+            .collect();
 
         let mut want = vec![0f64; tokens * q_size];
         let mut starts = vec![0usize];
@@ -354,7 +359,14 @@ fn paged_attention_matches_the_reference_over_a_mixed_batch() {
                 }
             }
         }
-        assert_close(&format!("attention {heads}/{kv_heads}x{head_dim}"), &got, &want, 2e-3);
+        for (got, keys) in outs.iter().zip(splits) {
+            assert_close(
+                &format!("attention {heads}/{kv_heads}x{head_dim}, {keys} keys per partition"),
+                got,
+                &want,
+                2e-3,
+            );
+        }
     }
 }
 
@@ -380,13 +392,8 @@ fn embedding_and_silu_mul_match_the_reference() {
     let (rows, inter) = (3usize, 1536usize);
     let gu = values(rows * 2 * inter, 6).iter().map(|v| v * 6.0).collect::<Vec<_>>();
     let (gu_d, act) = (g.f32s(&gu), g.zeros_bf16(rows * inter));
-    let ii = inter as i32;
-    g.run(
-        &g.k.silu_mul,
-        (rows as u32, 1),
-        THREADS,
-        &[&g.p(&gu_d), &g.p(&act), &ii],
-    );
+    silu_mul(&g.stream, &g.k, g.p(&gu_d), g.p(&act), rows, inter).unwrap();
+    g.stream.synchronize().unwrap();
     let mut want = Vec::new();
     for r in 0..rows {
         for i in 0..inter {
@@ -400,7 +407,16 @@ fn embedding_and_silu_mul_match_the_reference() {
 #[test]
 fn gemm_is_x_times_w_transposed() {
     let Some(g) = gpu() else { return };
-    for (rows, n, k) in [(1usize, 300usize, 576usize), (37, 1000, 64), (5, 49155, 576)] {
+    // Up to 8 rows, small weights and k a multiple of 8: the GEMV kernel; the others: cuBLAS.
+    for (rows, n, k) in [
+        (1usize, 300usize, 576usize),
+        (37, 1000, 64),
+        (5, 49155, 576),
+        (8, 250, 14344),
+        (8, 1000, 14344),
+        (1, 300, 577),
+        (9, 300, 576),
+    ] {
         let (x, w) = (rounded(&values(rows * k, 8)), rounded(&values(n * k, 9)));
         let (xd, wd, y) = (g.bf16s(&x), g.bf16s(&w), g.zeros_f32(rows * n));
         g.gemm
@@ -575,7 +591,7 @@ fn seeded_sampling_follows_the_filtered_distribution_and_depends_only_on_seed_an
             &g.k.sample_rows,
             (draws as u32, 1),
             1024,
-            &[&g.p(&ld), &v, &g.p(&pd), &g.p(&out)],
+            &[&g.p(&ld), &0u64, &v, &g.p(&pd), &g.p(&out)],
         );
         let tokens: Vec<u32> = g.stream.clone_dtoh(&out).unwrap();
         let want = reference_distribution(&logits, &params[0]);
@@ -606,10 +622,56 @@ fn seeded_sampling_follows_the_filtered_distribution_and_depends_only_on_seed_an
             &g.k.sample_rows,
             (draws as u32, 1),
             1024,
-            &[&g.p(&ld), &v, &g.p(&pd2), &g.p(&out2)],
+            &[&g.p(&ld), &0u64, &v, &g.p(&pd2), &g.p(&out2)],
         );
         let mut again: Vec<u32> = g.stream.clone_dtoh(&out2).unwrap();
         again.reverse();
         assert_eq!(again, tokens);
+    }
+}
+
+/// Not a test: the GEMV kernel's time against cuBLAS's on the projections of the models we run,
+/// for 1 to 8 rows (`test-quarry gemv_against_cublas --ignored --nocapture`). Decides where
+/// `Gemm::matmul` takes the GEMV kernel.
+#[test]
+#[ignore]
+fn gemv_against_cublas() {
+    let Some(g) = gpu() else { return };
+    let shapes = [
+        ("8B qkv", 6144usize, 4096usize),
+        ("8B o", 4096, 4096),
+        ("8B gate_up", 28672, 4096),
+        ("8B down", 4096, 14336),
+        ("8B head", 128256, 4096),
+        ("135M qkv", 960, 576),
+        ("135M gate_up", 3072, 576),
+        ("135M down", 576, 1536),
+        ("135M head", 49152, 576),
+    ];
+    let ctx = g.stream.context().clone();
+    let time = |f: &dyn Fn()| -> f64 {
+        f();
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let (a, b) = (ctx.new_event(flags).unwrap(), ctx.new_event(flags).unwrap());
+        a.record(&g.stream).unwrap();
+        for _ in 0..20 {
+            f();
+        }
+        b.record(&g.stream).unwrap();
+        g.stream.synchronize().unwrap();
+        a.elapsed_ms(&b).unwrap() as f64 / 20.0 * 1000.0
+    };
+    println!("{:<14}{:>5}{:>12}{:>12}{:>10}{:>12}", "shape", "rows", "gemv us", "cublas us", "ratio", "gemv GB/s");
+    for (name, n, k) in shapes {
+        let w: CudaSlice<u16> = g.stream.alloc_zeros(n * k).unwrap();
+        let x: CudaSlice<u16> = g.stream.alloc_zeros(8 * k).unwrap();
+        let y: CudaSlice<f32> = g.stream.alloc_zeros(8 * n).unwrap();
+        for rows in [1usize, 2, 4, 8] {
+            let (xp, wp, yp) = (g.p(&x), g.p(&w), g.p(&y));
+            let gemv = time(&|| g.gemm.gemv(xp, wp, yp, rows, n, k).unwrap());
+            let cublas = time(&|| g.gemm.cublas(xp, wp, yp, OutType::F32, rows, n, k).unwrap());
+            let gbs = (n * k * 2) as f64 / gemv / 1e3;
+            println!("{name:<14}{rows:>5}{gemv:>12.1}{cublas:>12.1}{:>10.2}{gbs:>12.0}", gemv / cublas);
+        }
     }
 }

@@ -1,0 +1,133 @@
+//! What a step sends to the device (batch metadata, grammar masks, sampling parameters),
+//! gathered in page-locked host memory and copied with one asynchronous transfer: pageable
+//! memory would make the driver stage it and block the host.
+//!
+//! The host buffer is written again only once the stream has passed the copy: the backend
+//! synchronizes at the end of every `sample`, and `CudaBackend::run` waits for a step that
+//! ended without it.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
+
+use crate::runtime::error::{Result, RuntimeError};
+
+pub struct Staging {
+    ctx: Arc<CudaContext>,
+    host: PinnedHostSlice<u32>,
+    len: usize,
+    device: CudaSlice<u32>,
+    what: &'static str,
+}
+
+fn err(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> RuntimeError {
+    move |e| RuntimeError::Backend(format!("staging {what}: {e}"))
+}
+
+impl Staging {
+    pub fn new(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>, words: usize, what: &'static str) -> Result<Self> {
+        let words = words.max(1024);
+        // SAFETY: words are written before they are read (`push` writes, `send` copies the
+        // written prefix).
+        let host = unsafe { ctx.alloc_pinned::<u32>(words) }.map_err(err(what))?;
+        let device = stream.alloc_zeros::<u32>(words).map_err(err(what))?;
+        Ok(Staging {
+            ctx: ctx.clone(),
+            host,
+            len: 0,
+            device,
+            what,
+        })
+    }
+
+    /// Words pushed since `clear`.
+    pub fn len_words(&self) -> usize {
+        self.len
+    }
+
+    /// Starts a new upload.
+    pub fn clear(&mut self) {
+        self.len = 0;
+    }
+
+    /// Appends `part`; its offset in words.
+    pub fn push(&mut self, part: &[u32]) -> Result<usize> {
+        let at = self.len;
+        self.reserve(part.len())?;
+        self.slice()?[at..at + part.len()].copy_from_slice(part);
+        self.len += part.len();
+        Ok(at)
+    }
+
+    pub fn push_f32(&mut self, part: &[f32]) -> Result<usize> {
+        let at = self.len;
+        self.reserve(part.len())?;
+        for (w, v) in self.slice()?[at..at + part.len()].iter_mut().zip(part) {
+            *w = v.to_bits();
+        }
+        self.len += part.len();
+        Ok(at)
+    }
+
+    pub fn push_i32(&mut self, part: &[i32]) -> Result<usize> {
+        let at = self.len;
+        self.reserve(part.len())?;
+        for (w, v) in self.slice()?[at..at + part.len()].iter_mut().zip(part) {
+            *w = *v as u32;
+        }
+        self.len += part.len();
+        Ok(at)
+    }
+
+    /// Appends `words` words that `fill` writes; their offset.
+    pub fn push_with(&mut self, words: usize, fill: impl FnOnce(&mut [u32])) -> Result<usize> {
+        let at = self.len;
+        self.reserve(words)?;
+        fill(&mut self.slice()?[at..at + words]);
+        self.len += words;
+        Ok(at)
+    }
+
+    /// Pads to a multiple of `words` (structs with 8-byte fields start at an even word).
+    pub fn align(&mut self, words: usize) -> Result<()> {
+        let pad = self.len.next_multiple_of(words) - self.len;
+        self.push_with(pad, |p| p.fill(0)).map(|_| ())
+    }
+
+    /// Queues the copy of everything pushed since `clear`; the device address of word 0.
+    pub fn send(&mut self, stream: &Arc<CudaStream>) -> Result<u64> {
+        if self.device.len() < self.len {
+            self.device = stream.alloc_zeros::<u32>(self.host.len()).map_err(err(self.what))?;
+        }
+        let dst = self.device.device_ptr(stream).0;
+        let len = self.len;
+        let src = &self.slice()?[..len];
+        // SAFETY: `dst` holds at least `len` words; `src` stays allocated and unwritten until the
+        // stream has passed the copy (see the module's comment).
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, stream.cu_stream()) }.map_err(err(self.what))?;
+        Ok(dst)
+    }
+
+    /// The device address of word `offset` of the last `send`.
+    pub fn addr(base: u64, offset: usize) -> u64 {
+        base + (offset * std::mem::size_of::<u32>()) as u64
+    }
+
+    fn slice(&mut self) -> Result<&mut [u32]> {
+        self.host.as_mut_slice().map_err(err(self.what))
+    }
+
+    fn reserve(&mut self, more: usize) -> Result<()> {
+        let need = self.len + more;
+        if need <= self.host.len() {
+            return Ok(());
+        }
+        // SAFETY: as in `new`; the written prefix is carried over.
+        let mut bigger = unsafe { self.ctx.alloc_pinned::<u32>(need.next_power_of_two()) }.map_err(err(self.what))?;
+        let len = self.len;
+        let old = self.host.as_slice().map_err(err(self.what))?[..len].to_vec();
+        bigger.as_mut_slice().map_err(err(self.what))?[..len].copy_from_slice(&old);
+        self.host = bigger;
+        Ok(())
+    }
+}
