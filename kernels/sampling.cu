@@ -28,15 +28,91 @@ extern "C" __global__ void add_bias_where(float* logits, const u32* masks, const
 // Penalties, one thread per (row, token): the repetition factor divides a positive logit and
 // multiplies a negative one, then the sum of the additive penalties (frequency, presence, DRY)
 // is added, in the CPU sampler's order. A token appears at most once per row.
+// The value before the penalty goes to saved[i]: log-probabilities are of the logits before
+// penalties, and a redraw starts again from them.
 extern "C" __global__ void apply_penalties(float* logits, int vocab, const u32* rows, const u32* tokens,
-                                           const float* factors, const float* adds, int count) {
+                                           const float* factors, const float* adds, float* saved, int count) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= count) return;
     float* v = logits + (size_t)rows[i] * vocab + tokens[i];
     float x = *v;
+    saved[i] = x;
     float f = factors[i];
     if (f != 1.0f) x = x > 0.0f ? x / f : x * f;
     *v = x + adds[i];
+}
+
+// Puts back the values apply_penalties saved, for entries start..start + count.
+extern "C" __global__ void restore_values(float* logits, int vocab, const u32* rows, const u32* tokens,
+                                          const float* saved, int start, int count) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= count) return;
+    i += start;
+    logits[(size_t)rows[i] * vocab + tokens[i]] = saved[i];
+}
+
+// The larger of two (value, id) pairs; the lower id among equal values (the CPU's order).
+__device__ __forceinline__ void better(float& v, int& idx, float ov, int oi) {
+    if (ov > v || (ov == v && oi < idx)) { v = ov; idx = oi; }
+}
+
+// The block's best (value, id), for every thread.
+__device__ void block_best(float& v, int& idx) {
+    __shared__ float bv[32];
+    __shared__ int bi[32];
+    for (int o = 16; o > 0; o >>= 1) better(v, idx, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, idx, o));
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    __syncthreads();
+    if (lane == 0) { bv[warp] = v; bi[warp] = idx; }
+    __syncthreads();
+    v = lane < warps ? bv[lane] : NEG_INF;
+    idx = lane < warps ? bi[lane] : 0x7fffffff;
+    for (int o = 16; o > 0; o >>= 1) better(v, idx, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, idx, o));
+}
+
+// Log-probabilities as the CPU sampler reports them: of the logits after the mask and the copy
+// bias, before penalties and temperature. Block b takes logits row rows[b] and writes record b of
+// 1 + 2 * MAX_TOP floats: log Z, then the n best (id as bits, logit), best first.
+#define MAX_TOP 32
+extern "C" __global__ void logprob_stats(const float* logits, const u32* rows, int vocab, int n, float* out) {
+    __shared__ int chosen[MAX_TOP];
+    const float* row = logits + (size_t)rows[blockIdx.x] * vocab;
+    float* rec = out + (size_t)blockIdx.x * (1 + 2 * MAX_TOP);
+    float m = NEG_INF;
+    for (int t = threadIdx.x; t < vocab; t += blockDim.x) m = fmaxf(m, row[t]);
+    int unused = 0;
+    block_best(m, unused);
+    float sum = 0.0f;
+    if (m > NEG_INF) {
+        for (int t = threadIdx.x; t < vocab; t += blockDim.x) sum += expf(row[t] - m);
+    }
+    sum = block_sum(sum);
+    if (threadIdx.x == 0) rec[0] = m + logf(sum);
+    for (int k = 0; k < n && k < MAX_TOP; k++) {
+        float v = NEG_INF;
+        int idx = 0x7fffffff;
+        for (int t = threadIdx.x; t < vocab; t += blockDim.x) {
+            bool taken = false;
+            for (int j = 0; j < k; j++) taken |= chosen[j] == t;
+            if (!taken) better(v, idx, row[t], t);
+        }
+        block_best(v, idx);
+        if (threadIdx.x == 0) {
+            chosen[k] = idx;
+            rec[1 + 2 * k] = __uint_as_float((u32)idx);
+            rec[2 + 2 * k] = v;
+        }
+        __syncthreads();
+    }
+}
+
+// values[i] = the logit of the token out[token_at[i]] drew in row rows[i] (after penalties: the
+// host puts back the saved value where the token had one).
+extern "C" __global__ void chosen_values(const float* logits, int vocab, const u32* rows, const u32* token_at,
+                                         const u32* out, float* values, int count) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= count) return;
+    values[i] = logits[(size_t)rows[i] * vocab + out[token_at[i]]];
 }
 
 // Greedy: the index of each row's largest logit, the lowest index among equals (as the CPU

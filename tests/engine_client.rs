@@ -101,9 +101,8 @@ fn exact() -> bool {
 /// tests/gpu_backend.rs).
 const NEAR_TIE: f32 = 0.5;
 
-/// `logprobs`: the reference runs on the GPU ask for the top alternatives (their rows come back
-/// to the host sampler); the runs compared with them do not, so their greedy rows are decided
-/// on the device.
+/// `logprobs`: the reference runs on the GPU ask for the top alternatives, to judge near-ties
+/// by; the runs compared with them do not.
 fn request(job: &Job, structured: &StructuredOutputs, logprobs: bool) -> EngineRequest {
     let constraint = job.schema.as_ref().map(|schema| {
         structured

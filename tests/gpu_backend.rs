@@ -239,6 +239,46 @@ fn device_draws_match_the_host_on_the_same_logits() {
         counter,
         bias: biases[r],
         penalties: pens[r],
+        logprobs: Some(5),
+    };
+    // Log-probabilities as the host sampler reports them: of the logits after the mask and the
+    // bias, before penalties.
+    let host_logprobs = |r: usize, narrower: Option<&[u32]>, token: u32| -> (f32, Vec<(u32, f32)>) {
+        let scores: Vec<f32> = logits
+            .row(r)
+            .iter()
+            .enumerate()
+            .map(|(t, &x)| {
+                let open = masks[r].is_none_or(|m| allowed(m, t)) && narrower.is_none_or(|m| allowed(m, t));
+                match biases[r] {
+                    _ if !open => f32::NEG_INFINITY,
+                    Some((c, b)) if allowed(c, t) => x + b,
+                    _ => x,
+                }
+            })
+            .collect();
+        let max = scores.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
+        let log_z = max + scores.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln();
+        let mut order: Vec<u32> = (0..vocab as u32).collect();
+        order.sort_by(|&a, &b| scores[b as usize].total_cmp(&scores[a as usize]).then(a.cmp(&b)));
+        let top = order[..5]
+            .iter()
+            .map(|&t| (t, (scores[t as usize] as f64 - log_z) as f32))
+            .collect();
+        ((scores[token as usize] as f64 - log_z) as f32, top)
+    };
+    let check_logprobs = |what: &str, got: &quarry::runtime::RowLogprobs, want: (f32, Vec<(u32, f32)>)| {
+        assert!(
+            (got.logprob - want.0).abs() < 1e-3,
+            "{what}: logprob {} vs {}",
+            got.logprob,
+            want.0
+        );
+        let ids = |v: &[(u32, f32)]| v.iter().map(|x| x.0).collect::<Vec<_>>();
+        assert_eq!(ids(&got.top), ids(&want.1), "{what}: top tokens");
+        for (g, w) in got.top.iter().zip(&want.1) {
+            assert!((g.1 - w.1).abs() < 1e-3, "{what}: top logprob {} vs {}", g.1, w.1);
+        }
     };
     let greedy: Vec<RowRequest> = (0..3)
         .map(|r| RowRequest {
@@ -250,13 +290,20 @@ fn device_draws_match_the_host_on_the_same_logits() {
     let out = gpu.sample(&greedy).unwrap();
     for r in 0..3 {
         assert_eq!(out.tokens[r], Some(host(r, None)), "row {r}");
+        let lp = out.logprobs[r].as_ref().expect("asked for");
+        check_logprobs(&format!("row {r}"), lp, host_logprobs(r, None, host(r, None)));
     }
-    assert_ne!(out.tokens[1], Some(best[1][0]), "the penalty moved row 1 off its best token");
+    assert_ne!(
+        out.tokens[1],
+        Some(best[1][0]),
+        "the penalty moved row 1 off its best token"
+    );
     // A narrower mask for row 0: tokens 100..200 only.
     let narrow = bits(&|t| (100..200).contains(&t));
-    let again = gpu.redraw_within(0, &narrow).unwrap();
+    let (again, lp) = gpu.redraw_within(0, &narrow).unwrap();
     assert_eq!(again, host(0, Some(&narrow)));
     assert!((100..200).contains(&(again as usize)));
+    check_logprobs("redrawn row 0", &lp.unwrap(), host_logprobs(0, Some(&narrow), again));
 
     // Seeded draws: in order, then with the rows reversed, the same token per sequence.
     let seeded = |order: &[usize], gpu: &mut Box<dyn Backend>| -> Vec<u32> {
@@ -279,7 +326,10 @@ fn device_draws_match_the_host_on_the_same_logits() {
     let reversed = seeded(&[2, 1, 0], &mut gpu);
     assert_eq!(forward, reversed);
     for r in [0, 2] {
-        assert!(allowed(masks[r].unwrap(), forward[r] as usize), "row {r} drew a masked token");
+        assert!(
+            allowed(masks[r].unwrap(), forward[r] as usize),
+            "row {r} drew a masked token"
+        );
     }
     // Rows without a draw come back as logits, in row order.
     gpu.run(&batch).unwrap();
@@ -287,5 +337,8 @@ fn device_draws_match_the_host_on_the_same_logits() {
     let out = gpu.sample(&mixed).unwrap();
     assert_eq!(out.tokens[1], None);
     assert_eq!(out.host_row(1).unwrap(), logits.row(1));
-    assert_eq!((out.tokens[0], out.tokens[2]), (Some(host(0, None)), Some(host(2, None))));
+    assert_eq!(
+        (out.tokens[0], out.tokens[2]),
+        (Some(host(0, None)), Some(host(2, None)))
+    );
 }

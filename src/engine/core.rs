@@ -16,8 +16,8 @@ use super::scheduler::{AdmitError, Scheduled, Scheduler, SchedulerConfig};
 use super::stop::{StopScan, StopStrings};
 use super::structured::CompiledConstraint;
 use super::BlockPool;
-use crate::runtime::{Backend, Draw, ForwardBatch, RowRequest, RuntimeError};
-use crate::sampling::{DeviceDraw, SampledToken, Sampler, SamplingParamError, SamplingParams};
+use crate::runtime::{Backend, Draw, ForwardBatch, RowLogprobs, RowRequest, RuntimeError};
+use crate::sampling::{DeviceDraw, SampledToken, Sampler, SamplingParamError, SamplingParams, TopLogprob};
 use crate::tokenizer::Tokenizer;
 
 /// What a client asks of the engine.
@@ -418,11 +418,13 @@ impl EngineCore {
         }
         // Where the backend draws on its device, each row's draw goes with it: the sampler's
         // parameters and penalties, and the copy bias's mask.
-        let mut draws: Vec<Option<(DeviceDraw, Option<(Vec<u32>, f32)>)>> = vec![None; sampling.len()];
+        let mut draws: Vec<Option<RowDraw>> = vec![None; sampling.len()];
         if self.backend.draws_on_device() {
             for (i, s) in sampling.iter().enumerate() {
-                let Some(state) = self.states.get_mut(&s.id) else { continue };
-                let Some(draw) = state.sampler.device_draw() else { continue };
+                let Some(state) = self.states.get_mut(&s.id) else {
+                    continue;
+                };
+                let draw = state.sampler.device_draw();
                 let bias = state.sampler.params().copy_bias;
                 let copying = match (bias > 0.0, state.matcher.as_mut()) {
                     (true, Some(m)) => m.copy_mask().map(|c| (c, bias)),
@@ -445,6 +447,7 @@ impl EngineCore {
                     counter: d.counter,
                     bias: copying.as_ref().map(|(c, b)| (&c[..], *b)),
                     penalties: &d.penalties,
+                    logprobs: d.logprobs,
                 }),
             })
             .collect();
@@ -461,7 +464,10 @@ impl EngineCore {
             let room = self.room_after_next(s.id);
             let state = self.states.get_mut(&s.id).expect("every request has a state");
             let sampled = match (decided.tokens[row], decided.host_row(row)) {
-                (Some(token), _) => keep_within(state, self.backend.as_mut(), row, token, room, words)?,
+                (Some(token), _) => {
+                    let drawn = (token, decided.logprobs.get(row).cloned().flatten());
+                    keep_within(state, self.backend.as_mut(), row, drawn, room, words)?
+                }
                 (None, Some(logits)) => draw_within(state, logits, mask.as_deref(), room, words),
                 (None, None) => unreachable!("a row without a token has logits"),
             };
@@ -636,6 +642,9 @@ impl EngineCore {
     }
 }
 
+/// A row's draw for the backend, with the copy bias's mask and weight.
+type RowDraw = (DeviceDraw, Option<(Vec<u32>, f32)>);
+
 /// The token a backend drew for a row, kept if the output can still close within `room` more
 /// tokens; otherwise drawn again where the logits are, under the mask that keeps room: the same
 /// choice `draw_within` makes on the host.
@@ -643,18 +652,25 @@ fn keep_within(
     state: &mut State,
     backend: &mut dyn crate::runtime::Backend,
     row: usize,
-    token: u32,
+    drawn: (u32, Option<RowLogprobs>),
     room: usize,
     words: usize,
 ) -> Result<SampledToken, RuntimeError> {
-    let mut token = token;
+    let mut drawn = drawn;
     if let Some(m) = state.matcher.as_mut() {
-        if let Some(tight) = room_keeping_mask(m, token, room, words) {
+        if let Some(tight) = room_keeping_mask(m, drawn.0, room, words) {
             state.metrics.budget_closed = true;
-            token = backend.redraw_within(row, &tight)?;
+            drawn = backend.redraw_within(row, &tight)?;
         }
     }
-    Ok(state.sampler.take(token))
+    let (token, logprobs) = drawn;
+    Ok(state.sampler.take(
+        token,
+        logprobs.map(|l| {
+            let top = l.top.into_iter().map(|(token, logprob)| TopLogprob { token, logprob });
+            (l.logprob, top.collect())
+        }),
+    ))
 }
 
 /// The mask that keeps room to close within `room` more tokens, where `token` would not: tried

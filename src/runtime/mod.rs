@@ -43,18 +43,12 @@ pub trait Backend: Send {
     /// Decides again a row that `sample` decided on the backend, under a narrower mask (its
     /// token left the output no room to close), with the same draw: the argmax, or the same
     /// seeded draw from what the narrower mask leaves.
-    fn redraw_within(&mut self, row: usize, mask: &[u32]) -> Result<u32>;
+    fn redraw_within(&mut self, row: usize, mask: &[u32]) -> Result<(u32, Option<RowLogprobs>)>;
 
     /// `run`, then every row's logits.
     fn forward(&mut self, batch: &ForwardBatch) -> Result<Logits> {
         self.run(batch)?;
-        let rows = vec![
-            RowRequest {
-                mask: None,
-                draw: None
-            };
-            batch.logits_rows.len()
-        ];
+        let rows = vec![RowRequest { mask: None, draw: None }; batch.logits_rows.len()];
         Ok(self.sample(&rows)?.logits)
     }
 
@@ -75,7 +69,6 @@ pub struct RowRequest<'a> {
     /// past it are refused.
     pub mask: Option<&'a [u32]>,
     /// How to draw the row where its logits are; `None`: the engine samples it from its logits
-    /// (log-probabilities, which the engine computes).
     pub draw: Option<Draw<'a>>,
 }
 
@@ -97,6 +90,16 @@ pub struct Draw<'a> {
     pub bias: Option<(&'a [u32], f32)>,
     /// At most one per token.
     pub penalties: &'a [Penalty],
+    /// Log-probabilities of the drawn token and of the `n` most likely, of the logits after the
+    /// mask and the bias (before penalties and temperature), as the engine's sampler reports them.
+    pub logprobs: Option<usize>,
+}
+
+/// A drawn token's log-probability and the most likely tokens with theirs, best first.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RowLogprobs {
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
 }
 
 /// A penalty on one token's logit: `factor` divides it where positive and multiplies it where
@@ -113,6 +116,8 @@ pub struct Penalty {
 pub struct Sampled {
     /// Per row: the token, where the backend drew it.
     pub tokens: Vec<Option<u32>>,
+    /// Per row drawn with `logprobs` asked for: its log-probabilities.
+    pub logprobs: Vec<Option<RowLogprobs>>,
     /// The rows without a token, in row order.
     pub logits: Logits,
 }
@@ -122,6 +127,7 @@ impl Sampled {
     pub fn all_logits(logits: Logits) -> Self {
         Sampled {
             tokens: vec![None; logits.rows()],
+            logprobs: vec![None; logits.rows()],
             logits,
         }
     }

@@ -17,6 +17,7 @@ pub struct DeviceDraw {
     pub seed: u64,
     pub counter: u64,
     pub penalties: Vec<Penalty>,
+    pub logprobs: Option<usize>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -119,14 +120,18 @@ impl Sampler {
         }
     }
 
-    /// A token chosen elsewhere (a backend's argmax for a plain greedy request): counted like
-    /// a drawn one.
-    pub fn take(&mut self, token: u32) -> SampledToken {
+    /// A token drawn elsewhere (by a backend, where the logits are), with its log-probability
+    /// and the most likely tokens where they were asked for: counted like a drawn one.
+    pub fn take(&mut self, token: u32, logprobs: Option<(f32, Vec<TopLogprob>)>) -> SampledToken {
         self.record(token);
+        let (logprob, top) = match logprobs {
+            Some((lp, top)) => (Some(lp), top),
+            None => (None, Vec::new()),
+        };
         SampledToken {
             token,
-            logprob: None,
-            top: Vec::new(),
+            logprob,
+            top,
             forced: false,
         }
     }
@@ -155,15 +160,11 @@ impl Sampler {
     }
 
     /// The next token's draw for a backend that draws where the logits are: the parameters,
-    /// the seed and the draw's counter, and the penalties as per-token edits (`apply_penalties`'s
-    /// effect). `None` where log-probabilities are asked for: the engine computes those from
-    /// the logits.
-    pub fn device_draw(&self) -> Option<DeviceDraw> {
+    /// the seed and the draw's counter, the penalties as per-token edits (`apply_penalties`'s
+    /// effect) and the log-probabilities asked for.
+    pub fn device_draw(&self) -> DeviceDraw {
         let p = &self.params;
-        if p.logprobs.is_some() {
-            return None;
-        }
-        Some(DeviceDraw {
+        DeviceDraw {
             temperature: p.temperature,
             top_k: p.top_k,
             top_p: p.top_p,
@@ -171,7 +172,8 @@ impl Sampler {
             seed: self.seed,
             counter: self.recorded,
             penalties: self.penalties(),
-        })
+            logprobs: p.logprobs,
+        }
     }
 
     /// `apply_penalties` as one edit per token it changes.
@@ -481,7 +483,7 @@ mod tests {
         }
         let mut want = logits.clone();
         s.apply_penalties(&mut want);
-        let draw = s.device_draw().unwrap();
+        let draw = s.device_draw();
         assert_eq!((draw.seed, draw.counter), (9, 12));
         let mut got = logits.clone();
         for e in &draw.penalties {
@@ -498,7 +500,8 @@ mod tests {
         assert_ne!(got, logits);
         // DRY is in there: 3 continues the repeat of "1 2".
         assert!(draw.penalties.iter().any(|e| e.token == 3 && e.add < -0.9));
-        assert!(Sampler::new(params(|p| p.logprobs = Some(1)), &[]).device_draw().is_none());
+        let asks = Sampler::new(params(|p| p.logprobs = Some(3)), &[]).device_draw();
+        assert_eq!(asks.logprobs, Some(3));
     }
 
     #[test]

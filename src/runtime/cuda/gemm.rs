@@ -65,7 +65,7 @@ impl Gemm {
     #[allow(clippy::too_many_arguments)]
     pub fn matmul(&self, x: u64, w: u64, y: u64, out: OutType, rows: usize, n: usize, k: usize) -> Result<()> {
         // The GEMV kernel reads rows of 8 bf16 at a time.
-        if rows <= GEMV_MAX_ROWS && n * k <= GEMV_MAX_WEIGHTS && k % 8 == 0 && (x | w) % 16 == 0 {
+        if rows <= GEMV_MAX_ROWS && n * k <= GEMV_MAX_WEIGHTS && k.is_multiple_of(8) && (x | w).is_multiple_of(16) {
             return self.gemv(x, w, y, rows, n, k);
         }
         self.cublas(x, w, y, out, rows, n, k)

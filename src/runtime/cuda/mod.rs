@@ -88,8 +88,13 @@ pub struct CudaBackend {
     rows: usize,
     /// How `sample` drew each row of the last step (`None`: left to the engine).
     drawn: Vec<Option<sample::Drawn>>,
+    /// Where the last draw's penalties and the values they replaced are on the device.
+    penalties: sample::PenaltyArrays,
+    /// The last draw's device scratch (the saved values a redraw puts back live there).
+    sample_scratch: Option<CudaSlice<u32>>,
     run_staging: Staging,
     sample_staging: Staging,
+    redraw_staging: Staging,
     /// A step's uploads may still be in flight (`run` queued work no `sample` waited for).
     in_flight: bool,
     name: String,
@@ -114,7 +119,13 @@ struct Buffers {
 }
 
 impl Buffers {
-    fn new(stream: &Arc<CudaStream>, cfg: &ModelConfig, tokens: usize, rows: usize, target_blocks: usize) -> Result<Self> {
+    fn new(
+        stream: &Arc<CudaStream>,
+        cfg: &ModelConfig,
+        tokens: usize,
+        rows: usize,
+        target_blocks: usize,
+    ) -> Result<Self> {
         let (d, inter) = (cfg.hidden_size, cfg.intermediate_size);
         let width = cfg.q_size() + 2 * cfg.kv_size();
         let oom = |e: cudarc::driver::DriverError| {
@@ -245,6 +256,7 @@ impl CudaBackend {
         let timing = Timing::from_env(&ctx);
         let run_staging = Staging::new(&ctx, &stream, 1 << 16, "the batch")?;
         let sample_staging = Staging::new(&ctx, &stream, 1 << 16, "sampling inputs")?;
+        let redraw_staging = Staging::new(&ctx, &stream, 1 << 12, "a redraw's inputs")?;
         Ok(CudaBackend {
             ctx,
             stream,
@@ -261,8 +273,11 @@ impl CudaBackend {
             target_blocks,
             rows: 0,
             drawn: Vec::new(),
+            penalties: Default::default(),
+            sample_scratch: None,
             run_staging,
             sample_staging,
+            redraw_staging,
             in_flight: false,
             name,
             timing,
@@ -348,7 +363,13 @@ fn silu_mul(stream: &CudaStream, k: &Kernels, gate_up: u64, act: u64, rows: usiz
     let total = (rows * inter) as i64;
     let blocks = (total as u64).div_ceil(THREADS as u64) as u32;
     let inter = inter as i32;
-    launch(stream, &k.silu_mul, (blocks, 1), THREADS, &[&gate_up, &act, &inter, &total])
+    launch(
+        stream,
+        &k.silu_mul,
+        (blocks, 1),
+        THREADS,
+        &[&gate_up, &act, &inter, &total],
+    )
 }
 
 impl Backend for CudaBackend {
@@ -380,7 +401,9 @@ impl Backend for CudaBackend {
             )?;
         }
         if self.in_flight {
-            self.stream.synchronize().map_err(device_err("finishing the last step"))?;
+            self.stream
+                .synchronize()
+                .map_err(device_err("finishing the last step"))?;
         }
         self.in_flight = true;
         let s = &self.stream;
@@ -407,8 +430,14 @@ impl Backend for CudaBackend {
         let picked = st.push(if rows > 0 { &batch.logits_rows } else { &[0] })?;
         let base = st.send(s)?;
         let addr = |offset: usize| Staging::addr(base, offset);
-        let (ids, positions, slots, seqs, tables, picked) =
-            (addr(ids), addr(positions), addr(slots), addr(seqs), addr(tables), addr(picked));
+        let (ids, positions, slots, seqs, tables, picked) = (
+            addr(ids),
+            addr(positions),
+            addr(slots),
+            addr(seqs),
+            addr(tables),
+            addr(picked),
+        );
         let max_len = batch.context_lens.iter().copied().max().unwrap_or(1) as usize;
         let part_keys = attention::partition_keys(t, cfg.num_heads, max_len, self.target_blocks);
 
@@ -598,7 +627,7 @@ impl Backend for CudaBackend {
         self.sample_rows(requests)
     }
 
-    fn redraw_within(&mut self, row: usize, mask: &[u32]) -> Result<u32> {
+    fn redraw_within(&mut self, row: usize, mask: &[u32]) -> Result<(u32, Option<super::RowLogprobs>)> {
         self.redraw(row, mask)
     }
 

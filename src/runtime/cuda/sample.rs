@@ -1,6 +1,9 @@
-//! Sampling where the logits are: per row the grammar's mask, the copy bias and the penalties
-//! are applied in place, then the argmax or a seeded draw (kernels/sampling.cu) picks the
-//! token; only token ids come back, and the logits of the rows the engine keeps for itself.
+//! Sampling where the logits are (kernels/sampling.cu). Per drawn row, in the engine sampler's
+//! order: the grammar's mask and the copy bias, the log-probabilities where asked for, the
+//! penalties (the values they replace are kept), then the argmax or a seeded draw. Only token
+//! ids and log-probabilities come back, and the logits of the rows the engine keeps for itself.
+
+use cudarc::driver::CudaSlice;
 
 use super::kernels::SampleParams;
 use super::staging::Staging;
@@ -8,29 +11,57 @@ use super::timing::Phase;
 use super::{device_err, launch, CudaBackend, THREADS};
 use crate::runtime::batch::Logits;
 use crate::runtime::error::{Result, RuntimeError};
-use crate::runtime::{Draw, RowRequest, Sampled};
+use crate::runtime::{Draw, Penalty, RowLogprobs, RowRequest, Sampled};
+
+/// kernels/sampling.cu's MAX_TOP.
+const MAX_TOP: usize = 32;
 
 /// How a row of the last `sample` was drawn, kept for `redraw_within`.
-#[derive(Clone, Copy)]
-pub(super) enum Drawn {
-    Argmax,
-    Seeded(SampleParams),
+#[derive(Clone)]
+pub(super) struct Drawn {
+    /// `None`: the argmax.
+    seeded: Option<SampleParams>,
+    logprobs: Option<usize>,
+    penalties: Vec<Penalty>,
+    /// Where this row's penalties sit among the last upload's (`restore_values`).
+    penalty_span: (usize, usize),
 }
 
 impl Drawn {
     fn of(d: &Draw<'_>) -> Self {
-        if d.temperature <= 0.0 {
-            return Drawn::Argmax;
-        }
-        Drawn::Seeded(SampleParams {
+        let seeded = (d.temperature > 0.0).then(|| SampleParams {
             temperature: d.temperature,
             top_k: d.top_k.min(i32::MAX as usize) as i32,
             top_p: d.top_p,
             min_p: d.min_p,
             seed: d.seed,
             counter: d.counter,
-        })
+        });
+        Drawn {
+            seeded,
+            logprobs: d.logprobs.map(|n| n.min(MAX_TOP)),
+            penalties: d.penalties.to_vec(),
+            penalty_span: (0, 0),
+        }
     }
+}
+
+/// Device addresses of the last upload's penalties, and the values they replaced.
+#[derive(Clone, Copy, Default)]
+pub(super) struct PenaltyArrays {
+    rows: u64,
+    tokens: u64,
+    saved: u64,
+}
+
+/// A drawn row's token, and its log-probabilities where asked for.
+type Decided = (u32, Option<RowLogprobs>);
+
+/// One row for `draw_rows`, relative to the logits it is given.
+struct RowSpec<'a> {
+    mask: Option<&'a [u32]>,
+    bias: Option<(&'a [u32], f32)>,
+    drawn: &'a mut Drawn,
 }
 
 fn params_words(p: &SampleParams) -> [u32; 8] {
@@ -65,126 +96,24 @@ impl CudaBackend {
         let s = self.stream.clone();
         let started = std::time::Instant::now();
         self.mark(Phase::Sample);
-        self.drawn = requests.iter().map(|r| r.draw.as_ref().map(Drawn::of)).collect();
-        let words = vocab.div_ceil(32);
-        let logits = self.ptr(&self.buffers.logits);
-
-        // Everything the kernels read, in one upload.
-        let st = &mut self.sample_staging;
-        st.clear();
-        let mut mask_rows = vec![-1i32; rows];
-        let mut masks_at = None;
-        let mut bias_rows = vec![-1i32; rows];
-        let mut bias = vec![0f32; rows];
-        let mut bias_at = None;
-        let mut n_masks = 0;
-        for (i, r) in requests.iter().enumerate() {
-            if let (Some(_), Some(m)) = (&r.draw, r.mask) {
-                let at = st.push_with(words, |dst| fill_mask(dst, m))?;
-                masks_at.get_or_insert(at);
-                mask_rows[i] = n_masks;
-                n_masks += 1;
-            }
-        }
-        let mut n_bias = 0;
-        for (i, r) in requests.iter().enumerate() {
-            if let Some((m, b)) = r.draw.as_ref().and_then(|d| d.bias) {
-                let at = st.push_with(words, |dst| fill_mask(dst, m))?;
-                bias_at.get_or_insert(at);
-                bias_rows[i] = n_bias;
-                bias[i] = b;
-                n_bias += 1;
-            }
-        }
-        let mask_rows_at = st.push_i32(&mask_rows)?;
-        let bias_rows_at = st.push_i32(&bias_rows)?;
-        let bias_values_at = st.push_f32(&bias)?;
-        let (mut p_rows, mut p_tokens, mut p_factors, mut p_adds) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for (i, r) in requests.iter().enumerate() {
-            for p in r.draw.as_ref().map_or(&[][..], |d| d.penalties) {
-                if p.token as usize >= vocab {
-                    continue;
-                }
-                p_rows.push(i as u32);
-                p_tokens.push(p.token);
-                p_factors.push(p.factor);
-                p_adds.push(p.add);
-            }
-        }
-        let penalties_at = [
-            st.push(&p_rows)?,
-            st.push(&p_tokens)?,
-            st.push_f32(&p_factors)?,
-            st.push_f32(&p_adds)?,
-        ];
-        let mut seeded_rows = Vec::new();
-        for (i, d) in self.drawn.iter().enumerate() {
-            if let Some(Drawn::Seeded(_)) = d {
-                seeded_rows.push(i as u32);
-            }
-        }
-        let seeded_rows_at = st.push(&seeded_rows)?;
-        st.align(2)?;
-        let params_at = st.len_words();
-        for d in &self.drawn {
-            if let Some(Drawn::Seeded(p)) = d {
-                st.push(&params_words(p))?;
-            }
-        }
-        let base = st.send(&s)?;
-        let at = |offset: usize| Staging::addr(base, offset);
-
-        let (v, w) = (vocab as i32, words as i32);
-        let cols = (vocab as u32).div_ceil(THREADS);
-        let k = &self.kernels;
-        if let Some(m) = masks_at {
-            launch(
-                &s,
-                &k.apply_bitmask,
-                (rows as u32, cols),
-                THREADS,
-                &[&logits, &at(m), &at(mask_rows_at), &v, &w],
-            )?;
-        }
-        if let Some(b) = bias_at {
-            launch(
-                &s,
-                &k.add_bias_where,
-                (rows as u32, cols),
-                THREADS,
-                &[&logits, &at(b), &at(bias_rows_at), &at(bias_values_at), &v, &w],
-            )?;
-        }
-        if !p_rows.is_empty() {
-            let count = p_rows.len() as i32;
-            let [pr, pt, pf, pa] = penalties_at.map(at);
-            launch(
-                &s,
-                &k.apply_penalties,
-                ((p_rows.len() as u32).div_ceil(THREADS), 1),
-                THREADS,
-                &[&logits, &v, &pr, &pt, &pf, &pa, &count],
-            )?;
-        }
-        // Token ids: rows' argmaxes first, then the seeded draws.
-        let out = s
-            .alloc_zeros::<u32>(rows + seeded_rows.len())
-            .map_err(device_err("sampling"))?;
-        let out_ptr = self.ptr(&out);
-        let any_argmax = self.drawn.iter().any(|d| matches!(d, Some(Drawn::Argmax)));
-        if any_argmax {
-            launch(&s, &k.argmax, (rows as u32, 1), 1024, &[&logits, &v, &out_ptr])?;
-        }
-        if !seeded_rows.is_empty() {
-            let seeded_out = out_ptr + (rows * std::mem::size_of::<u32>()) as u64;
-            launch(
-                &s,
-                &k.sample_rows,
-                (seeded_rows.len() as u32, 1),
-                1024,
-                &[&logits, &at(seeded_rows_at), &v, &at(params_at), &seeded_out],
-            )?;
-        }
+        let mut drawn: Vec<Option<Drawn>> = requests.iter().map(|r| r.draw.as_ref().map(Drawn::of)).collect();
+        let mut specs: Vec<Option<RowSpec<'_>>> = requests
+            .iter()
+            .zip(drawn.iter_mut())
+            .map(|(r, d)| {
+                d.as_mut().map(|drawn| RowSpec {
+                    mask: r.mask,
+                    bias: r.draw.as_ref().and_then(|d| d.bias),
+                    drawn,
+                })
+            })
+            .collect();
+        let base = self.ptr(&self.buffers.logits);
+        let (decided, scratch, penalties) = self.draw_rows(base, &mut specs, false)?;
+        drop(specs);
+        self.drawn = drawn;
+        // Kept for a redraw: the values the penalties replaced are in the scratch.
+        (self.sample_scratch, self.penalties) = (Some(scratch), penalties);
 
         // The rows left to the engine: their logits come back, one copy per run of rows.
         let mut data = Vec::new();
@@ -203,32 +132,18 @@ impl CudaBackend {
                 .map_err(device_err("copying logits"))?;
             data.extend_from_slice(&part);
         }
-        let ids = if any_argmax || !seeded_rows.is_empty() {
-            s.clone_dtoh(&out).map_err(device_err("copying sampled tokens"))?
-        } else {
-            Vec::new()
-        };
         s.synchronize().map_err(device_err("sampling"))?;
         self.in_flight = false;
-        let mut seeded = 0;
-        let tokens = self
-            .drawn
-            .iter()
-            .enumerate()
-            .map(|(i, d)| match d {
-                None => None,
-                Some(Drawn::Argmax) => Some(ids[i]),
-                Some(Drawn::Seeded(_)) => {
-                    seeded += 1;
-                    Some(ids[rows + seeded - 1])
-                }
-            })
-            .collect();
         if let Some(timing) = &self.timing {
             timing.finish(&s, started, true, 0);
         }
+        let (tokens, logprobs) = decided
+            .into_iter()
+            .map(|d| d.map_or((None, None), |(t, l)| (Some(t), l)))
+            .unzip();
         Ok(Sampled {
             tokens,
+            logprobs,
             logits: Logits {
                 vocab_size: vocab,
                 data,
@@ -236,55 +151,267 @@ impl CudaBackend {
         })
     }
 
-    /// `Backend::redraw_within`: the row's logits already carry its mask, bias and penalties;
-    /// the narrower mask leaves a subset of what its mask allowed.
-    pub(super) fn redraw(&mut self, row: usize, mask: &[u32]) -> Result<u32> {
-        let Some(Some(drawn)) = self.drawn.get(row).copied() else {
+    /// `Backend::redraw_within`: the row's penalties are undone, then it is drawn again as
+    /// before under the narrower mask (a subset of what its mask allowed; its bias stays).
+    pub(super) fn redraw(&mut self, row: usize, mask: &[u32]) -> Result<(u32, Option<RowLogprobs>)> {
+        let Some(Some(mut drawn)) = self.drawn.get(row).cloned() else {
             return Err(RuntimeError::InvalidBatch(format!(
                 "row {row} was not drawn on the device in the last step"
             )));
         };
-        let (vocab, words) = (self.config.vocab_size, self.config.vocab_size.div_ceil(32));
+        let vocab = self.config.vocab_size;
         let s = self.stream.clone();
-        let st = &mut self.sample_staging;
+        let all = self.ptr(&self.buffers.logits);
+        let (start, count) = drawn.penalty_span;
+        if count > 0 {
+            let (v, st, n) = (vocab as i32, start as i32, count as i32);
+            let p = self.penalties;
+            launch(
+                &s,
+                &self.kernels.restore_values,
+                ((count as u32).div_ceil(THREADS), 1),
+                THREADS,
+                &[&all, &v, &p.rows, &p.tokens, &p.saved, &st, &n],
+            )?;
+        }
+        let at = all + (row * vocab * std::mem::size_of::<f32>()) as u64;
+        let mut specs = vec![Some(RowSpec {
+            mask: Some(mask),
+            bias: None,
+            drawn: &mut drawn,
+        })];
+        // The row keeps its first draw's record: another redraw restores from the same values.
+        let (decided, _scratch, _) = self.draw_rows(at, &mut specs, true)?;
+        drop(specs);
+        s.synchronize().map_err(device_err("sampling"))?;
+        decided
+            .into_iter()
+            .next()
+            .flatten()
+            .ok_or_else(|| RuntimeError::Backend("the redraw drew nothing".into()))
+    }
+
+    /// Draws the rows given a spec, of the `specs.len()` rows of logits from `logits` on; the
+    /// others are left alone. Queues the work and reads back the tokens (which waits for it).
+    /// Also returns the scratch that holds the values the penalties replaced, and where those
+    /// penalties are; a redraw uploads through its own staging, so that the step's stay.
+    fn draw_rows(
+        &mut self,
+        logits: u64,
+        specs: &mut [Option<RowSpec<'_>>],
+        redraw: bool,
+    ) -> Result<(Vec<Option<Decided>>, CudaSlice<u32>, PenaltyArrays)> {
+        let vocab = self.config.vocab_size;
+        let rows = specs.len();
+        let words = vocab.div_ceil(32);
+        let s = self.stream.clone();
+
+        // Everything the kernels read, in one upload.
+        let st = if redraw {
+            &mut self.redraw_staging
+        } else {
+            &mut self.sample_staging
+        };
         st.clear();
-        let mask_at = st.push_with(words, |dst| fill_mask(dst, mask))?;
-        let zero_at = st.push_i32(&[0])?;
-        let row_at = st.push(&[row as u32])?;
+        let mut mask_rows = vec![-1i32; rows];
+        let (mut masks_at, mut n_masks) = (None, 0);
+        for (i, spec) in specs.iter().enumerate() {
+            if let Some(m) = spec.as_ref().and_then(|r| r.mask) {
+                let at = st.push_with(words, |dst| fill_mask(dst, m))?;
+                masks_at.get_or_insert(at);
+                mask_rows[i] = n_masks;
+                n_masks += 1;
+            }
+        }
+        let mut bias_rows = vec![-1i32; rows];
+        let mut bias = vec![0f32; rows];
+        let (mut bias_at, mut n_bias) = (None, 0);
+        for (i, spec) in specs.iter().enumerate() {
+            if let Some((m, b)) = spec.as_ref().and_then(|r| r.bias) {
+                let at = st.push_with(words, |dst| fill_mask(dst, m))?;
+                bias_at.get_or_insert(at);
+                bias_rows[i] = n_bias;
+                bias[i] = b;
+                n_bias += 1;
+            }
+        }
+        let mask_rows_at = st.push_i32(&mask_rows)?;
+        let bias_rows_at = st.push_i32(&bias_rows)?;
+        let bias_values_at = st.push_f32(&bias)?;
+        let (mut p_rows, mut p_tokens, mut p_factors, mut p_adds) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (i, spec) in specs.iter_mut().enumerate() {
+            let Some(spec) = spec else { continue };
+            let start = p_rows.len();
+            for p in spec.drawn.penalties.iter().filter(|p| (p.token as usize) < vocab) {
+                p_rows.push(i as u32);
+                p_tokens.push(p.token);
+                p_factors.push(p.factor);
+                p_adds.push(p.add);
+            }
+            spec.drawn.penalty_span = (start, p_rows.len() - start);
+        }
+        let penalties_at = [
+            st.push(&p_rows)?,
+            st.push(&p_tokens)?,
+            st.push_f32(&p_factors)?,
+            st.push_f32(&p_adds)?,
+        ];
+        let (mut seeded_rows, mut stat_rows, mut stat_n) = (Vec::new(), Vec::new(), 0usize);
+        for (i, spec) in specs.iter().enumerate() {
+            let Some(spec) = spec else { continue };
+            if spec.drawn.seeded.is_some() {
+                seeded_rows.push(i as u32);
+            }
+            if let Some(n) = spec.drawn.logprobs {
+                stat_rows.push(i as u32);
+                stat_n = stat_n.max(n);
+            }
+        }
+        // Where each logprob row's token lands in the output: argmaxes first (one per row),
+        // then the seeded draws in order.
+        let token_at: Vec<u32> = stat_rows
+            .iter()
+            .map(
+                |&r| match specs[r as usize].as_ref().map(|x| x.drawn.seeded.is_some()) {
+                    Some(true) => (rows + seeded_rows.iter().position(|&x| x == r).unwrap_or(0)) as u32,
+                    _ => r,
+                },
+            )
+            .collect();
+        let seeded_rows_at = st.push(&seeded_rows)?;
+        let stat_rows_at = st.push(&stat_rows)?;
+        let token_at_at = st.push(&token_at)?;
         st.align(2)?;
         let params_at = st.len_words();
-        if let Drawn::Seeded(p) = drawn {
-            st.push(&params_words(&p))?;
+        for spec in specs.iter().flatten() {
+            if let Some(p) = &spec.drawn.seeded {
+                st.push(&params_words(p))?;
+            }
         }
         let base = st.send(&s)?;
         let at = |offset: usize| Staging::addr(base, offset);
-        let logits = self.ptr(&self.buffers.logits) + (row * vocab * std::mem::size_of::<f32>()) as u64;
+
+        // Scratch on the device: token ids, the penalties' saved values, logprob records and
+        // the drawn tokens' values.
+        let record = 1 + 2 * MAX_TOP;
+        let out_len = rows + seeded_rows.len();
+        let scratch = s
+            .alloc_zeros::<u32>(out_len + p_rows.len() + stat_rows.len() * (record + 1))
+            .map_err(device_err("sampling"))?;
+        let out = self.ptr(&scratch);
+        let word = |i: usize| out + (i * std::mem::size_of::<u32>()) as u64;
+        let (saved, stats, values) = (
+            word(out_len),
+            word(out_len + p_rows.len()),
+            word(out_len + p_rows.len() + stat_rows.len() * record),
+        );
+
         let (v, w) = (vocab as i32, words as i32);
+        let cols = (vocab as u32).div_ceil(THREADS);
         let k = &self.kernels;
-        launch(
-            &s,
-            &k.apply_bitmask,
-            (1, (vocab as u32).div_ceil(THREADS)),
-            THREADS,
-            &[&logits, &at(mask_at), &at(zero_at), &v, &w],
-        )?;
-        let out = s.alloc_zeros::<u32>(1).map_err(device_err("sampling"))?;
-        let out_ptr = self.ptr(&out);
-        match drawn {
-            Drawn::Argmax => launch(&s, &k.argmax, (1, 1), 1024, &[&logits, &v, &out_ptr])?,
-            Drawn::Seeded(_) => {
-                let all = self.ptr(&self.buffers.logits);
-                launch(
-                    &s,
-                    &k.sample_rows,
-                    (1, 1),
-                    1024,
-                    &[&all, &at(row_at), &v, &at(params_at), &out_ptr],
-                )?
-            }
+        if let Some(m) = masks_at {
+            let grid = (rows as u32, cols);
+            launch(
+                &s,
+                &k.apply_bitmask,
+                grid,
+                THREADS,
+                &[&logits, &at(m), &at(mask_rows_at), &v, &w],
+            )?;
         }
-        let id = s.clone_dtoh(&out).map_err(device_err("copying sampled tokens"))?;
-        s.synchronize().map_err(device_err("sampling"))?;
-        Ok(id[0])
+        if let Some(b) = bias_at {
+            launch(
+                &s,
+                &k.add_bias_where,
+                (rows as u32, cols),
+                THREADS,
+                &[&logits, &at(b), &at(bias_rows_at), &at(bias_values_at), &v, &w],
+            )?;
+        }
+        if !stat_rows.is_empty() {
+            let n = stat_n as i32;
+            let grid = (stat_rows.len() as u32, 1);
+            launch(
+                &s,
+                &k.logprob_stats,
+                grid,
+                1024,
+                &[&logits, &at(stat_rows_at), &v, &n, &stats],
+            )?;
+        }
+        let [pr, pt, pf, pa] = penalties_at.map(at);
+        if !p_rows.is_empty() {
+            let count = p_rows.len() as i32;
+            launch(
+                &s,
+                &k.apply_penalties,
+                ((p_rows.len() as u32).div_ceil(THREADS), 1),
+                THREADS,
+                &[&logits, &v, &pr, &pt, &pf, &pa, &saved, &count],
+            )?;
+        }
+        let penalties = PenaltyArrays {
+            rows: pr,
+            tokens: pt,
+            saved,
+        };
+        if specs.iter().flatten().any(|x| x.drawn.seeded.is_none()) {
+            launch(&s, &k.argmax, (rows as u32, 1), 1024, &[&logits, &v, &out])?;
+        }
+        if !seeded_rows.is_empty() {
+            let grid = (seeded_rows.len() as u32, 1);
+            let args: [&dyn super::Arg; 5] = [&logits, &at(seeded_rows_at), &v, &at(params_at), &word(rows)];
+            launch(&s, &k.sample_rows, grid, 1024, &args)?;
+        }
+        if !stat_rows.is_empty() {
+            let count = stat_rows.len() as i32;
+            launch(
+                &s,
+                &k.chosen_values,
+                ((stat_rows.len() as u32).div_ceil(THREADS), 1),
+                THREADS,
+                &[&logits, &v, &at(stat_rows_at), &at(token_at_at), &out, &values, &count],
+            )?;
+        }
+        // Tokens, then saved values, records and values: one copy (the saved values stay on the
+        // device for a redraw; the copy is small).
+        let back: Vec<u32> = s.clone_dtoh(&scratch).map_err(device_err("copying sampled tokens"))?;
+        let f = |i: usize| f32::from_bits(back[i]);
+        let mut seeded = 0;
+        let mut stat = 0;
+        let mut decided = Vec::with_capacity(rows);
+        for (i, spec) in specs.iter().enumerate() {
+            let Some(spec) = spec else {
+                decided.push(None);
+                continue;
+            };
+            let token = if spec.drawn.seeded.is_some() {
+                seeded += 1;
+                back[rows + seeded - 1]
+            } else {
+                back[i]
+            };
+            let logprobs = spec.drawn.logprobs.map(|n| {
+                let rec = out_len + p_rows.len() + stat * record;
+                let log_z = f(rec);
+                // The value before penalties: the saved one where the token had a penalty.
+                let (start, count) = spec.drawn.penalty_span;
+                let value = (start..start + count)
+                    .find(|&j| p_tokens[j] == token)
+                    .map_or(f(out_len + p_rows.len() + stat_rows.len() * record + stat), |j| {
+                        f(out_len + j)
+                    });
+                let top = (0..n)
+                    .map(|j| (back[rec + 1 + 2 * j], f(rec + 2 + 2 * j) - log_z))
+                    .collect();
+                stat += 1;
+                RowLogprobs {
+                    logprob: value - log_z,
+                    top,
+                }
+            });
+            decided.push(Some((token, logprobs)));
+        }
+        Ok((decided, scratch, penalties))
     }
 }

@@ -661,7 +661,10 @@ fn gemv_against_cublas() {
         g.stream.synchronize().unwrap();
         a.elapsed_ms(&b).unwrap() as f64 / 20.0 * 1000.0
     };
-    println!("{:<14}{:>5}{:>12}{:>12}{:>10}{:>12}", "shape", "rows", "gemv us", "cublas us", "ratio", "gemv GB/s");
+    println!(
+        "{:<14}{:>5}{:>12}{:>12}{:>10}{:>12}",
+        "shape", "rows", "gemv us", "cublas us", "ratio", "gemv GB/s"
+    );
     for (name, n, k) in shapes {
         let w: CudaSlice<u16> = g.stream.alloc_zeros(n * k).unwrap();
         let x: CudaSlice<u16> = g.stream.alloc_zeros(8 * k).unwrap();
@@ -671,7 +674,10 @@ fn gemv_against_cublas() {
             let gemv = time(&|| g.gemm.gemv(xp, wp, yp, rows, n, k).unwrap());
             let cublas = time(&|| g.gemm.cublas(xp, wp, yp, OutType::F32, rows, n, k).unwrap());
             let gbs = (n * k * 2) as f64 / gemv / 1e3;
-            println!("{name:<14}{rows:>5}{gemv:>12.1}{cublas:>12.1}{:>10.2}{gbs:>12.0}", gemv / cublas);
+            println!(
+                "{name:<14}{rows:>5}{gemv:>12.1}{cublas:>12.1}{:>10.2}{gbs:>12.0}",
+                gemv / cublas
+            );
         }
     }
 }
