@@ -16,7 +16,7 @@ use super::prompt::PromptLayout;
 use super::validate::{violations, Validators, Violation};
 use crate::engine::{AddError, AdmitError, StructuredOutputs, SubmitError};
 use crate::engine::{CompiledConstraint, Constraint, EngineClient, EngineRequest, FinishReason, RequestMetrics};
-use crate::sampling::{DryParams, SamplingParams};
+use crate::sampling::{DryParams, SampledToken, SamplingParams};
 use crate::tokenizer::Tokenizer;
 
 /// The engine and what turns a schema and a document into a request for it.
@@ -61,6 +61,9 @@ pub struct Task {
     /// A record that fails validation is sampled again this many times at most, each time
     /// with another seed (and at `RETRY_TEMPERATURE` when the request is greedy).
     pub retries: usize,
+    /// Log-probabilities of every sampled token and of this many alternatives, in
+    /// `Extraction::sampled` (for tools and tests that judge how close a choice was).
+    pub logprobs: Option<usize>,
 }
 
 /// Sampling temperature of a retry of a greedy request: greedy again would repeat the answer.
@@ -92,6 +95,7 @@ impl Task {
             verbatim: false,
             copy_bias: 1.0,
             retries: 0,
+            logprobs: None,
         }
     }
 
@@ -124,6 +128,7 @@ impl Task {
             seed,
             dry: self.dry.clone(),
             copy_bias: self.copy_bias,
+            logprobs: self.logprobs,
             ..SamplingParams::greedy(self.max_tokens)
         }
     }
@@ -175,6 +180,8 @@ pub struct Extraction {
     /// The compiled schema, whose report says what was enforced.
     pub compiled: CompiledConstraint,
     pub grounding: Option<Vec<Grounding>>,
+    /// The last attempt's tokens, with log-probabilities where `Task::logprobs` asked for them.
+    pub sampled: Vec<SampledToken>,
 }
 
 /// Why there was no extraction at all.
@@ -311,6 +318,7 @@ impl Extractor {
             metrics: c.metrics,
             compiled,
             grounding,
+            sampled: c.sampled,
         })
     }
 }
