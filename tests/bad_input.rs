@@ -76,10 +76,11 @@ fn missing_corrupt_truncated_and_foreign_models_are_typed_errors() {
 
 #[test]
 fn prompt_longer_than_the_context_is_rejected_up_front() {
-    let Some((backend, tok)) = common::load(1024) else {
+    // On the test device (the GPU under QUARRY_TEST_DEVICE=cuda): a KV pool of 1,024 tokens.
+    let Some((backend, tok)) = common::load_backend(1024) else {
         return;
     };
-    let mut engine = EngineCore::new(Box::new(backend), Arc::new(tok), EngineConfig::default());
+    let mut engine = EngineCore::new(backend, Arc::new(tok), EngineConfig::default());
     let request = |id, prompt: Vec<u32>, params| EngineRequest {
         id,
         prompt,

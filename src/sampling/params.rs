@@ -94,18 +94,6 @@ pub struct SamplingParamError {
 pub const MAX_LOGPROBS: usize = 20;
 
 impl SamplingParams {
-    /// The token is the argmax of the raw (masked) logits: no temperature, penalties, DRY,
-    /// copy bias or log-probabilities, so a backend may take it where the logits are.
-    pub fn is_plain_greedy(&self) -> bool {
-        self.temperature == 0.0
-            && self.repetition_penalty == 1.0
-            && self.frequency_penalty == 0.0
-            && self.presence_penalty == 0.0
-            && self.dry.is_none()
-            && self.copy_bias == 0.0
-            && self.logprobs.is_none()
-    }
-
     pub fn greedy(max_tokens: usize) -> Self {
         SamplingParams {
             max_tokens,

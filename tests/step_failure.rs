@@ -1,0 +1,120 @@
+//! A backend that fails in the middle of a step: the requests of that step end as `internal`,
+//! their KV blocks come back, and the engine goes on: the next request gives what it gives
+//! alone. The failure comes between `run` (the pass is queued) and `sample`, so a GPU backend
+//! must finish the abandoned pass before the next one. On the CPU, and on the GPU where
+//! `QUARRY_TEST_DEVICE=cuda` (scripts/gpu-check).
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use quarry::engine::{EngineConfig, EngineCore, EngineRequest, FinishReason};
+use quarry::runtime::{
+    Backend, ForwardBatch, KvLayout, ModelConfig, Result, RowLogprobs, RowRequest, RuntimeError, Sampled,
+};
+use quarry::sampling::SamplingParams;
+
+/// Delegates to `inner`, except that the `fail_at`-th call of `sample` fails.
+struct FailingSample {
+    inner: Box<dyn Backend>,
+    samples: usize,
+    fail_at: Arc<AtomicUsize>,
+}
+
+impl Backend for FailingSample {
+    fn config(&self) -> &ModelConfig {
+        self.inner.config()
+    }
+
+    fn kv_layout(&self) -> KvLayout {
+        self.inner.kv_layout()
+    }
+
+    fn run(&mut self, batch: &ForwardBatch) -> Result<()> {
+        self.inner.run(batch)
+    }
+
+    fn sample(&mut self, rows: &[RowRequest<'_>]) -> Result<Sampled> {
+        self.samples += 1;
+        if self.samples == self.fail_at.load(Ordering::SeqCst) {
+            return Err(RuntimeError::Backend("injected failure".into()));
+        }
+        self.inner.sample(rows)
+    }
+
+    fn redraw_within(&mut self, row: usize, mask: &[u32]) -> Result<(u32, Option<RowLogprobs>)> {
+        self.inner.redraw_within(row, mask)
+    }
+
+    fn draws_on_device(&self) -> bool {
+        self.inner.draws_on_device()
+    }
+
+    fn device_name(&self) -> String {
+        self.inner.device_name()
+    }
+}
+
+#[test]
+fn a_failed_step_ends_its_requests_as_internal_and_the_engine_goes_on() {
+    let Some((backend, tok)) = common::load_backend(4096) else {
+        return;
+    };
+    let fail_at = Arc::new(AtomicUsize::new(usize::MAX));
+    let failing = FailingSample {
+        inner: backend,
+        samples: 0,
+        fail_at: fail_at.clone(),
+    };
+    // No prefix cache: the second run of a prompt computes it as the first did.
+    let config = EngineConfig {
+        prefix_caching: false,
+        ..EngineConfig::default()
+    };
+    let tok = Arc::new(tok);
+    let mut engine = EngineCore::new(Box::new(failing), tok.clone(), config);
+    let request = |id, text: &str| EngineRequest {
+        id,
+        prompt: tok.encode(text, false).unwrap(),
+        params: SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::greedy(12)
+        },
+        priority: 0,
+        constraint: None,
+    };
+    let alone = |engine: &mut EngineCore, id| {
+        engine.add_request(request(id, "The three primary colors are")).unwrap();
+        engine.run_until_idle(|_| {}).unwrap().remove(0).tokens
+    };
+    let before = alone(&mut engine, 1);
+    assert_eq!(before.len(), 12);
+
+    // Two requests; the fourth sample of their run fails (the first run sampled 12 times).
+    fail_at.store(12 + 4, Ordering::SeqCst);
+    engine.add_request(request(2, "Count from one to ten:")).unwrap();
+    engine.add_request(request(3, "Name a large animal:")).unwrap();
+    let mut produced = 0;
+    let err = loop {
+        match engine.step() {
+            Ok(outputs) => produced += outputs.len(),
+            Err(e) => break e,
+        }
+    };
+    assert!(err.to_string().contains("injected failure"), "{err}");
+    assert!(produced > 0, "the steps before the failure produced tokens");
+    let failed = engine.fail_all();
+    let mut ids: Vec<_> = failed.iter().map(|o| (o.id, o.finished)).collect();
+    ids.sort_by_key(|x| x.0);
+    assert_eq!(
+        ids,
+        vec![(2, Some(FinishReason::Internal)), (3, Some(FinishReason::Internal))]
+    );
+    assert!(!engine.has_unfinished());
+    let kv = engine.scheduler().kv();
+    assert_eq!(kv.num_free_blocks(), kv.pool().total(), "every block came back");
+
+    // The engine goes on, and gives what it gave before the failure.
+    assert_eq!(alone(&mut engine, 4), before);
+}
