@@ -388,7 +388,9 @@ impl Backend for CudaBackend {
     fn run(&mut self, batch: &ForwardBatch) -> Result<()> {
         let started = std::time::Instant::now();
         let cfg = self.config.clone();
+        // Nothing of the last step may be redrawn from this one's logits.
         self.rows = 0;
+        self.drawn.clear();
         batch.validate(self.layout, cfg.vocab_size, cfg.context_length)?;
         let (t, rows) = (batch.num_tokens(), batch.logits_rows.len());
         if t > self.buffers.tokens || rows > self.buffers.rows {

@@ -109,11 +109,16 @@ impl CudaBackend {
             })
             .collect();
         let base = self.ptr(&self.buffers.logits);
-        let (decided, scratch, penalties) = self.draw_rows(base, &mut specs, false)?;
+        let decided = if specs.iter().any(Option::is_some) {
+            let (decided, scratch, penalties) = self.draw_rows(base, &mut specs, false)?;
+            // Kept for a redraw: the values the penalties replaced are in the scratch.
+            (self.sample_scratch, self.penalties) = (Some(scratch), penalties);
+            decided
+        } else {
+            vec![None; rows]
+        };
         drop(specs);
         self.drawn = drawn;
-        // Kept for a redraw: the values the penalties replaced are in the scratch.
-        (self.sample_scratch, self.penalties) = (Some(scratch), penalties);
 
         // The rows left to the engine: their logits come back, one copy per run of rows.
         let mut data = Vec::new();
@@ -154,7 +159,8 @@ impl CudaBackend {
     /// `Backend::redraw_within`: the row's penalties are undone, then it is drawn again as
     /// before under the narrower mask (a subset of what its mask allowed; its bias stays).
     pub(super) fn redraw(&mut self, row: usize, mask: &[u32]) -> Result<(u32, Option<RowLogprobs>)> {
-        let Some(Some(mut drawn)) = self.drawn.get(row).cloned() else {
+        let drawn = self.drawn.get(row).filter(|_| row < self.rows).cloned();
+        let Some(Some(mut drawn)) = drawn else {
             return Err(RuntimeError::InvalidBatch(format!(
                 "row {row} was not drawn on the device in the last step"
             )));
@@ -296,7 +302,7 @@ impl CudaBackend {
         let record = 1 + 2 * MAX_TOP;
         let out_len = rows + seeded_rows.len();
         let scratch = s
-            .alloc_zeros::<u32>(out_len + p_rows.len() + stat_rows.len() * (record + 1))
+            .alloc_zeros::<u32>((out_len + p_rows.len() + stat_rows.len() * (record + 1)).max(1))
             .map_err(device_err("sampling"))?;
         let out = self.ptr(&scratch);
         let word = |i: usize| out + (i * std::mem::size_of::<u32>()) as u64;
