@@ -166,6 +166,26 @@ impl KvCacheManager {
         table.hashes.extend(hashes);
     }
 
+    /// Shrinks request `id`'s table to the blocks that hold its first `tokens` tokens, giving
+    /// back the rest (last first): the slots of draft tokens a verification rejected, taken
+    /// ahead by `allocate_slots`. The blocks kept must not be cached ones: `cache_blocks` is
+    /// only ever given accepted tokens, so a cached block never holds a token that can be
+    /// rejected, and a shared one is never written again.
+    pub fn truncate(&mut self, id: RequestId, tokens: usize) {
+        let Some(table) = self.tables.get_mut(&id) else {
+            return;
+        };
+        assert!(
+            tokens >= table.hashes.len() * self.block_size,
+            "request {id}: truncating to {tokens} tokens would cut into its cached blocks"
+        );
+        let keep = tokens.div_ceil(self.block_size);
+        if keep < table.blocks.len() {
+            let dropped = table.blocks.split_off(keep);
+            self.pool.free(dropped.into_iter().rev());
+        }
+    }
+
     /// Request `id`'s blocks, in order.
     pub fn block_table(&self, id: RequestId) -> &[BlockId] {
         self.tables.get(&id).map_or(&[], |t| t.blocks.as_slice())
@@ -232,6 +252,41 @@ mod tests {
         assert_eq!(m.num_free_blocks(), 5);
         m.free(3);
         assert_eq!(m.stats().hit_tokens, 8 + 4 + 8);
+    }
+
+    #[test]
+    fn truncating_gives_back_the_blocks_taken_ahead_and_keeps_the_cache_whole() {
+        let mut m = manager(8);
+        let tokens: Vec<u32> = (0..10).collect();
+        // 10 tokens and 8 slots ahead for drafts: 5 blocks of 4.
+        assert!(m.allocate_slots(1, 18, &[]));
+        assert_eq!(m.block_table(1).len(), 5);
+        let kept = m.block_table(1)[..3].to_vec();
+        // Two drafts accepted: 12 tokens, three blocks.
+        m.truncate(1, 12);
+        assert_eq!(m.block_table(1), &kept[..]);
+        assert_eq!(m.num_free_blocks(), 8 - 3);
+        // Only accepted tokens are cached: the two full blocks of the first 8.
+        m.cache_blocks(1, 10, |r| tokens[r].to_vec());
+        assert_eq!(m.pool().num_cached(), 2);
+        // Truncating past the end, or to the same length, changes nothing.
+        m.truncate(1, 40);
+        m.truncate(1, 12);
+        assert_eq!(m.block_table(1), &kept[..]);
+        m.truncate(1, 8);
+        assert_eq!(m.block_table(1), &kept[..2]);
+        m.free(1);
+        assert_eq!(m.num_free_blocks(), 8);
+    }
+
+    #[test]
+    #[should_panic(expected = "cut into its cached blocks")]
+    fn truncating_into_cached_blocks_is_refused() {
+        let mut m = manager(4);
+        let tokens: Vec<u32> = (0..9).collect();
+        assert!(m.allocate_slots(1, 9, &[]));
+        m.cache_blocks(1, 9, |r| tokens[r].to_vec());
+        m.truncate(1, 7);
     }
 
     #[test]
