@@ -351,17 +351,29 @@ impl EngineCore {
         }
     }
 
-    /// One engine step; outputs of the requests that produced tokens or finished.
+    /// One engine step; outputs of the requests that produced tokens or finished. The phases:
+    /// schedule, prepare the batch, run the model while the grammar masks fill, sample, then
+    /// update the requests with what was sampled.
     pub fn step(&mut self) -> Result<Vec<RequestOutput>, RuntimeError> {
         let plan = self.scheduler.schedule();
         if plan.scheduled.is_empty() {
             return Ok(Vec::new());
         }
+        let (batch, sampling) = self.prepare_batch(&plan.scheduled);
+        let masks = self.forward_with_masks(&batch, &sampling)?;
+        let sampled = self.sample(&sampling, &masks)?;
+        self.steps += 1;
+        Ok(self.update(&plan.scheduled, &sampling, sampled))
+    }
+
+    /// The flattened batch of the scheduled requests' tokens, and the requests whose last
+    /// token is sampled, in the order of the batch's logits rows.
+    fn prepare_batch(&mut self, scheduled: &[Scheduled]) -> (ForwardBatch, Vec<Scheduled>) {
         let now = Instant::now();
         let block_size = self.scheduler.kv().block_size();
         let mut batch = ForwardBatch::default();
         let mut sampling: Vec<Scheduled> = Vec::new();
-        for s in &plan.scheduled {
+        for s in scheduled {
             let r = self.scheduler.request(s.id).expect("scheduled requests exist");
             let tokens = r.tokens(s.start..s.start + s.num_tokens);
             batch.push_sequence(&tokens, s.start, self.scheduler.kv().block_table(s.id), block_size);
@@ -378,10 +390,18 @@ impl EngineCore {
                 state.metrics.cached_tokens = r.num_cached;
             }
         }
+        (batch, sampling)
+    }
 
-        // The masks depend only on the tokens accepted so far: fill them while the model runs.
-        // Masks span the grammar's vocabulary, the tokenizer's; a model may have more rows
-        // (padding, or a stand-in tokenizer for dummy weights), which a mask never allows.
+    /// Queues the forward pass and fills the sampled rows' grammar masks meanwhile (they
+    /// depend only on the tokens accepted so far). Masks span the grammar's vocabulary, the
+    /// tokenizer's; a model may have more rows (padding, or a stand-in tokenizer for dummy
+    /// weights), which a mask never allows.
+    fn forward_with_masks(
+        &mut self,
+        batch: &ForwardBatch,
+        sampling: &[Scheduled],
+    ) -> Result<Vec<Option<Vec<u32>>>, RuntimeError> {
         let words = bitmask_words(self.tokenizer.vocab_size());
         let mut masks: Vec<Option<Vec<u32>>> = vec![None; sampling.len()];
         let mut matchers: Vec<(usize, &mut ContainedMatcher)> = Vec::new();
@@ -409,15 +429,26 @@ impl EngineCore {
                     filled.lock().unwrap_or_else(|e| e.into_inner()).push((i, mask));
                 });
             }
-            backend.run(&batch)
+            backend.run(batch)
         });
         let filled = filled.into_inner().unwrap_or_else(|e| e.into_inner());
         ran?;
         for (i, mask) in filled {
             masks[i] = Some(mask);
         }
-        // Where the backend draws on its device, each row's draw goes with it: the sampler's
-        // parameters and penalties, and the copy bias's mask.
+        Ok(masks)
+    }
+
+    /// Each sampled row's token. Where the backend draws on its device, each row's draw goes
+    /// with it (the sampler's parameters and penalties, and the copy bias's mask); the rows it
+    /// leaves come back as logits for the request's sampler. Either way the token is kept only
+    /// where the output can still close within its budget.
+    fn sample(
+        &mut self,
+        sampling: &[Scheduled],
+        masks: &[Option<Vec<u32>>],
+    ) -> Result<Vec<SampledToken>, RuntimeError> {
+        let words = bitmask_words(self.tokenizer.vocab_size());
         let mut draws: Vec<Option<RowDraw>> = vec![None; sampling.len()];
         if self.backend.draws_on_device() {
             for (i, s) in sampling.iter().enumerate() {
@@ -452,25 +483,38 @@ impl EngineCore {
             })
             .collect();
         let decided = self.backend.sample(&requests)?;
-        self.steps += 1;
-
-        let mut outputs = Vec::new();
-        for s in &plan.scheduled {
-            if !s.samples {
-                self.scheduler.update(s, None);
-            }
-        }
+        let mut sampled = Vec::with_capacity(sampling.len());
         for (row, (s, mask)) in sampling.iter().zip(masks).enumerate() {
             let room = self.room_after_next(s.id);
             let state = self.states.get_mut(&s.id).expect("every request has a state");
-            let sampled = match (decided.tokens[row], decided.host_row(row)) {
+            sampled.push(match (decided.tokens[row], decided.host_row(row)) {
                 (Some(token), _) => {
                     let drawn = (token, decided.logprobs.get(row).cloned().flatten());
                     keep_within(state, self.backend.as_mut(), row, drawn, room, words)?
                 }
                 (None, Some(logits)) => draw_within(state, logits, mask.as_deref(), room, words),
                 (None, None) => unreachable!("a row without a token has logits"),
-            };
+            });
+        }
+        Ok(sampled)
+    }
+
+    /// The requests after the step: prefill chunks advance, each sampled token is accepted
+    /// (with the tokens the grammar then forces, under jump-forward), and the outputs of the
+    /// requests that produced tokens or finished come back.
+    fn update(
+        &mut self,
+        scheduled: &[Scheduled],
+        sampling: &[Scheduled],
+        sampled: Vec<SampledToken>,
+    ) -> Vec<RequestOutput> {
+        let mut outputs = Vec::new();
+        for s in scheduled {
+            if !s.samples {
+                self.scheduler.update(s, None);
+            }
+        }
+        for (s, sampled) in sampling.iter().zip(sampled) {
             self.scheduler.update(s, Some(sampled.token));
             let Some(mut out) = self.accept(s.id, sampled) else {
                 continue;
@@ -491,7 +535,7 @@ impl EngineCore {
             }
             outputs.push(out);
         }
-        Ok(outputs)
+        outputs
     }
 
     /// The tokens a request may still add after the one about to be sampled: its
