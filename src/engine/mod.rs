@@ -7,6 +7,7 @@ mod contained;
 pub mod core;
 pub mod detokenizer;
 pub mod kv_cache_manager;
+pub mod proposers;
 pub mod request;
 pub mod scheduler;
 pub mod stop;
