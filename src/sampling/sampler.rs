@@ -40,6 +40,18 @@ pub struct SampledToken {
     pub forced: bool,
 }
 
+/// A sampler's state at one point of its output, to come back to after tokens that were only
+/// proposed (speculative decoding records drafts to penalise what follows them, then keeps
+/// only the accepted ones).
+#[derive(Clone)]
+pub struct Checkpoint {
+    rng: ChaCha8Rng,
+    recorded: u64,
+    output_counts: HashMap<u32, u32>,
+    seen: HashMap<u32, ()>,
+    output: Vec<u32>,
+}
+
 /// One request's sampling state: its random stream and the token counts penalties need.
 pub struct Sampler {
     params: SamplingParams,
@@ -147,6 +159,25 @@ impl Sampler {
         }
     }
 
+    pub fn checkpoint(&self) -> Checkpoint {
+        Checkpoint {
+            rng: self.rng.clone(),
+            recorded: self.recorded,
+            output_counts: self.output_counts.clone(),
+            seen: self.seen.clone(),
+            output: self.output.clone(),
+        }
+    }
+
+    /// Back to `checkpoint`: draws and recorded tokens since are forgotten.
+    pub fn rewind(&mut self, checkpoint: Checkpoint) {
+        self.rng = checkpoint.rng;
+        self.recorded = checkpoint.recorded;
+        self.output_counts = checkpoint.output_counts;
+        self.seen = checkpoint.seen;
+        self.output = checkpoint.output;
+    }
+
     /// Counts an output token for the penalties.
     pub fn record(&mut self, token: u32) {
         self.recorded += 1;
@@ -197,10 +228,13 @@ impl Sampler {
                 edits.entry(t).or_insert((1.0, 0.0)).1 -= dry.multiplier * dry.base.powi(over);
             }
         }
-        edits
+        // In token order: the same state gives the same list.
+        let mut edits: Vec<Penalty> = edits
             .into_iter()
             .map(|(token, (factor, add))| Penalty { token, factor, add })
-            .collect()
+            .collect();
+        edits.sort_unstable_by_key(|e| e.token);
+        edits
     }
 
     fn apply_penalties(&self, scores: &mut [f32]) {
@@ -502,6 +536,40 @@ mod tests {
         assert!(draw.penalties.iter().any(|e| e.token == 3 && e.add < -0.9));
         let asks = Sampler::new(params(|p| p.logprobs = Some(3)), &[]).device_draw();
         assert_eq!(asks.logprobs, Some(3));
+    }
+
+    #[test]
+    fn a_rewound_sampler_draws_and_penalises_as_if_nothing_had_happened() {
+        use crate::sampling::DryParams;
+        let logits: Vec<f32> = (0..30).map(|i| ((i * 7 % 11) as f32) * 0.4).collect();
+        let make = || {
+            let mut s = Sampler::new(
+                params(|p| {
+                    p.temperature = 0.9;
+                    p.seed = Some(4);
+                    p.repetition_penalty = 1.2;
+                    p.presence_penalty = 0.3;
+                    p.dry = Some(DryParams::default());
+                }),
+                &[1, 2],
+            );
+            for t in [3, 4, 3, 4] {
+                s.record(t);
+            }
+            s
+        };
+        let (mut a, mut b) = (make(), make());
+        let mark = a.checkpoint();
+        // Drafts recorded, a draw made, then all of it undone.
+        for t in [3, 4, 5] {
+            a.record(t);
+        }
+        a.sample(&logits);
+        a.rewind(mark);
+        assert_eq!(a.device_draw(), b.device_draw());
+        let after: Vec<u32> = (0..20).map(|_| a.sample(&logits).token).collect();
+        let plain: Vec<u32> = (0..20).map(|_| b.sample(&logits).token).collect();
+        assert_eq!(after, plain);
     }
 
     #[test]
