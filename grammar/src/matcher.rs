@@ -34,6 +34,12 @@ pub trait Matcher: Send {
         None
     }
 
+    /// Whether the output is inside a closed choice of strings (`enum`, `const`): there, a
+    /// value the document spells out is strong evidence, and the copy prior may weigh more.
+    fn in_choice(&mut self) -> bool {
+        false
+    }
+
     /// `fill_bitmask` without the tokens after which the output could not be completed within
     /// `budget` more tokens. This default tries each allowed token; matchers with a cheaper
     /// way override it.

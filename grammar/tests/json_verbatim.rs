@@ -177,3 +177,32 @@ fn the_copy_mask_follows_the_run_being_copied() {
     m.fill_bitmask(&mut mask);
     assert!(quarry_grammar::is_allowed(&mask, token("abc")));
 }
+
+/// Inside a closed choice of strings (`enum`, `const`) the matcher says so, so the sampler can
+/// weigh the copy prior more there; free strings, numbers and the JSON around are not choices.
+#[test]
+fn a_closed_choice_of_strings_is_told_apart() {
+    let options = SchemaOptions {
+        strict: false,
+        ..Default::default()
+    };
+    let schema = json!({"type": "object", "properties": {
+        "c": {"enum": ["USD", "EUR"]}, "n": {"enum": [1, 2]}, "s": {"type": "string"}},
+        "required": ["c", "n", "s"], "additionalProperties": false});
+    let g = JsonGrammar::compile(&schema, &options, Whitespace::Compact, vocab()).unwrap();
+    let mut m = JsonMatcher::new(g);
+    let mut seen = Vec::new();
+    for b in br#"{"c":"EUR","n":1,"s":"x"}"# {
+        seen.push(m.in_choice());
+        m.accept(1 + *b as u32).unwrap();
+    }
+    let text = br#"{"c":"EUR","n":1,"s":"x"}"#;
+    let inside: Vec<char> = text
+        .iter()
+        .zip(&seen)
+        .filter(|(_, &c)| c)
+        .map(|(&b, _)| b as char)
+        .collect();
+    // Before each of `EUR"` the output is inside the choice (the opening quote starts it).
+    assert_eq!(inside.iter().collect::<String>(), "EUR\"");
+}

@@ -86,6 +86,11 @@ impl ContainedMatcher {
         self.guard(|m| m.copy_mask().map(<[u32]>::to_vec)).flatten()
     }
 
+    /// Whether the output is inside a closed choice of strings (see `Matcher::in_choice`).
+    pub fn in_choice(&mut self) -> bool {
+        self.guard(|m| m.in_choice()).unwrap_or(false)
+    }
+
     pub fn forced_tokens(&mut self, tokenize: &dyn Fn(&str) -> Vec<TokenId>) -> Vec<TokenId> {
         self.guard(|m| m.forced_tokens(tokenize)).unwrap_or_default()
     }

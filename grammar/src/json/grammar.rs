@@ -103,6 +103,8 @@ pub struct Compiled {
     /// Per node, whether it is a free string (no `format`, `pattern` or length): one that a
     /// document can fill with any of its substrings.
     free_string: Vec<bool>,
+    /// Per lexeme, whether it is a closed choice of strings (`enum`, `const`).
+    pub(crate) choice: Vec<bool>,
 }
 
 impl JsonGrammar {
@@ -120,6 +122,7 @@ impl JsonGrammar {
             regexes: Vec::new(),
             by_regex: HashMap::new(),
             limits: Limits::new(options),
+            choices: Vec::new(),
         };
         let mut node_lexeme = vec![None; graph.nodes.len()];
         let mut keys: Vec<Option<KeyAutomaton>> = (0..graph.nodes.len()).map(|_| None).collect();
@@ -158,7 +161,12 @@ impl JsonGrammar {
             .iter()
             .map(|n| matches!(n, Node::String(r) if *r == StringRules::default()))
             .collect();
+        let mut choice = vec![false; b.lexemes.len()];
+        for &id in &b.choices {
+            choice[id as usize] = true;
+        }
         let compiled = Compiled {
+            choice,
             quote_trie: vocab.trie_with_byte(b'"'),
             inner,
             lexeme_regex: b.regexes,
@@ -292,6 +300,8 @@ impl Limits {
 
 struct Builder<'a> {
     limits: Limits,
+    /// Lexemes that are a closed choice of strings (`enum`, `const`).
+    choices: Vec<LexId>,
     vocab: &'a TokenVocab,
     lexemes: Vec<Arc<ByteDfa>>,
     /// The regex of each lexeme, by id.
@@ -347,7 +357,11 @@ impl Builder<'_> {
         }
         let words: Vec<String> = values.iter().map(|v| v.to_string()).collect();
         let refs: Vec<&[u8]> = words.iter().map(|w| w.as_bytes()).collect();
-        Ok(self.add(&regex, Arc::new(ByteDfa::literals(&refs))))
+        let id = self.add(&regex, Arc::new(ByteDfa::literals(&refs)));
+        if values.iter().all(Value::is_string) {
+            self.choices.push(id);
+        }
+        Ok(id)
     }
 
     /// One string body for the string alternatives of an `anyOf`: a string takes one walk of

@@ -96,6 +96,15 @@ impl JsonMatcher {
         (state != crate::dfa::DEAD).then(|| doc.prior(state))
     }
 
+    /// Whether every way the output can go on is inside a closed choice of strings.
+    pub fn in_choice(&self) -> bool {
+        let current = self.stacks.current();
+        !current.is_empty()
+            && current.iter().all(|&s| {
+                matches!(self.stacks.arena.top(s), Frame::Lexeme { lex, .. } if self.stacks.grammar.choice[lex as usize])
+            })
+    }
+
     /// The bytes the schema alone decides from here: while exactly one byte can follow and
     /// the value cannot end, that byte.
     pub fn forced_bytes(&mut self) -> Vec<u8> {
@@ -207,5 +216,9 @@ impl Matcher for JsonMatcher {
     }
     fn copy_mask(&mut self) -> Option<&[u32]> {
         JsonMatcher::copy_mask(self)
+    }
+
+    fn in_choice(&mut self) -> bool {
+        JsonMatcher::in_choice(self)
     }
 }
