@@ -1,28 +1,28 @@
 // The grammar's mask on the logits: one packed u32 word per 32 tokens (bit t % 32 of word
 // t / 32), a cleared bit sets the logit to -inf. mask_rows[r] is the mask row of logits row r,
 // or -1 for a row without a constraint (it is skipped). Grid: (rows, ceil(vocab / blockDim)).
+// This thread's token and what the mask row of its logits row says of it: -1 where the row has
+// no mask or the token is past the vocabulary, else the token's bit. Grid: (rows,
+// ceil(vocab / blockDim)).
+__device__ __forceinline__ int mask_bit(const u32* masks, const int* mask_rows, int vocab, int words, int* t) {
+    int m = mask_rows[blockIdx.x];
+    *t = blockIdx.y * blockDim.x + threadIdx.x;
+    if (m < 0 || *t >= vocab) return -1;
+    return (masks[(size_t)m * words + (*t >> 5)] >> (*t & 31)) & 1u;
+}
+
 extern "C" __global__ void apply_bitmask(float* logits, const u32* masks, const int* mask_rows,
                                          int vocab, int words) {
-    int r = blockIdx.x;
-    int m = mask_rows[r];
-    if (m < 0) return;
-    int t = blockIdx.y * blockDim.x + threadIdx.x;
-    if (t >= vocab) return;
-    u32 word = masks[(size_t)m * words + (t >> 5)];
-    if (!((word >> (t & 31)) & 1u)) logits[(size_t)r * vocab + t] = NEG_INF;
+    int t;
+    if (mask_bit(masks, mask_rows, vocab, words, &t) == 0) logits[(size_t)blockIdx.x * vocab + t] = NEG_INF;
 }
 
 // The copy bias: bias[r] added to the logits of row r that mask row mask_rows[r] allows (-1: the
 // row has no bias). Grid: (rows, ceil(vocab / blockDim)).
 extern "C" __global__ void add_bias_where(float* logits, const u32* masks, const int* mask_rows, const float* bias,
                                           int vocab, int words) {
-    int r = blockIdx.x;
-    int m = mask_rows[r];
-    if (m < 0) return;
-    int t = blockIdx.y * blockDim.x + threadIdx.x;
-    if (t >= vocab) return;
-    u32 word = masks[(size_t)m * words + (t >> 5)];
-    if ((word >> (t & 31)) & 1u) logits[(size_t)r * vocab + t] += bias[r];
+    int t;
+    if (mask_bit(masks, mask_rows, vocab, words, &t) == 1) logits[(size_t)blockIdx.x * vocab + t] += bias[blockIdx.x];
 }
 
 // Penalties, one thread per (row, token): the repetition factor divides a positive logit and

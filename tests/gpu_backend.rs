@@ -146,7 +146,7 @@ fn gpu_and_cpu_agree_on_mixed_chunked_batches() {
 /// counter, not on its row in the batch.
 #[test]
 fn device_draws_match_the_host_on_the_same_logits() {
-    use quarry::runtime::{Draw, Penalty, RowRequest};
+    use quarry::runtime::{Draw, DrawParams, Penalty, RowRequest};
     let golden = common::golden();
     let Some(mut gpu) = gpu_backend(4096) else { return };
     let block = gpu.kv_layout().block_size;
@@ -231,15 +231,17 @@ fn device_draws_match_the_host_on_the_same_logits() {
         quarry::sampling::argmax(&scores)
     };
     let draw = |r: usize, temperature: f32, counter: u64| Draw {
-        temperature,
-        top_k: 0,
-        top_p: 1.0,
-        min_p: 0.0,
-        seed: 1234 + r as u64,
-        counter,
+        params: DrawParams {
+            temperature,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 1234 + r as u64,
+            counter,
+            logprobs: Some(5),
+        },
         bias: biases[r],
         penalties: pens[r],
-        logprobs: Some(5),
     };
     // Log-probabilities as the host sampler reports them: of the logits after the mask and the
     // bias, before penalties.

@@ -464,15 +464,9 @@ impl EngineCore {
             .map(|(mask, draw)| RowRequest {
                 mask: mask.as_deref(),
                 draw: draw.as_ref().map(|(d, copying)| Draw {
-                    temperature: d.temperature,
-                    top_k: d.top_k,
-                    top_p: d.top_p,
-                    min_p: d.min_p,
-                    seed: d.seed,
-                    counter: d.counter,
+                    params: d.params,
                     bias: copying.as_ref().map(|(c, b)| (&c[..], *b)),
                     penalties: &d.penalties,
-                    logprobs: d.logprobs,
                 }),
             })
             .collect();

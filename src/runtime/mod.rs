@@ -77,6 +77,16 @@ pub struct RowRequest<'a> {
 /// and top-p.
 #[derive(Clone, Copy, Debug)]
 pub struct Draw<'a> {
+    pub params: DrawParams,
+    /// Added to the logits of the tokens this mask allows.
+    pub bias: Option<(&'a [u32], f32)>,
+    /// At most one per token.
+    pub penalties: &'a [Penalty],
+}
+
+/// What a draw takes from the request's sampling parameters and its sampler's state.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DrawParams {
     pub temperature: f32,
     /// 0: no limit.
     pub top_k: usize,
@@ -86,10 +96,6 @@ pub struct Draw<'a> {
     /// The draw's place in the request's output: with the seed, all the draw depends on (not
     /// the batch around it).
     pub counter: u64,
-    /// Added to the logits of the tokens this mask allows.
-    pub bias: Option<(&'a [u32], f32)>,
-    /// At most one per token.
-    pub penalties: &'a [Penalty],
     /// Log-probabilities of the drawn token and of the `n` most likely, of the logits after the
     /// mask and the bias (before penalties and temperature), as the engine's sampler reports them.
     pub logprobs: Option<usize>,

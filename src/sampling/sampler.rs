@@ -5,19 +5,13 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::params::SamplingParams;
-pub use crate::runtime::Penalty;
+pub use crate::runtime::{DrawParams, Penalty};
 
 /// A draw made where the logits are (`Sampler::device_draw`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct DeviceDraw {
-    pub temperature: f32,
-    pub top_k: usize,
-    pub top_p: f32,
-    pub min_p: f32,
-    pub seed: u64,
-    pub counter: u64,
+    pub params: DrawParams,
     pub penalties: Vec<Penalty>,
-    pub logprobs: Option<usize>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -196,14 +190,16 @@ impl Sampler {
     pub fn device_draw(&self) -> DeviceDraw {
         let p = &self.params;
         DeviceDraw {
-            temperature: p.temperature,
-            top_k: p.top_k,
-            top_p: p.top_p,
-            min_p: p.min_p,
-            seed: self.seed,
-            counter: self.recorded,
+            params: DrawParams {
+                temperature: p.temperature,
+                top_k: p.top_k,
+                top_p: p.top_p,
+                min_p: p.min_p,
+                seed: self.seed,
+                counter: self.recorded,
+                logprobs: p.logprobs,
+            },
             penalties: self.penalties(),
-            logprobs: p.logprobs,
         }
     }
 
@@ -518,7 +514,7 @@ mod tests {
         let mut want = logits.clone();
         s.apply_penalties(&mut want);
         let draw = s.device_draw();
-        assert_eq!((draw.seed, draw.counter), (9, 12));
+        assert_eq!((draw.params.seed, draw.params.counter), (9, 12));
         let mut got = logits.clone();
         for e in &draw.penalties {
             let x = &mut got[e.token as usize];
@@ -535,7 +531,7 @@ mod tests {
         // DRY is in there: 3 continues the repeat of "1 2".
         assert!(draw.penalties.iter().any(|e| e.token == 3 && e.add < -0.9));
         let asks = Sampler::new(params(|p| p.logprobs = Some(3)), &[]).device_draw();
-        assert_eq!(asks.logprobs, Some(3));
+        assert_eq!(asks.params.logprobs, Some(3));
     }
 
     #[test]

@@ -358,18 +358,17 @@ const THREADS: u32 = 256;
 /// bound with fewer threads.
 const ROW_THREADS: u32 = 1024;
 
+/// Queues a kernel that takes one thread per item, over `items` items.
+fn launch_items(stream: &CudaStream, f: &CudaFunction, items: usize, args: &[&dyn Arg]) -> Result<()> {
+    let blocks = (items as u64).div_ceil(THREADS as u64) as u32;
+    launch(stream, f, (blocks, 1), THREADS, args)
+}
+
 /// Queues SiLU-and-multiply of `rows` rows of the stacked [gate | up] projection.
 fn silu_mul(stream: &CudaStream, k: &Kernels, gate_up: u64, act: u64, rows: usize, inter: usize) -> Result<()> {
     let total = (rows * inter) as i64;
-    let blocks = (total as u64).div_ceil(THREADS as u64) as u32;
-    let inter = inter as i32;
-    launch(
-        stream,
-        &k.silu_mul,
-        (blocks, 1),
-        THREADS,
-        &[&gate_up, &act, &inter, &total],
-    )
+    let inter32 = inter as i32;
+    launch_items(stream, &k.silu_mul, rows * inter, &[&gate_up, &act, &inter32, &total])
 }
 
 impl Backend for CudaBackend {

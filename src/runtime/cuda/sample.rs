@@ -8,7 +8,7 @@ use cudarc::driver::CudaSlice;
 use super::kernels::SampleParams;
 use super::staging::Staging;
 use super::timing::Phase;
-use super::{device_err, launch, CudaBackend, THREADS};
+use super::{device_err, launch, launch_items, CudaBackend, THREADS};
 use crate::runtime::batch::Logits;
 use crate::runtime::error::{Result, RuntimeError};
 use crate::runtime::{Draw, Penalty, RowLogprobs, RowRequest, Sampled};
@@ -28,7 +28,8 @@ pub(super) struct Drawn {
 }
 
 impl Drawn {
-    fn of(d: &Draw<'_>) -> Self {
+    fn of(draw: &Draw<'_>) -> Self {
+        let d = &draw.params;
         let seeded = (d.temperature > 0.0).then(|| SampleParams {
             temperature: d.temperature,
             top_k: d.top_k.min(i32::MAX as usize) as i32,
@@ -40,7 +41,7 @@ impl Drawn {
         Drawn {
             seeded,
             logprobs: d.logprobs.map(|n| n.min(MAX_TOP)),
-            penalties: d.penalties.to_vec(),
+            penalties: draw.penalties.to_vec(),
             penalty_span: (0, 0),
         }
     }
@@ -172,11 +173,10 @@ impl CudaBackend {
         if count > 0 {
             let (v, st, n) = (vocab as i32, start as i32, count as i32);
             let p = self.penalties;
-            launch(
+            launch_items(
                 &s,
                 &self.kernels.restore_values,
-                ((count as u32).div_ceil(THREADS), 1),
-                THREADS,
+                count,
                 &[&all, &v, &p.rows, &p.tokens, &p.saved, &st, &n],
             )?;
         }
@@ -348,11 +348,10 @@ impl CudaBackend {
         let [pr, pt, pf, pa] = penalties_at.map(at);
         if !p_rows.is_empty() {
             let count = p_rows.len() as i32;
-            launch(
+            launch_items(
                 &s,
                 &k.apply_penalties,
-                ((p_rows.len() as u32).div_ceil(THREADS), 1),
-                THREADS,
+                p_rows.len(),
                 &[&logits, &v, &pr, &pt, &pf, &pa, &saved, &count],
             )?;
         }
@@ -371,11 +370,10 @@ impl CudaBackend {
         }
         if !stat_rows.is_empty() {
             let count = stat_rows.len() as i32;
-            launch(
+            launch_items(
                 &s,
                 &k.chosen_values,
-                ((stat_rows.len() as u32).div_ceil(THREADS), 1),
-                THREADS,
+                stat_rows.len(),
                 &[&logits, &v, &at(stat_rows_at), &at(token_at_at), &out, &values, &count],
             )?;
         }

@@ -52,31 +52,19 @@ impl Staging {
 
     /// Appends `part`; its offset in words.
     pub fn push(&mut self, part: &[u32]) -> Result<usize> {
-        let at = self.len;
-        self.reserve(part.len())?;
-        self.slice()?[at..at + part.len()].copy_from_slice(part);
-        self.len += part.len();
-        Ok(at)
+        self.push_with(part.len(), |dst| dst.copy_from_slice(part))
     }
 
     pub fn push_f32(&mut self, part: &[f32]) -> Result<usize> {
-        let at = self.len;
-        self.reserve(part.len())?;
-        for (w, v) in self.slice()?[at..at + part.len()].iter_mut().zip(part) {
-            *w = v.to_bits();
-        }
-        self.len += part.len();
-        Ok(at)
+        self.push_with(part.len(), |dst| {
+            dst.iter_mut().zip(part).for_each(|(w, v)| *w = v.to_bits())
+        })
     }
 
     pub fn push_i32(&mut self, part: &[i32]) -> Result<usize> {
-        let at = self.len;
-        self.reserve(part.len())?;
-        for (w, v) in self.slice()?[at..at + part.len()].iter_mut().zip(part) {
-            *w = *v as u32;
-        }
-        self.len += part.len();
-        Ok(at)
+        self.push_with(part.len(), |dst| {
+            dst.iter_mut().zip(part).for_each(|(w, v)| *w = *v as u32)
+        })
     }
 
     /// Appends `words` words that `fill` writes; their offset.
