@@ -13,7 +13,8 @@ mod common;
 use std::sync::Arc;
 
 use quarry::engine::{
-    BlockPool, Constraint, EngineClient, EngineConfig, EngineCore, EngineRequest, FinishReason, StructuredOutputs,
+    BlockPool, Constraint, EngineClient, EngineConfig, EngineCore, EngineRequest, FinishReason, SpeculativeConfig,
+    StructuredOutputs,
 };
 use quarry::runtime::Backend;
 use quarry::sampling::SamplingParams;
@@ -101,9 +102,17 @@ fn exact() -> bool {
 /// tests/gpu_backend.rs).
 const NEAR_TIE: f32 = 0.5;
 
+/// How the jobs' tokens are chosen.
+#[derive(Clone, Copy, PartialEq)]
+enum Draw {
+    Greedy,
+    /// Temperature 0.8, top-p 0.95, a seed per job.
+    Seeded,
+}
+
 /// `logprobs`: the reference runs on the GPU ask for the top alternatives, to judge near-ties
 /// by; the runs compared with them do not.
-fn request(job: &Job, structured: &StructuredOutputs, logprobs: bool) -> EngineRequest {
+fn request(job: &Job, structured: &StructuredOutputs, logprobs: bool, draw: Draw) -> EngineRequest {
     let constraint = job.schema.as_ref().map(|schema| {
         structured
             .compile(&Constraint::Json {
@@ -126,6 +135,9 @@ fn request(job: &Job, structured: &StructuredOutputs, logprobs: bool) -> EngineR
         params: SamplingParams {
             ignore_eos: job.schema.is_none(),
             logprobs: logprobs.then_some(quarry::sampling::MAX_LOGPROBS),
+            temperature: if draw == Draw::Seeded { 0.8 } else { 0.0 },
+            top_p: if draw == Draw::Seeded { 0.95 } else { 1.0 },
+            seed: Some(job.prompt.len() as u64 * 7 + job.max_tokens as u64),
             ..SamplingParams::greedy(job.max_tokens + minimum)
         },
         priority: 0,
@@ -203,13 +215,23 @@ fn run(
     structured: &StructuredOutputs,
     together: bool,
 ) -> (Vec<Seen>, usize, EngineCore) {
+    run_drawn(core, jobs, structured, together, Draw::Greedy)
+}
+
+fn run_drawn(
+    core: EngineCore,
+    jobs: &[Job],
+    structured: &StructuredOutputs,
+    together: bool,
+    draw: Draw,
+) -> (Vec<Seen>, usize, EngineCore) {
     let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
     let client = EngineClient::start(core);
     let results = runtime.block_on(async {
         if together {
             let mut streams = Vec::new();
             for j in jobs {
-                streams.push(client.submit(request(j, structured, false)).await.unwrap());
+                streams.push(client.submit(request(j, structured, false, draw)).await.unwrap());
             }
             let mut tasks = tokio::task::JoinSet::new();
             for (i, s) in streams.into_iter().enumerate() {
@@ -224,7 +246,7 @@ fn run(
         } else {
             let mut out = Vec::new();
             for j in jobs {
-                out.push(collect(client.submit(request(j, structured, !exact())).await.unwrap()).await);
+                out.push(collect(client.submit(request(j, structured, !exact(), draw)).await.unwrap()).await);
             }
             out
         }
@@ -299,6 +321,77 @@ fn thirty_two_concurrent_requests_match_each_alone() {
     eprintln!("small pool: {preemptions} preemptions");
     same_up_to_near_ties(&out, &alone, "a pool too small for everyone");
     assert!(preemptions > 0, "the small pool never preempted");
+}
+
+/// Speculative decoding changes no output: the 32 jobs at once with prompt lookup alone, the
+/// grammar's forced tokens alone (with jump-forward off, where they are guesses to check) and
+/// both, with every prompt chunked and with a pool small enough to preempt; seeded sampling
+/// too. Drafts are checked and many kept, and every block comes back (`run` checks).
+#[test]
+fn speculation_changes_no_output() {
+    let Some((backend, tok)) = common::load_backend(8192) else {
+        return;
+    };
+    let tok = Arc::new(tok);
+    let structured = StructuredOutputs::new(&tok);
+    let jobs = jobs(&tok);
+    let config = EngineConfig::default();
+    let block_size = backend.kv_layout().block_size;
+    let speculating = |ngram: bool, grammar: bool, base: EngineConfig| EngineConfig {
+        speculative: Some(SpeculativeConfig {
+            tokens: 6,
+            ngram,
+            grammar,
+        }),
+        ..base
+    };
+
+    let (alone, _, mut core) = run(engine(backend, &tok, config, None), &jobs, &structured, false);
+    for (what, ngram, grammar) in [("prompt lookup", true, false), ("prompt lookup and grammar", true, true)] {
+        let c = speculating(ngram, grammar, config);
+        let (out, _, done) = run(engine(core.into_backend(), &tok, c, None), &jobs, &structured, true);
+        same_up_to_near_ties(&out, &alone, what);
+        let d = done.stats().drafts;
+        eprintln!("{what}: {} of {} drafts kept ({d:?})", d.accepted(), d.proposed());
+        assert!(d.ngram_accepted > 100, "{what}: prompt lookup kept {d:?}");
+        assert!(d.accepted() < d.proposed(), "{what}: some drafts are rejected");
+        core = done;
+    }
+
+    let mut chunked = speculating(true, true, config);
+    chunked.scheduler.max_num_batched_tokens = 4;
+    let (out, _, done) = run(engine(core.into_backend(), &tok, chunked, None), &jobs, &structured, true);
+    same_up_to_near_ties(&out, &alone, "speculating, every prompt in chunks of at most 4 tokens");
+    assert!(done.stats().drafts.accepted() > 0);
+
+    let longest = jobs.iter().map(|j| j.prompt.len() + j.max_tokens).max().unwrap();
+    let pool = BlockPool::new(4 * longest.div_ceil(block_size));
+    let c = speculating(true, true, config);
+    let (out, preemptions, done) = run(engine(done.into_backend(), &tok, c, Some(pool)), &jobs, &structured, true);
+    same_up_to_near_ties(&out, &alone, "speculating, a pool too small for everyone");
+    assert!(preemptions > 0, "the small pool never preempted");
+
+    // Without jump-forward the grammar's forced tokens are drafts like any other.
+    let plain = EngineConfig {
+        jump_forward: false,
+        ..config
+    };
+    let (reference, _, core) = run(engine(done.into_backend(), &tok, plain, None), &jobs, &structured, true);
+    let c = speculating(false, true, plain);
+    let (out, _, done) = run(engine(core.into_backend(), &tok, c, None), &jobs, &structured, true);
+    same_up_to_near_ties(&out, &reference, "forced tokens as drafts, jump-forward off");
+    let d = done.stats().drafts;
+    assert!(d.grammar_accepted > 20 && d.ngram_proposed == 0, "{d:?}");
+
+    // A seeded draw depends on the request's seed and output position alone, so checking a
+    // draft is drawing that position: the same tokens, where the batch cannot move a draw.
+    if exact() {
+        let c = speculating(true, true, config);
+        let (reference, _, core) = run_drawn(engine(done.into_backend(), &tok, config, None), &jobs, &structured, true, Draw::Seeded);
+        let (out, _, done) = run_drawn(engine(core.into_backend(), &tok, c, None), &jobs, &structured, true, Draw::Seeded);
+        assert_eq!(out, reference, "seeded sampling with and without speculation");
+        assert!(done.stats().drafts.accepted() > 0);
+    }
 }
 
 #[test]

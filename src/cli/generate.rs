@@ -81,6 +81,7 @@ impl GenerateArgs {
                 ..Default::default()
             }),
             copy_bias: 0.0,
+            speculate: true,
         }
     }
 

@@ -22,6 +22,8 @@ pub struct EngineStats {
     pub prefix_cache: PrefixCacheStats,
     pub preemptions: usize,
     pub steps: u64,
+    /// Speculative decoding's drafts, checked and kept, over every request so far.
+    pub drafts: super::core::DraftCounts,
 }
 
 #[derive(Debug, thiserror::Error)]

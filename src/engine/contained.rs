@@ -91,6 +91,11 @@ impl ContainedMatcher {
         self.guard(|m| m.in_choice()).unwrap_or(false)
     }
 
+    /// Whether the constraint decides no text from here (no forced bytes).
+    pub fn forced_bytes_empty(&mut self) -> bool {
+        self.guard(|m| m.forced_bytes().is_empty()).unwrap_or(true)
+    }
+
     pub fn forced_tokens(&mut self, tokenize: &dyn Fn(&str) -> Vec<TokenId>) -> Vec<TokenId> {
         self.guard(|m| m.forced_tokens(tokenize)).unwrap_or_default()
     }

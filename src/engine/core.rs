@@ -12,6 +12,7 @@ use super::client::EngineStats;
 use super::contained::ContainedMatcher;
 use super::detokenizer::Detokenizer;
 use super::kv_cache_manager::{KvCacheManager, RequestId};
+use super::proposers::NgramProposer;
 use super::scheduler::{AdmitError, Scheduled, Scheduler, SchedulerConfig};
 use super::stop::{StopScan, StopStrings};
 use super::structured::CompiledConstraint;
@@ -62,6 +63,52 @@ pub struct RequestMetrics {
     pub budget_closed: bool,
     /// The grammar panicked under this request (it ended `Internal`); the panic's message.
     pub grammar_failure: Option<String>,
+    /// Speculative decoding's drafts checked and kept, per proposer.
+    pub drafts: DraftCounts,
+}
+
+/// Who guessed a draft token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Proposer {
+    /// Prompt lookup (`NgramProposer`).
+    Ngram,
+    /// The constraint's forced tokens.
+    Grammar,
+}
+
+/// Draft tokens the model checked, and those it agreed with, per proposer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DraftCounts {
+    pub ngram_proposed: usize,
+    pub ngram_accepted: usize,
+    pub grammar_proposed: usize,
+    pub grammar_accepted: usize,
+}
+
+impl DraftCounts {
+    fn count(&mut self, by: Proposer, accepted: bool) {
+        let (proposed, kept) = match by {
+            Proposer::Ngram => (&mut self.ngram_proposed, &mut self.ngram_accepted),
+            Proposer::Grammar => (&mut self.grammar_proposed, &mut self.grammar_accepted),
+        };
+        *proposed += 1;
+        *kept += accepted as usize;
+    }
+
+    pub fn proposed(&self) -> usize {
+        self.ngram_proposed + self.grammar_proposed
+    }
+
+    pub fn accepted(&self) -> usize {
+        self.ngram_accepted + self.grammar_accepted
+    }
+
+    pub fn add(&mut self, other: &DraftCounts) {
+        self.ngram_proposed += other.ngram_proposed;
+        self.ngram_accepted += other.ngram_accepted;
+        self.grammar_proposed += other.grammar_proposed;
+        self.grammar_accepted += other.grammar_accepted;
+    }
 }
 
 /// What one step produced for one request.
@@ -104,6 +151,31 @@ pub struct EngineConfig {
     pub jump_forward: bool,
     /// Separates prefix caches of different models (a hash of the model file's name).
     pub cache_key: u64,
+    /// Guess tokens ahead and check the guesses in the same forward pass (off when `None`).
+    pub speculative: Option<SpeculativeConfig>,
+}
+
+/// Speculative decoding: which proposers guess a request's next tokens, and how many.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpeculativeConfig {
+    /// Draft tokens per request and step, at most.
+    pub tokens: usize,
+    /// Prompt lookup: what followed the output's last tokens where they occur earlier.
+    pub ngram: bool,
+    /// The constraint's forced tokens. Under jump-forward they are appended without the
+    /// model anyway; this adds them where they follow a draft, and guesses them where
+    /// jump-forward is off.
+    pub grammar: bool,
+}
+
+impl Default for SpeculativeConfig {
+    fn default() -> Self {
+        SpeculativeConfig {
+            tokens: 8,
+            ngram: true,
+            grammar: true,
+        }
+    }
 }
 
 impl Default for EngineConfig {
@@ -119,6 +191,7 @@ impl Default for EngineConfig {
             prefix_caching: true,
             jump_forward: true,
             cache_key: 0,
+            speculative: None,
         }
     }
 }
@@ -132,6 +205,8 @@ struct State {
     scheduled_at: Option<Instant>,
     last_token_at: Option<Instant>,
     metrics: RequestMetrics,
+    /// Who proposed each of the request's current drafts.
+    draft_sources: Vec<Proposer>,
 }
 
 /// A finished request, as `run_until_idle` collects it.
@@ -188,6 +263,10 @@ pub struct EngineCore {
     jump_forward: bool,
     /// Per list of DRY sequence breakers, which tokens hold one (by token id).
     dry_breakers: HashMap<Vec<String>, Arc<[bool]>>,
+    speculative: Option<SpeculativeConfig>,
+    ngram: NgramProposer,
+    /// Every request's draft counts so far.
+    drafts: DraftCounts,
 }
 
 impl EngineCore {
@@ -217,6 +296,9 @@ impl EngineCore {
             steps: 0,
             jump_forward: config.jump_forward,
             dry_breakers: HashMap::new(),
+            speculative: config.speculative.filter(|c| c.tokens > 0 && (c.ngram || c.grammar)),
+            ngram: NgramProposer::default(),
+            drafts: DraftCounts::default(),
         }
     }
 
@@ -297,6 +379,7 @@ impl EngineCore {
                     prompt_tokens,
                     ..Default::default()
                 },
+                draft_sources: Vec::new(),
             },
         );
         Ok(())
@@ -348,40 +431,130 @@ impl EngineCore {
             prefix_cache: kv.stats(),
             preemptions: self.scheduler.num_preemptions(),
             steps: self.steps,
+            drafts: self.drafts,
         }
     }
 
     /// One engine step; outputs of the requests that produced tokens or finished. The phases:
-    /// schedule, prepare the batch, run the model while the grammar masks fill, sample, then
-    /// update the requests with what was sampled.
+    /// propose drafts, schedule, prepare the batch, run the model while the grammar masks
+    /// fill, sample (and check the drafts), then update the requests with what was kept.
     pub fn step(&mut self) -> Result<Vec<RequestOutput>, RuntimeError> {
+        self.propose();
         let plan = self.scheduler.schedule();
         if plan.scheduled.is_empty() {
             return Ok(Vec::new());
         }
         let (batch, sampling) = self.prepare_batch(&plan.scheduled);
         let masks = self.forward_with_masks(&batch, &sampling)?;
-        let sampled = self.sample(&sampling, &masks)?;
+        let runs = self.sample(&sampling, &masks)?;
         self.steps += 1;
-        Ok(self.update(&plan.scheduled, &sampling, sampled))
+        Ok(self.update(&plan.scheduled, &sampling, runs))
     }
 
-    /// The flattened batch of the scheduled requests' tokens, and the requests whose last
-    /// token is sampled, in the order of the batch's logits rows.
-    fn prepare_batch(&mut self, scheduled: &[Scheduled]) -> (ForwardBatch, Vec<Scheduled>) {
+    /// Gives each decoding request its drafts for the next step, where the engine speculates.
+    fn propose(&mut self) {
+        let Some(config) = self.speculative else { return };
+        for id in self.scheduler.running().to_vec() {
+            let (drafts, sources) = self.drafts(id, config);
+            if let Some(state) = self.states.get_mut(&id) {
+                state.draft_sources = sources;
+            }
+            self.scheduler.set_drafts(id, drafts);
+        }
+    }
+
+    /// Up to `config.tokens` guesses of a request's next tokens, within what it may still add,
+    /// each one its constraint allows: prompt lookup's, and the constraint's forced tokens
+    /// wherever it forces text after a draft (where jump-forward is off, also right after the
+    /// last known token). Under jump-forward the forced tokens are those `update` would
+    /// append, so that checking them gives the output it would.
+    fn drafts(&mut self, id: RequestId, config: SpeculativeConfig) -> (Vec<u32>, Vec<Proposer>) {
+        let none = (Vec::new(), Vec::new());
+        let room = self.room_after_next(id);
+        let (Some(r), Some(state)) = (self.scheduler.request(id), self.states.get_mut(&id)) else {
+            return none;
+        };
+        // Still prefilling: its first token is not known yet.
+        if r.output.is_empty() || !state.sampler.params().speculate {
+            return none;
+        }
+        let k = config.tokens.min(room);
+        let mut context = r.all_tokens();
+        let known = context.len();
+        let mut sources = Vec::new();
+        let mut matcher = state.matcher.as_mut();
+        let forcing = config.grammar || self.jump_forward;
+        'propose: while context.len() - known < k {
+            let left = k - (context.len() - known);
+            let last = *context.last().expect("the output is not empty");
+            if let Some(m) = matcher.as_deref_mut().filter(|_| forcing) {
+                if config.grammar || context.len() > known {
+                    let forced = forced_after(&self.tokenizer, m, last, left);
+                    if !forced.is_empty() {
+                        for t in forced {
+                            if m.accept(t).is_err() {
+                                break 'propose;
+                            }
+                            context.push(t);
+                            sources.push(Proposer::Grammar);
+                        }
+                        continue;
+                    }
+                }
+            }
+            if !config.ngram {
+                break;
+            }
+            let guess = self.ngram.propose(&context, left);
+            if guess.is_empty() {
+                break;
+            }
+            for t in guess {
+                if let Some(m) = matcher.as_deref_mut() {
+                    if m.accept(t).is_err() {
+                        break 'propose;
+                    }
+                    if m.is_finished() {
+                        context.push(t);
+                        sources.push(Proposer::Ngram);
+                        break 'propose;
+                    }
+                }
+                context.push(t);
+                sources.push(Proposer::Ngram);
+                // Forced text after this draft is the grammar's to propose.
+                if forcing && matcher.as_deref_mut().is_some_and(|m| !m.forced_bytes_empty()) {
+                    continue 'propose;
+                }
+            }
+        }
+        let drafted = context.len() - known;
+        if let Some(m) = matcher {
+            let _ = m.rollback(drafted);
+        }
+        (context.split_off(known), sources)
+    }
+
+    /// The flattened batch of the scheduled requests' tokens (their drafts last), and the
+    /// requests that sample, with their rows of logits: the last known token's, then each
+    /// draft's.
+    fn prepare_batch(&mut self, scheduled: &[Scheduled]) -> (ForwardBatch, Vec<Sampling>) {
         let now = Instant::now();
         let block_size = self.scheduler.kv().block_size();
         let mut batch = ForwardBatch::default();
-        let mut sampling: Vec<Scheduled> = Vec::new();
+        let mut sampling = Vec::new();
         for s in scheduled {
             let r = self.scheduler.request(s.id).expect("scheduled requests exist");
-            let tokens = r.tokens(s.start..s.start + s.num_tokens);
+            let tokens = r.span(s.start, s.num_known(), s.num_drafts);
             batch.push_sequence(&tokens, s.start, self.scheduler.kv().block_table(s.id), block_size);
             if s.samples {
-                batch
-                    .logits_rows
-                    .push(*batch.query_start.last().expect("just pushed") - 1);
-                sampling.push(*s);
+                let end = *batch.query_start.last().expect("just pushed") as usize;
+                sampling.push(Sampling {
+                    s: *s,
+                    first_row: batch.logits_rows.len(),
+                    drafts: r.drafts[..s.num_drafts].to_vec(),
+                });
+                batch.logits_rows.extend((end - 1 - s.num_drafts..end).map(|p| p as u32));
             }
             let state = self.states.get_mut(&s.id).expect("every request has a state");
             if state.scheduled_at.is_none() {
@@ -394,39 +567,48 @@ impl EngineCore {
     }
 
     /// Queues the forward pass and fills the sampled rows' grammar masks meanwhile (they
-    /// depend only on the tokens accepted so far). Masks span the grammar's vocabulary, the
-    /// tokenizer's; a model may have more rows (padding, or a stand-in tokenizer for dummy
-    /// weights), which a mask never allows.
+    /// depend only on the tokens accepted so far, and a draft row's on the drafts before it).
+    /// Masks span the grammar's vocabulary, the tokenizer's; a model may have more rows
+    /// (padding, or a stand-in tokenizer for dummy weights), which a mask never allows.
     fn forward_with_masks(
         &mut self,
         batch: &ForwardBatch,
-        sampling: &[Scheduled],
+        sampling: &[Sampling],
     ) -> Result<Vec<Option<Vec<u32>>>, RuntimeError> {
         let words = bitmask_words(self.tokenizer.vocab_size());
-        let mut masks: Vec<Option<Vec<u32>>> = vec![None; sampling.len()];
-        let mut matchers: Vec<(usize, &mut ContainedMatcher)> = Vec::new();
+        let rows = batch.logits_rows.len();
+        let mut masks: Vec<Option<Vec<u32>>> = vec![None; rows];
+        let mut matchers: Vec<(&Sampling, &mut ContainedMatcher)> = Vec::new();
         {
-            let mut by_id: HashMap<RequestId, usize> = HashMap::new();
-            for (i, s) in sampling.iter().enumerate() {
-                by_id.insert(s.id, i);
-            }
+            let by_id: HashMap<RequestId, &Sampling> = sampling.iter().map(|v| (v.s.id, v)).collect();
             for (id, state) in self.states.iter_mut() {
-                if let (Some(&i), Some(m)) = (by_id.get(id), state.matcher.as_mut()) {
-                    matchers.push((i, m));
+                if let (Some(&v), Some(m)) = (by_id.get(id), state.matcher.as_mut()) {
+                    matchers.push((v, m));
                 }
             }
         }
         // The forward pass is queued from this thread (a GPU context is bound to the thread that
         // made it); the masks are filled on the pool meanwhile.
         let backend = &mut self.backend;
-        let filled = std::sync::Mutex::new(Vec::with_capacity(matchers.len()));
+        let filled = std::sync::Mutex::new(Vec::with_capacity(rows));
         let ran = rayon::in_place_scope(|scope| {
-            for (i, m) in matchers {
+            for (v, m) in matchers {
                 let filled = &filled;
                 scope.spawn(move |_| {
-                    let mut mask = vec![0u32; words];
-                    m.fill_bitmask(&mut mask);
-                    filled.lock().unwrap_or_else(|e| e.into_inner()).push((i, mask));
+                    let mut done = Vec::with_capacity(v.rows());
+                    let mut advanced = 0;
+                    for j in 0..v.rows() {
+                        let mut mask = vec![0u32; words];
+                        m.fill_bitmask(&mut mask);
+                        done.push((v.first_row + j, mask));
+                        // A row after a draft the grammar refuses is never reached.
+                        if j == v.drafts.len() || m.accept(v.drafts[j]).is_err() {
+                            break;
+                        }
+                        advanced += 1;
+                    }
+                    let _ = m.rollback(advanced);
+                    filled.lock().unwrap_or_else(|e| e.into_inner()).extend(done);
                 });
             }
             backend.run(batch)
@@ -439,23 +621,42 @@ impl EngineCore {
         Ok(masks)
     }
 
-    /// Each sampled row's token. Where the backend draws on its device, each row's draw goes
-    /// with it (the sampler's parameters and penalties, and the copy bias's mask); the rows it
-    /// leaves come back as logits for the request's sampler. Either way the token is kept only
-    /// where the output can still close within its budget.
+    /// Each sampling request's run of tokens: the drafts the model agrees with, then its own
+    /// token after them. Where the backend draws on its device, each row's draw goes with it
+    /// (the sampler's parameters and penalties, and the copy bias's mask, as they stand after
+    /// the drafts before the row); the rows it leaves come back as logits for the request's
+    /// sampler.
     fn sample(
         &mut self,
-        sampling: &[Scheduled],
+        sampling: &[Sampling],
         masks: &[Option<Vec<u32>>],
-    ) -> Result<Vec<SampledToken>, RuntimeError> {
+    ) -> Result<Vec<Vec<SampledToken>>, RuntimeError> {
         let words = bitmask_words(self.tokenizer.vocab_size());
-        let mut draws: Vec<Option<RowDraw>> = vec![None; sampling.len()];
+        let mut draws: Vec<Option<RowDraw>> = vec![None; masks.len()];
         if self.backend.draws_on_device() {
-            for (i, s) in sampling.iter().enumerate() {
-                let Some(state) = self.states.get_mut(&s.id) else {
+            for v in sampling {
+                let Some(state) = self.states.get_mut(&v.s.id) else {
                     continue;
                 };
-                draws[i] = Some((state.sampler.device_draw(), copy_prior(state)));
+                let checkpoint = (!v.drafts.is_empty()).then(|| state.sampler.checkpoint());
+                let mut advanced = 0;
+                for j in 0..v.rows() {
+                    draws[v.first_row + j] = Some((state.sampler.device_draw(), copy_prior(state)));
+                    let Some(&draft) = v.drafts.get(j) else { break };
+                    state.sampler.record(draft);
+                    if let Some(m) = state.matcher.as_mut() {
+                        if m.accept(draft).is_err() {
+                            break;
+                        }
+                        advanced += 1;
+                    }
+                }
+                if let Some(m) = state.matcher.as_mut() {
+                    let _ = m.rollback(advanced);
+                }
+                if let Some(c) = checkpoint {
+                    state.sampler.rewind(c);
+                }
             }
         }
         let requests: Vec<RowRequest<'_>> = masks
@@ -471,57 +672,156 @@ impl EngineCore {
             })
             .collect();
         let decided = self.backend.sample(&requests)?;
-        let mut sampled = Vec::with_capacity(sampling.len());
-        for (row, (s, mask)) in sampling.iter().zip(masks).enumerate() {
-            let room = self.room_after_next(s.id);
-            let state = self.states.get_mut(&s.id).expect("every request has a state");
-            sampled.push(match (decided.tokens[row], decided.host_row(row)) {
-                (Some(token), _) => {
-                    let drawn = (token, decided.logprobs.get(row).cloned().flatten());
-                    keep_within(state, self.backend.as_mut(), row, drawn, room, words)?
-                }
-                (None, Some(logits)) => draw_within(state, logits, mask.as_deref(), room, words),
-                (None, None) => unreachable!("a row without a token has logits"),
-            });
+        let mut runs = Vec::with_capacity(sampling.len());
+        for v in sampling {
+            runs.push(self.verify(v, &decided, masks, words)?);
         }
-        Ok(sampled)
+        Ok(runs)
     }
 
-    /// The requests after the step: prefill chunks advance, each sampled token is accepted
-    /// (with the tokens the grammar then forces, under jump-forward), and the outputs of the
-    /// requests that produced tokens or finished come back.
+    /// Draws a request's rows in order, each under the state the tokens before it leave
+    /// (penalties, copy prior, the budget's room), as long as the token drawn is the draft the
+    /// row checks: those drafts and the first token that differs (or the one after the last
+    /// draft) make the run. Drawing a row is what decoding without drafts does at that
+    /// position, so the run is the output it would give, greedy or seeded. Under jump-forward,
+    /// forced tokens after a kept draft are kept where the drafts spell them as `update`
+    /// would; where they do not, the run ends and `update` appends them.
+    fn verify(
+        &mut self,
+        v: &Sampling,
+        decided: &crate::runtime::Sampled,
+        masks: &[Option<Vec<u32>>],
+        words: usize,
+    ) -> Result<Vec<SampledToken>, RuntimeError> {
+        let id = v.s.id;
+        let room = self.room_after_next(id);
+        // What jump-forward may append after `m` tokens of the run, as `forced_tokens` counts
+        // it once they are in the output: the context left after them and one more, and
+        // max_tokens less the output.
+        let forced_room = {
+            let r = self.scheduler.request(id).expect("sampling requests exist");
+            let context = self.scheduler.token_limit().saturating_sub(r.num_tokens() + 1);
+            let budget = self.states[&id].sampler.params().max_tokens.saturating_sub(r.output.len());
+            move |m: usize| context.saturating_sub(m).min(budget.saturating_sub(m))
+        };
+        let eog = self.tokenizer.end_of_generation_ids();
+        let state = self.states.get_mut(&id).expect("every request has a state");
+        let mut run: Vec<SampledToken> = Vec::with_capacity(v.rows());
+        let mut advanced = 0;
+        let mut j = 0;
+        let outcome = loop {
+            let row = v.first_row + j;
+            let left = room.saturating_sub(run.len());
+            let sampled = match (decided.tokens[row], decided.host_row(row)) {
+                (Some(token), _) => {
+                    let drawn = (token, decided.logprobs.get(row).cloned().flatten());
+                    match keep_within(state, self.backend.as_mut(), row, drawn, left, words) {
+                        Ok(s) => s,
+                        Err(e) => break Err(e),
+                    }
+                }
+                (None, Some(logits)) => draw_within(state, logits, masks[row].as_deref(), left, words),
+                (None, None) => unreachable!("a row without a token has logits"),
+            };
+            let token = sampled.token;
+            run.push(sampled);
+            if v.drafts.get(j) != Some(&token) || left == 0 {
+                break Ok(());
+            }
+            // The model agrees with draft j, so row j + 1 was computed after the right token.
+            let params = state.sampler.params();
+            let ends = match state.matcher.as_mut() {
+                Some(m) => match m.accept(token) {
+                    Ok(()) => {
+                        advanced += 1;
+                        m.is_finished()
+                    }
+                    Err(_) => true,
+                },
+                None => (eog.contains(&token) && !params.ignore_eos) || params.stop_token_ids.contains(&token),
+            };
+            if ends {
+                break Ok(());
+            }
+            j += 1;
+            let Some(m) = state.matcher.as_mut().filter(|_| self.jump_forward) else {
+                continue;
+            };
+            let forced = forced_after(&self.tokenizer, m, token, forced_room(run.len()));
+            if forced.is_empty() {
+                continue;
+            }
+            if !v.drafts[j..].starts_with(&forced) {
+                break Ok(());
+            }
+            for &t in &forced {
+                if m.accept(t).is_err() {
+                    break;
+                }
+                advanced += 1;
+                run.push(state.sampler.forced(t));
+            }
+            j += forced.len();
+            if run.len() > room {
+                break Ok(());
+            }
+        };
+        if let Some(m) = state.matcher.as_mut() {
+            let _ = m.rollback(advanced);
+        }
+        let by = &state.draft_sources;
+        for (i, &source) in by.iter().enumerate().take(v.drafts.len()) {
+            let kept = i + 1 < run.len();
+            state.metrics.drafts.count(source, kept);
+            self.drafts.count(source, kept);
+        }
+        outcome.map(|()| run)
+    }
+
+    /// The requests after the step: prefill chunks advance, each run of sampled tokens is
+    /// accepted (then the tokens the grammar forces after it, under jump-forward), and the
+    /// outputs of the requests that produced tokens or finished come back.
     fn update(
         &mut self,
         scheduled: &[Scheduled],
-        sampling: &[Scheduled],
-        sampled: Vec<SampledToken>,
+        sampling: &[Sampling],
+        runs: Vec<Vec<SampledToken>>,
     ) -> Vec<RequestOutput> {
         let mut outputs = Vec::new();
         for s in scheduled {
             if !s.samples {
-                self.scheduler.update(s, None);
+                self.scheduler.update(s, &[]);
             }
         }
-        for (s, sampled) in sampling.iter().zip(sampled) {
-            self.scheduler.update(s, Some(sampled.token));
-            let Some(mut out) = self.accept(s.id, sampled) else {
-                continue;
-            };
-            if out.finished.is_none() && self.jump_forward {
-                for token in self.forced_tokens(s.id) {
-                    self.scheduler.append(s.id, token);
-                    let state = self.states.get_mut(&s.id).expect("unfinished requests have a state");
+        for (v, run) in sampling.iter().zip(runs) {
+            let id = v.s.id;
+            let tokens: Vec<u32> = run.iter().map(|t| t.token).collect();
+            self.scheduler.update(&v.s, &tokens);
+            let mut out: Option<RequestOutput> = None;
+            let n = run.len();
+            for (i, sampled) in run.into_iter().enumerate() {
+                let Some(next) = self.accept(id, sampled, n - 1 - i) else { break };
+                let finished = next.finished.is_some();
+                merge(&mut out, next);
+                if finished {
+                    break;
+                }
+            }
+            let Some(o) = out.as_ref() else { continue };
+            if o.finished.is_none() && self.jump_forward {
+                for token in self.forced_tokens(id) {
+                    self.scheduler.append(id, token);
+                    let state = self.states.get_mut(&id).expect("unfinished requests have a state");
                     let forced = state.sampler.forced(token);
-                    let Some(next) = self.accept(s.id, forced) else { break };
-                    out.tokens.extend(next.tokens);
-                    out.text.push_str(&next.text);
-                    (out.finished, out.stop_string, out.metrics) = (next.finished, next.stop_string, next.metrics);
-                    if out.finished.is_some() {
+                    let Some(next) = self.accept(id, forced, 0) else { break };
+                    let finished = next.finished.is_some();
+                    merge(&mut out, next);
+                    if finished {
                         break;
                     }
                 }
             }
-            outputs.push(out);
+            outputs.extend(out);
         }
         outputs
     }
@@ -537,10 +837,8 @@ impl EngineCore {
         context.min(budget)
     }
 
-    /// The tokens the grammar alone decides next, where appending them keeps the output's
-    /// tokenization canonical: the forced text is tokenized together with the token before it,
-    /// and used only if that token survives unmerged (the matcher also drops the last forced
-    /// token, which could merge with what follows). Capped by max_tokens and the context.
+    /// The tokens the grammar alone decides after a request's last token (`forced_after`),
+    /// capped by max_tokens and the context.
     fn forced_tokens(&mut self, id: RequestId) -> Vec<u32> {
         let Some(r) = self.scheduler.request(id) else {
             return Vec::new();
@@ -556,34 +854,16 @@ impl EngineCore {
         let Some(matcher) = state.matcher.as_mut() else {
             return Vec::new();
         };
-        if room == 0 {
-            return Vec::new();
-        }
-        let tokenizer = &self.tokenizer;
-        // Called only when the grammar forces some text, so most steps decode nothing here.
-        let mut forced = matcher.forced_tokens(&|text: &str| {
-            let before = match tokenizer.decode(&[last], false) {
-                Ok(b) if !b.is_empty() && !b.ends_with('\u{FFFD}') => b,
-                _ => return Vec::new(),
-            };
-            match tokenizer.encode_fragment(&format!("{before}{text}"), false) {
-                Ok(mut t) if t.first() == Some(&last) => {
-                    t.remove(0);
-                    t
-                }
-                _ => Vec::new(),
-            }
-        });
-        forced.truncate(room);
-        forced
+        forced_after(&self.tokenizer, matcher, last, room)
     }
 
-    /// Records a sampled token; finishes the request when it is done.
-    fn accept(&mut self, id: RequestId, sampled: SampledToken) -> Option<RequestOutput> {
+    /// Records a sampled token, `after` tokens before the end of the request's output (a run
+    /// joins the output at once); finishes the request when it is done.
+    fn accept(&mut self, id: RequestId, sampled: SampledToken, after: usize) -> Option<RequestOutput> {
         let token = sampled.token;
         let limit = self.scheduler.token_limit();
         let r = self.scheduler.request(id)?;
-        let (num_tokens, output_len, preemptions) = (r.num_tokens(), r.output.len(), r.num_preemptions);
+        let (num_tokens, output_len, preemptions) = (r.num_tokens() - after, r.output.len() - after, r.num_preemptions);
         let state = self.states.get_mut(&id)?;
         if !sampled.forced {
             let now = Instant::now();
@@ -672,6 +952,59 @@ impl EngineCore {
             metrics: Some(metrics),
         }
     }
+}
+
+/// A request whose step samples: its rows of logits (the last known token's, then one after
+/// each draft) and the drafts they check.
+struct Sampling {
+    s: Scheduled,
+    /// Its first row among the batch's logits rows.
+    first_row: usize,
+    drafts: Vec<u32>,
+}
+
+impl Sampling {
+    fn rows(&self) -> usize {
+        1 + self.drafts.len()
+    }
+}
+
+/// Appends one accepted token's output to a step's output of the same request.
+fn merge(out: &mut Option<RequestOutput>, next: RequestOutput) {
+    match out {
+        None => *out = Some(next),
+        Some(out) => {
+            out.tokens.extend(next.tokens);
+            out.text.push_str(&next.text);
+            (out.finished, out.stop_string, out.metrics) = (next.finished, next.stop_string, next.metrics);
+        }
+    }
+}
+
+/// The tokens the grammar alone decides after `last`, where appending them keeps the output's
+/// tokenization canonical: the forced text is tokenized together with `last`, and used only
+/// if `last` survives unmerged (the matcher also drops the last forced token, which could
+/// merge with what follows). At most `room` of them.
+fn forced_after(tokenizer: &Tokenizer, matcher: &mut ContainedMatcher, last: u32, room: usize) -> Vec<u32> {
+    if room == 0 {
+        return Vec::new();
+    }
+    // Called only when the grammar forces some text, so most steps decode nothing here.
+    let mut forced = matcher.forced_tokens(&|text: &str| {
+        let before = match tokenizer.decode(&[last], false) {
+            Ok(b) if !b.is_empty() && !b.ends_with('\u{FFFD}') => b,
+            _ => return Vec::new(),
+        };
+        match tokenizer.encode_fragment(&format!("{before}{text}"), false) {
+            Ok(mut t) if t.first() == Some(&last) => {
+                t.remove(0);
+                t
+            }
+            _ => Vec::new(),
+        }
+    });
+    forced.truncate(room);
+    forced
 }
 
 /// A row's draw for the backend, with the copy bias's mask and weight.

@@ -27,6 +27,9 @@ pub struct Request {
     pub num_cached: usize,
     pub num_preemptions: usize,
     pub status: RequestStatus,
+    /// Guesses of the tokens after the last known one (speculative decoding): computed in the
+    /// next step after the known tokens, kept only as far as the model agrees with them.
+    pub drafts: Vec<u32>,
 }
 
 impl Request {
@@ -41,6 +44,7 @@ impl Request {
             num_cached: 0,
             num_preemptions: 0,
             status: RequestStatus::Waiting,
+            drafts: Vec::new(),
         }
     }
 
@@ -65,6 +69,14 @@ impl Request {
     /// Every token, prompt then output.
     pub fn all_tokens(&self) -> Vec<u32> {
         self.tokens(0..self.num_tokens())
+    }
+
+    /// The query tokens of a step from `start`: `num_known` known tokens, then the first
+    /// `num_drafts` drafts.
+    pub fn span(&self, start: usize, num_known: usize, num_drafts: usize) -> Vec<u32> {
+        let mut tokens = self.tokens(start..start + num_known);
+        tokens.extend_from_slice(&self.drafts[..num_drafts]);
+        tokens
     }
 
     /// Still prefilling: this step's tokens end before the last known one, so no token is

@@ -29,14 +29,25 @@ pub struct SchedulerConfig {
     pub max_model_len: usize,
 }
 
-/// One request's share of a step: tokens `start..start + num_tokens` of its prompt-then-output.
+/// One request's share of a step: tokens `start..start + num_tokens` of its prompt-then-output,
+/// the last `num_drafts` of them its drafts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Scheduled {
     pub id: RequestId,
     pub start: usize,
     pub num_tokens: usize,
-    /// The step ends at the last known token, so the next one is sampled.
+    /// The step reaches the last known token, so the next one is sampled (and each draft's
+    /// successor, to check the drafts).
     pub samples: bool,
+    /// Drafts computed after the known tokens; only a step that samples has any.
+    pub num_drafts: usize,
+}
+
+impl Scheduled {
+    /// Known tokens in the span.
+    pub fn num_known(&self) -> usize {
+        self.num_tokens - self.num_drafts
+    }
 }
 
 #[derive(Debug, Default)]
@@ -128,6 +139,11 @@ impl Scheduler {
         self.waiting.len()
     }
 
+    /// The running requests, in the order they are considered.
+    pub fn running(&self) -> &[RequestId] {
+        &self.running
+    }
+
     pub fn num_running(&self) -> usize {
         self.running.len()
     }
@@ -153,7 +169,10 @@ impl Scheduler {
                 continue;
             }
             let r = &self.requests[&id];
-            let num_new = (r.num_tokens() - r.num_computed).min(budget);
+            // Drafts ride after the known tokens, as far as the budget goes.
+            let known = r.num_tokens() - r.num_computed;
+            let num_new = (known + r.drafts.len()).min(budget);
+            let num_drafts = num_new.saturating_sub(known);
             let total = r.num_computed + num_new;
             let mut scheduled = true;
             while !self.kv.allocate_slots(id, total, &[]) {
@@ -172,7 +191,7 @@ impl Scheduler {
                 }
             }
             if scheduled {
-                self.push(id, num_new, &mut out);
+                self.push(id, num_new, num_drafts, &mut out);
                 budget -= num_new;
             }
         }
@@ -195,20 +214,29 @@ impl Scheduler {
             r.status = RequestStatus::Running;
             r.num_computed = cached;
             r.num_cached = cached;
-            self.push(id, num_new, &mut out);
+            self.push(id, num_new, 0, &mut out);
             budget -= num_new;
         }
         out
     }
 
-    fn push(&self, id: RequestId, num_tokens: usize, out: &mut SchedulerOutput) {
+    fn push(&self, id: RequestId, num_tokens: usize, num_drafts: usize, out: &mut SchedulerOutput) {
         let r = &self.requests[&id];
         out.scheduled.push(Scheduled {
             id,
             start: r.num_computed,
             num_tokens,
-            samples: !r.is_prefill_chunk(num_tokens),
+            samples: !r.is_prefill_chunk(num_tokens - num_drafts),
+            num_drafts,
         });
+    }
+
+    /// Sets a running request's drafts for the next step (replacing any it had); a request
+    /// that is not running keeps none.
+    pub fn set_drafts(&mut self, id: RequestId, drafts: Vec<u32>) {
+        if let Some(r) = self.requests.get_mut(&id).filter(|r| r.status == RequestStatus::Running) {
+            r.drafts = drafts;
+        }
     }
 
     /// The waiting request to consider next.
@@ -246,6 +274,7 @@ impl Scheduler {
         let r = self.requests.get_mut(&id).expect("running requests exist");
         r.status = RequestStatus::Preempted;
         r.num_computed = 0;
+        r.drafts.clear();
         r.num_preemptions += 1;
         self.num_preemptions += 1;
         // Back to the front: under FCFS it is the earliest waiting request again.
@@ -253,16 +282,23 @@ impl Scheduler {
         out.preempted.push(id);
     }
 
-    /// After the forward pass: `s`'s tokens are in the cache, and `sampled` (when it sampled)
-    /// joins its output. Full blocks become reusable prefixes.
-    pub fn update(&mut self, s: &Scheduled, sampled: Option<u32>) {
+    /// After the forward pass: `s`'s known tokens are in the cache, and `run` (what was
+    /// sampled, when it sampled: the drafts the model agreed with, then its own next token)
+    /// joins its output. The accepted drafts' keys and values are kept; the slots of rejected
+    /// ones are given back, and only full blocks of accepted tokens become reusable prefixes,
+    /// so no cached block ever holds a rejected token.
+    pub fn update(&mut self, s: &Scheduled, run: &[u32]) {
         let Some(r) = self.requests.get_mut(&s.id) else { return };
         if r.status != RequestStatus::Running {
             return;
         }
-        r.num_computed = s.start + s.num_tokens;
-        if let Some(t) = sampled {
-            r.output.push(t);
+        let accepted = run.len().saturating_sub(1);
+        assert!(accepted <= s.num_drafts, "request {}: {accepted} of {} drafts accepted", s.id, s.num_drafts);
+        r.num_computed = s.start + s.num_known() + accepted;
+        r.output.extend_from_slice(run);
+        r.drafts.clear();
+        if s.num_drafts > accepted {
+            self.kv.truncate(s.id, r.num_tokens());
         }
         let computed = r.num_computed;
         self.kv.cache_blocks(s.id, computed, |range| r.tokens(range));
@@ -311,9 +347,24 @@ mod tests {
     /// Runs `jobs` to the end; returns each job's output (None when aborted) and the
     /// scheduler, for its counters. Every step checks the budget and the block accounting.
     fn run(jobs: &[Job], config: SchedulerConfig, blocks: usize) -> (Vec<Option<Vec<u32>>>, Scheduler) {
+        let (outputs, s, _) = run_with(jobs, config, blocks, false);
+        (outputs, s)
+    }
+
+    /// `run`, where `speculate` gives every decoding request a few drafts before each step,
+    /// some of them the stand-in model's own continuation and then a wrong one; a step keeps
+    /// the drafts the model agrees with and its own token after them. Also returns the drafts
+    /// accepted and those scheduled.
+    fn run_with(
+        jobs: &[Job],
+        config: SchedulerConfig,
+        blocks: usize,
+        speculate: bool,
+    ) -> (Vec<Option<Vec<u32>>>, Scheduler, (usize, usize)) {
         let kv = KvCacheManager::new(BlockPool::new(blocks), 4, 0, true);
         let mut s = Scheduler::new(config, kv);
         let mut outputs: Vec<Option<Vec<u32>>> = vec![None; jobs.len()];
+        let (mut accepted, mut scheduled) = (0, 0);
         let mut step = 0;
         while step <= jobs.iter().map(|j| j.arrival_step).max().unwrap_or(0) || s.has_unfinished() {
             for (i, j) in jobs.iter().enumerate() {
@@ -324,15 +375,51 @@ mod tests {
                     outputs[i] = None;
                 }
             }
+            for j in jobs.iter().filter(|_| speculate) {
+                let Some(r) = s.request(j.id).filter(|r| r.status == RequestStatus::Running && !r.output.is_empty())
+                else {
+                    continue;
+                };
+                let n = (j.id as usize + step) % 5;
+                let right = (j.id as usize * 3 + step) % 4;
+                let mut context = r.all_tokens();
+                let mut drafts = Vec::new();
+                for i in 0..n.min(j.max_tokens.saturating_sub(r.output.len() + 1)) {
+                    let t = next_token(&context);
+                    let t = if i < right { t } else { (t + 1) % 1000 };
+                    drafts.push(t);
+                    context.push(t);
+                }
+                s.set_drafts(j.id, drafts);
+            }
             let plan = s.schedule();
             assert!(plan.num_tokens() <= config.max_num_batched_tokens);
             assert!(plan.scheduled.len() <= config.max_num_seqs);
             for sch in &plan.scheduled {
                 let r = s.request(sch.id).unwrap();
                 assert!(s.kv().block_table(sch.id).len() * 4 >= sch.start + sch.num_tokens);
-                let sampled = sch.samples.then(|| next_token(&r.all_tokens()));
-                s.update(sch, sampled);
+                assert!(sch.samples || sch.num_drafts == 0, "drafts only after the last known token");
+                let mut run = Vec::new();
+                if sch.samples {
+                    let mut context = r.all_tokens();
+                    loop {
+                        let t = next_token(&context);
+                        run.push(t);
+                        match r.drafts[..sch.num_drafts].get(run.len() - 1) {
+                            Some(&d) if d == t => context.push(t),
+                            _ => break,
+                        }
+                    }
+                }
+                accepted += run.len().saturating_sub(1);
+                scheduled += sch.num_drafts;
+                s.update(sch, &run);
                 let r = s.request(sch.id).unwrap();
+                if sch.samples {
+                    assert_eq!(r.num_computed, r.num_tokens() - 1, "all but the model's own token computed");
+                    let held = s.kv().block_table(sch.id).len();
+                    assert!(held <= r.num_tokens().div_ceil(4), "rejected drafts' blocks given back");
+                }
                 let j = jobs.iter().position(|j| j.id == sch.id).unwrap();
                 if r.output.len() >= jobs[j].max_tokens || r.num_tokens() >= s.token_limit() {
                     outputs[j] = Some(s.finish(sch.id).unwrap().output);
@@ -342,7 +429,7 @@ mod tests {
             assert!(step < 100_000, "no progress");
         }
         assert_eq!(s.kv().num_free_blocks(), blocks, "every block back in the pool");
-        (outputs, s)
+        (outputs, s, (accepted, scheduled))
     }
 
     fn config(budget: usize, seqs: usize, policy: Policy) -> SchedulerConfig {
@@ -418,6 +505,32 @@ mod tests {
     }
 
     #[test]
+    fn drafts_change_no_output_and_rejected_ones_give_their_slots_back() {
+        let (mut accepted, mut scheduled, mut preemptions) = (0, 0, 0);
+        for seed in 1..6u64 {
+            let mut jobs = jobs(12, seed * 7919);
+            for j in &mut jobs {
+                j.max_tokens += 10;
+            }
+            let reference = alone(&jobs);
+            for (cfg, blocks) in [
+                (config(4096, 64, Policy::Fcfs), 256),
+                (config(7, 64, Policy::Fcfs), 256),
+                (config(64, 3, Policy::Priority), 256),
+                (config(4096, 64, Policy::Fcfs), 24),
+                (config(5, 64, Policy::Priority), 24),
+            ] {
+                // `run_with` asserts the pool is whole at the end.
+                let (out, s, (a, n)) = run_with(&jobs, cfg, blocks, true);
+                assert_eq!(out, reference, "seed {seed}, {cfg:?}, {blocks} blocks");
+                (accepted, scheduled, preemptions) = (accepted + a, scheduled + n, preemptions + s.num_preemptions());
+            }
+        }
+        assert!(accepted > 100 && scheduled > accepted + 100, "{accepted} of {scheduled} drafts accepted");
+        assert!(preemptions > 10, "the small pools preempt ({preemptions} times)");
+    }
+
+    #[test]
     fn aborts_anywhere_leak_nothing() {
         for seed in 1..20u64 {
             let mut jobs = jobs(10, seed * 104729);
@@ -442,7 +555,7 @@ mod tests {
         s.add(1, prompt.clone(), 0).unwrap();
         let plan = s.schedule();
         for sch in &plan.scheduled {
-            s.update(sch, Some(7));
+            s.update(sch, &[7]);
         }
         s.finish(1);
         s.add(2, prompt, 0).unwrap();

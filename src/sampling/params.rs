@@ -33,6 +33,9 @@ pub struct SamplingParams {
     /// document (a constraint given one; see `Matcher::copy_mask`): a prior for copying over
     /// inventing. 0 turns it off.
     pub copy_bias: f32,
+    /// Lets the engine guess this request's tokens ahead where it speculates (the output is
+    /// the same either way; false spares the request the work of checking guesses).
+    pub speculate: bool,
 }
 
 /// DRY ("don't repeat yourself", llama.cpp's `--dry-multiplier`): a token that would extend a
@@ -79,6 +82,7 @@ impl Default for SamplingParams {
             ignore_eos: false,
             dry: None,
             copy_bias: 0.0,
+            speculate: true,
         }
     }
 }
