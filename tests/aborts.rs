@@ -1,8 +1,8 @@
 //! Property test with the real model: requests arrive at random steps with random prompts
 //! (some sharing a prefix, some long enough to be chunked, some constrained) and random
-//! lengths, and some are aborted at a random later step, mid-prefill or mid-decode. Every
-//! block comes back, and every request that was not aborted gets exactly the output it gets
-//! alone.
+//! lengths, and some are aborted at a random later step, mid-prefill or mid-decode, with and
+//! without speculative decoding. Every block comes back, and every request that was not
+//! aborted gets exactly the output it gets alone (without speculation).
 
 mod common;
 
@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use proptest::prelude::*;
 use quarry::engine::{
     BlockPool, CompiledConstraint, Completions, Constraint, EngineConfig, EngineCore, EngineRequest, FinishReason,
-    StructuredOutputs,
+    SpeculativeConfig, StructuredOutputs,
 };
 use quarry::runtime::Backend;
 use quarry::sampling::SamplingParams;
@@ -170,10 +170,12 @@ proptest! {
         jobs in prop::collection::vec(job(), 1..10),
         budget in prop::sample::select(vec![16usize, 64, 2048]),
         small_pool in any::<bool>(),
+        speculate in any::<bool>(),
     ) {
         let Some(m) = model() else { return Ok(()) };
         let mut config = EngineConfig::default();
         config.scheduler.max_num_batched_tokens = budget;
+        config.speculative = speculate.then(SpeculativeConfig::default);
         // A pool of 24 blocks (384 tokens) holds two or three of these requests at a time.
         let blocks = small_pool.then_some(24);
         let out = run(m, &jobs, config, blocks);

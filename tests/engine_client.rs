@@ -342,6 +342,8 @@ fn speculation_changes_no_output() {
             tokens: 6,
             ngram,
             grammar,
+            // Every draft checked: this is about outputs, not whether drafts pay.
+            adaptive: false,
         }),
         ..base
     };

@@ -107,9 +107,46 @@ pub struct ModelArgs {
     /// Turn off automatic prefix caching.
     #[arg(long)]
     no_prefix_caching: bool,
+    /// Speculative decoding: guess up to this many tokens per request and step, and check the
+    /// guesses in the same forward pass (0: off). Outputs are the same either way.
+    #[arg(long, default_value_t = 0)]
+    speculative_tokens: usize,
+    /// Who guesses, comma-separated: `ngram` (prompt lookup: what followed the output's last
+    /// tokens earlier in the prompt and output) and `grammar` (the constraint's forced tokens).
+    #[arg(long, default_value = "ngram,grammar", value_parser = parse_proposers)]
+    speculative_proposers: Proposers,
+    /// Check every draft the proposers make, up to --speculative-tokens, instead of only as
+    /// many as each request's recent acceptance and the batch's load make worth it.
+    #[arg(long)]
+    speculative_always: bool,
     /// Take the KV cache's memory at start (servers), not as blocks are first used.
     #[arg(skip)]
     prefault_kv: Prefault,
+}
+
+/// Which proposers `--speculative-proposers` names.
+#[derive(Clone, Copy, Debug)]
+pub struct Proposers {
+    ngram: bool,
+    grammar: bool,
+}
+
+fn parse_proposers(text: &str) -> Result<Proposers, String> {
+    let mut p = Proposers {
+        ngram: false,
+        grammar: false,
+    };
+    for name in text.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+        match name {
+            "ngram" => p.ngram = true,
+            "grammar" => p.grammar = true,
+            other => return Err(format!("`{other}` is not a proposer (ngram, grammar)")),
+        }
+    }
+    if !(p.ngram || p.grammar) {
+        return Err("name at least one proposer (ngram, grammar)".into());
+    }
+    Ok(p)
 }
 
 fn parse_load_format(text: &str) -> Result<LoadFormat, String> {
@@ -244,6 +281,12 @@ impl ModelArgs {
         if self.priority_scheduling {
             config.scheduler.policy = crate::engine::Policy::Priority;
         }
+        config.speculative = (self.speculative_tokens > 0).then_some(crate::engine::SpeculativeConfig {
+            tokens: self.speculative_tokens,
+            ngram: self.speculative_proposers.ngram,
+            grammar: self.speculative_proposers.grammar,
+            adaptive: !self.speculative_always,
+        });
         Ok(config)
     }
 }

@@ -14,6 +14,7 @@ use super::detokenizer::Detokenizer;
 use super::kv_cache_manager::{KvCacheManager, RequestId};
 use super::proposers::NgramProposer;
 use super::scheduler::{AdmitError, Scheduled, Scheduler, SchedulerConfig};
+use super::speculation::{drafts_worth, Acceptance, StepCost};
 use super::stop::{StopScan, StopStrings};
 use super::structured::CompiledConstraint;
 use super::BlockPool;
@@ -83,6 +84,8 @@ pub struct DraftCounts {
     pub ngram_accepted: usize,
     pub grammar_proposed: usize,
     pub grammar_accepted: usize,
+    /// Steps that checked at least one draft of a request.
+    pub checks: usize,
 }
 
 impl DraftCounts {
@@ -108,6 +111,7 @@ impl DraftCounts {
         self.ngram_accepted += other.ngram_accepted;
         self.grammar_proposed += other.grammar_proposed;
         self.grammar_accepted += other.grammar_accepted;
+        self.checks += other.checks;
     }
 }
 
@@ -166,6 +170,10 @@ pub struct SpeculativeConfig {
     /// model anyway; this adds them where they follow a draft, and guesses them where
     /// jump-forward is off.
     pub grammar: bool,
+    /// Draft only as many tokens as pay for themselves, judged from each request's recent
+    /// acceptance and the measured cost of a token in a step as large as the batch
+    /// (`speculation::drafts_worth`); otherwise always up to `tokens`.
+    pub adaptive: bool,
 }
 
 impl Default for SpeculativeConfig {
@@ -174,6 +182,7 @@ impl Default for SpeculativeConfig {
             tokens: 8,
             ngram: true,
             grammar: true,
+            adaptive: true,
         }
     }
 }
@@ -207,6 +216,7 @@ struct State {
     metrics: RequestMetrics,
     /// Who proposed each of the request's current drafts.
     draft_sources: Vec<Proposer>,
+    acceptance: Acceptance,
 }
 
 /// A finished request, as `run_until_idle` collects it.
@@ -267,6 +277,10 @@ pub struct EngineCore {
     ngram: NgramProposer,
     /// Every request's draft counts so far.
     drafts: DraftCounts,
+    /// What a step costs against its tokens, measured as steps run.
+    step_cost: StepCost,
+    /// Tokens in the last step, drafts aside.
+    last_step_tokens: usize,
 }
 
 impl EngineCore {
@@ -299,6 +313,8 @@ impl EngineCore {
             speculative: config.speculative.filter(|c| c.tokens > 0 && (c.ngram || c.grammar)),
             ngram: NgramProposer::default(),
             drafts: DraftCounts::default(),
+            step_cost: StepCost::default(),
+            last_step_tokens: 0,
         }
     }
 
@@ -380,6 +396,7 @@ impl EngineCore {
                     ..Default::default()
                 },
                 draft_sources: Vec::new(),
+                acceptance: Acceptance::default(),
             },
         );
         Ok(())
@@ -444,18 +461,34 @@ impl EngineCore {
         if plan.scheduled.is_empty() {
             return Ok(Vec::new());
         }
+        let started = Instant::now();
         let (batch, sampling) = self.prepare_batch(&plan.scheduled);
         let masks = self.forward_with_masks(&batch, &sampling)?;
         let runs = self.sample(&sampling, &masks)?;
         self.steps += 1;
-        Ok(self.update(&plan.scheduled, &sampling, runs))
+        let outputs = self.update(&plan.scheduled, &sampling, runs);
+        let tokens = plan.num_tokens();
+        self.step_cost.record(tokens, started.elapsed().as_secs_f64());
+        self.last_step_tokens = tokens - plan.scheduled.iter().map(|s| s.num_drafts).sum::<usize>();
+        Ok(outputs)
     }
 
-    /// Gives each decoding request its drafts for the next step, where the engine speculates.
+    /// Gives each decoding request its drafts for the next step, where the engine speculates:
+    /// as many as pay for themselves (`SpeculativeConfig::adaptive`).
     fn propose(&mut self) {
         let Some(config) = self.speculative else { return };
-        for id in self.scheduler.running().to_vec() {
-            let (drafts, sources) = self.drafts(id, config);
+        let running = self.scheduler.running().to_vec();
+        let share = self.step_cost.marginal_share(self.last_step_tokens.max(running.len()));
+        for id in running {
+            let Some(state) = self.states.get_mut(&id) else { continue };
+            let k = match config.adaptive {
+                true => drafts_worth(state.acceptance.rate(), self.scheduler.num_running(), share, config.tokens),
+                false => config.tokens,
+            };
+            if k == 0 {
+                state.acceptance.forget();
+            }
+            let (drafts, sources) = self.drafts(id, k, config);
             if let Some(state) = self.states.get_mut(&id) {
                 state.draft_sources = sources;
             }
@@ -463,13 +496,16 @@ impl EngineCore {
         }
     }
 
-    /// Up to `config.tokens` guesses of a request's next tokens, within what it may still add,
+    /// Up to `k` guesses of a request's next tokens, within what it may still add,
     /// each one its constraint allows: prompt lookup's, and the constraint's forced tokens
     /// wherever it forces text after a draft (where jump-forward is off, also right after the
     /// last known token). Under jump-forward the forced tokens are those `update` would
     /// append, so that checking them gives the output it would.
-    fn drafts(&mut self, id: RequestId, config: SpeculativeConfig) -> (Vec<u32>, Vec<Proposer>) {
+    fn drafts(&mut self, id: RequestId, k: usize, config: SpeculativeConfig) -> (Vec<u32>, Vec<Proposer>) {
         let none = (Vec::new(), Vec::new());
+        if k == 0 {
+            return none;
+        }
         let room = self.room_after_next(id);
         let (Some(r), Some(state)) = (self.scheduler.request(id), self.states.get_mut(&id)) else {
             return none;
@@ -478,7 +514,7 @@ impl EngineCore {
         if r.output.is_empty() || !state.sampler.params().speculate {
             return none;
         }
-        let k = config.tokens.min(room);
+        let k = k.min(room);
         let mut context = r.all_tokens();
         let known = context.len();
         let mut sources = Vec::new();
@@ -774,6 +810,11 @@ impl EngineCore {
             let kept = i + 1 < run.len();
             state.metrics.drafts.count(source, kept);
             self.drafts.count(source, kept);
+        }
+        if !v.drafts.is_empty() {
+            state.metrics.drafts.checks += 1;
+            self.drafts.checks += 1;
+            state.acceptance.record(v.drafts.len(), run.len().saturating_sub(1));
         }
         outcome.map(|()| run)
     }

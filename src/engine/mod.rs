@@ -10,6 +10,7 @@ pub mod kv_cache_manager;
 pub mod proposers;
 pub mod request;
 pub mod scheduler;
+pub mod speculation;
 pub mod stop;
 pub mod structured;
 

@@ -58,6 +58,8 @@ pub struct Task {
     /// Logit bonus for tokens that continue a run copied from the document (see
     /// `SamplingParams::copy_bias`); 0 turns it off.
     pub copy_bias: f32,
+    /// Let a speculating engine guess this extraction's tokens ahead (the record is the same).
+    pub speculate: bool,
     /// A record that fails validation is sampled again this many times at most, each time
     /// with another seed (and at `RETRY_TEMPERATURE` when the request is greedy).
     pub retries: usize,
@@ -94,6 +96,7 @@ impl Task {
             dry: Some(DryParams::default()),
             verbatim: false,
             copy_bias: 1.0,
+            speculate: true,
             retries: 0,
             logprobs: None,
         }
@@ -111,7 +114,7 @@ impl Task {
     }
 
     /// Sampling of attempt `attempt` (0 is the first; later ones are retries).
-    fn sampling(&self, attempt: usize) -> SamplingParams {
+    pub fn sampling(&self, attempt: usize) -> SamplingParams {
         let (temperature, seed) = match attempt {
             0 => (self.temperature, self.seed),
             n => (
@@ -128,6 +131,7 @@ impl Task {
             seed,
             dry: self.dry.clone(),
             copy_bias: self.copy_bias,
+            speculate: self.speculate,
             logprobs: self.logprobs,
             ..SamplingParams::greedy(self.max_tokens)
         }

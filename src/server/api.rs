@@ -64,6 +64,10 @@ pub struct ExtractOptions {
     /// Sample a record that fails validation again (another seed; temperature 0.7 when the
     /// request is greedy), up to this many times (default 0, at most 4).
     pub retries: Option<usize>,
+    /// Where the server speculates (`--speculative-tokens`), let it guess this request's
+    /// tokens ahead (default true; the record is the same either way, false spares it the
+    /// work of checking guesses).
+    pub speculate: Option<bool>,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, ToSchema)]

@@ -87,6 +87,7 @@ async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractRespon
         ordered_properties: o.ordered_properties.unwrap_or(base.ordered_properties),
         verbatim: o.verbatim.unwrap_or(base.verbatim),
         copy_bias: o.copy_bias.unwrap_or(base.copy_bias),
+        speculate: o.speculate.unwrap_or(base.speculate),
         dry,
         retries,
         max_tokens,

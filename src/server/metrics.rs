@@ -25,6 +25,12 @@ pub struct OutcomeLabel {
     pub outcome: String,
 }
 
+/// Which speculative-decoding proposer a draft count is for.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ProposerLabel {
+    pub proposer: &'static str,
+}
+
 pub struct Metrics {
     registry: Registry,
     queue: Histogram,
@@ -37,6 +43,9 @@ pub struct Metrics {
     outcomes: Family<OutcomeLabel, Counter>,
     budget_closed: Counter,
     grammar_failures: Counter,
+    draft_tokens: Family<ProposerLabel, Counter>,
+    accepted_draft_tokens: Family<ProposerLabel, Counter>,
+    draft_checks: Counter,
     waiting: Gauge,
     running: Gauge,
     kv_usage: Gauge<f64, AtomicU64>,
@@ -67,6 +76,9 @@ impl Default for Metrics {
             outcomes: Family::default(),
             budget_closed: Counter::default(),
             grammar_failures: Counter::default(),
+            draft_tokens: Family::default(),
+            accepted_draft_tokens: Family::default(),
+            draft_checks: Counter::default(),
             waiting: Gauge::default(),
             running: Gauge::default(),
             kv_usage: Gauge::default(),
@@ -113,6 +125,21 @@ impl Default for Metrics {
             m.grammar_failures.clone(),
         );
         r.register(
+            "spec_draft_tokens",
+            "Speculative decoding: draft tokens the model checked, by proposer",
+            m.draft_tokens.clone(),
+        );
+        r.register(
+            "spec_accepted_tokens",
+            "Speculative decoding: draft tokens the model agreed with and kept, by proposer",
+            m.accepted_draft_tokens.clone(),
+        );
+        r.register(
+            "spec_checks",
+            "Speculative decoding: request steps that checked drafts (accepted tokens / checks is the mean accepted length)",
+            m.draft_checks.clone(),
+        );
+        r.register(
             "waiting_requests",
             "Requests waiting to be scheduled",
             m.waiting.clone(),
@@ -147,6 +174,16 @@ impl Metrics {
         if m.grammar_failure.is_some() {
             self.grammar_failures.inc();
         }
+        let d = &m.drafts;
+        for (proposer, proposed, kept) in [
+            ("ngram", d.ngram_proposed, d.ngram_accepted),
+            ("grammar", d.grammar_proposed, d.grammar_accepted),
+        ] {
+            let label = ProposerLabel { proposer };
+            self.draft_tokens.get_or_create(&label).inc_by(proposed as u64);
+            self.accepted_draft_tokens.get_or_create(&label).inc_by(kept as u64);
+        }
+        self.draft_checks.inc_by(d.checks as u64);
     }
 
     pub fn outcome(&self, outcome: &str) {

@@ -1,11 +1,23 @@
 //! `quarry bench latency`: how long one batch of requests takes from submission to the last
-//! token, over several iterations (as `vllm bench latency`).
+//! token, over several iterations (as `vllm bench latency`). `--workload extract` sends
+//! extractions (synthetic invoices, or the cases of `--cases`) as `quarry extract` asks them.
+//! With `--speculative-tokens` the same iterations run again with speculative decoding, beside
+//! the run without it: the outputs must be the same, and each proposer's drafts are counted.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
 
 use clap::Args;
 use serde_json::json;
 
-use super::{bench_prompt, fixed_length, percentile};
+use super::jobs::{self, Job};
+use super::throughput::{drafts_json, print_drafts, Workload};
+use super::percentile;
 use crate::cli::ModelArgs;
+use crate::engine::{DraftCounts, EngineConfig, EngineCore};
+use crate::runtime::Backend;
+use crate::tokenizer::Tokenizer;
 
 #[derive(Args)]
 pub struct LatencyArgs {
@@ -13,16 +25,48 @@ pub struct LatencyArgs {
     model: ModelArgs,
     #[arg(long, default_value_t = 8)]
     batch_size: usize,
+    /// Prompt tokens (random) or document tokens (synthetic invoices).
     #[arg(long, default_value_t = 32)]
     input_len: usize,
+    /// Output tokens (random), or the most an answer may take (extract).
     #[arg(long, default_value_t = 128)]
     output_len: usize,
     /// Timed iterations, after one warm-up.
     #[arg(long, default_value_t = 10)]
     iters: usize,
+    #[arg(long, value_enum, default_value = "random")]
+    workload: Workload,
+    /// Extraction cases (JSONL, `{schema, document}` per line, as `bench quality` reads)
+    /// instead of synthetic invoices; taken in turn, one per request.
+    #[arg(long)]
+    cases: Option<PathBuf>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
+}
+
+/// What the iterations of one configuration measured.
+struct Run {
+    name: &'static str,
+    seconds: Vec<f64>,
+    output_tokens: usize,
+    drafts: DraftCounts,
+    outputs: Vec<Vec<u32>>,
+}
+
+impl Run {
+    fn output_tok_s(&self) -> f64 {
+        self.output_tokens as f64 / self.seconds.iter().sum::<f64>()
+    }
+
+    fn to_json(&self) -> serde_json::Value {
+        let mut s = self.seconds.clone();
+        let mean = s.iter().sum::<f64>() / s.len() as f64;
+        json!({"run": self.name, "latency_s_mean": mean, "latency_s_p50": percentile(&mut s, 50.0),
+            "latency_s_p90": percentile(&mut s, 90.0), "latency_s_p99": percentile(&mut s, 99.0),
+            "output_tokens": self.output_tokens, "output_tok_s": self.output_tok_s(),
+            "drafts": drafts_json(&self.drafts)})
+    }
 }
 
 pub fn run(args: LatencyArgs) -> anyhow::Result<()> {
@@ -30,41 +74,102 @@ pub fn run(args: LatencyArgs) -> anyhow::Result<()> {
         args.batch_size > 0 && args.iters > 0,
         "--batch-size and --iters must be at least 1"
     );
-    let (mut engine, tokenizer) = args.model.engine()?;
-    let device = engine.backend().device_name();
-    let mut seconds = Vec::new();
-    for iter in 0..=args.iters {
-        let started = std::time::Instant::now();
-        for b in 0..args.batch_size {
-            let id = (iter * args.batch_size + b) as u64;
-            // A fresh prompt every time: no iteration finds another's prefix cached.
-            let prompt = bench_prompt(args.input_len, tokenizer.vocab_size(), id as usize);
-            engine.add_request(fixed_length(id, prompt, args.output_len))?;
-        }
-        engine.run_until_idle(|_| {})?;
-        if iter > 0 {
-            seconds.push(started.elapsed().as_secs_f64());
-        }
+    let (backend, tokenizer, config) = args.model.load_shared()?;
+    let device = backend.device_name();
+    // Every iteration gets fresh requests (the warm-up's too): none finds another's prompt
+    // cached, unless a case file has fewer cases than requests.
+    let n = (args.iters + 1) * args.batch_size;
+    let jobs = match (args.workload, &args.cases) {
+        (Workload::Random, None) => jobs::random(n, args.input_len, args.output_len, &tokenizer),
+        (Workload::Random, Some(_)) => anyhow::bail!("--cases goes with --workload extract"),
+        (Workload::Extract, None) => jobs::invoices(n, args.input_len, args.output_len, &tokenizer)?,
+        (Workload::Extract, Some(path)) => jobs::cases(path, args.output_len, &tokenizer)?,
+    };
+    let plain = EngineConfig {
+        speculative: None,
+        ..config
+    };
+    let (without, backend) = iterate("without speculation", backend, &tokenizer, plain, &jobs, &args)?;
+    let mut runs = vec![without];
+    if config.speculative.is_some() {
+        let (with, _) = iterate("speculative", backend, &tokenizer, config, &jobs, &args)?;
+        anyhow::ensure!(
+            with.outputs == runs[0].outputs,
+            "speculative decoding changed an output: a bug (greedy outputs must be the same)"
+        );
+        runs.push(with);
     }
-    let mean = seconds.iter().sum::<f64>() / seconds.len() as f64;
-    let (p50, p90, p99) = (
-        percentile(&mut seconds, 50.0),
-        percentile(&mut seconds, 90.0),
-        percentile(&mut seconds, 99.0),
-    );
+    let ratio = runs.get(1).map(|s| s.output_tok_s() / runs[0].output_tok_s());
     if args.json {
         println!(
             "{}",
             json!({"engine": "quarry", "device": device, "batch_size": args.batch_size,
                 "input_len": args.input_len, "output_len": args.output_len, "iters": args.iters,
-                "latency_s_mean": mean, "latency_s_p50": p50, "latency_s_p90": p90, "latency_s_p99": p99})
+                "runs": runs.iter().map(Run::to_json).collect::<Vec<_>>(),
+                "speculative_over_plain": ratio})
         );
-    } else {
+        return Ok(());
+    }
+    println!(
+        "quarry bench latency: batch {}, {} iterations, {device}",
+        args.batch_size, args.iters
+    );
+    println!(
+        "{:<22}{:>10}{:>10}{:>10}{:>10}{:>12}",
+        "run", "mean s", "p50 s", "p99 s", "output", "out tok/s"
+    );
+    for r in &runs {
+        let v = r.to_json();
+        let f = |k: &str| v[k].as_f64().unwrap_or(0.0);
         println!(
-            "quarry bench latency: batch {}, {} input, {} output tokens, {} iterations, {device}",
-            args.batch_size, args.input_len, args.output_len, args.iters
+            "{:<22}{:>10.3}{:>10.3}{:>10.3}{:>10}{:>12.1}",
+            r.name,
+            f("latency_s_mean"),
+            f("latency_s_p50"),
+            f("latency_s_p99"),
+            r.output_tokens,
+            r.output_tok_s()
         );
-        println!("latency s: mean {mean:.3}  p50 {p50:.3}  p90 {p90:.3}  p99 {p99:.3}");
+    }
+    if let Some(r) = ratio {
+        println!("speculative / without output tok/s: {r:.2} (the same outputs)");
+        print_drafts("speculative", &runs[1].drafts);
     }
     Ok(())
+}
+
+/// The warm-up and the timed iterations on a fresh engine; the backend comes back.
+fn iterate(
+    name: &'static str,
+    backend: Box<dyn Backend>,
+    tokenizer: &Arc<Tokenizer>,
+    config: EngineConfig,
+    jobs: &[Job],
+    args: &LatencyArgs,
+) -> anyhow::Result<(Run, Box<dyn Backend>)> {
+    let mut engine = EngineCore::new(backend, tokenizer.clone(), config);
+    let mut run = Run {
+        name,
+        seconds: Vec::new(),
+        output_tokens: 0,
+        drafts: DraftCounts::default(),
+        outputs: Vec::new(),
+    };
+    for iter in 0..=args.iters {
+        let started = Instant::now();
+        for b in 0..args.batch_size {
+            let id = iter * args.batch_size + b;
+            engine.add_request(jobs[id % jobs.len()].request(id as u64))?;
+        }
+        let done = engine.run_until_idle(|_| {})?;
+        if iter > 0 {
+            run.seconds.push(started.elapsed().as_secs_f64());
+            for c in done {
+                run.output_tokens += c.tokens.len();
+                run.drafts.add(&c.metrics.drafts);
+                run.outputs.push(c.tokens);
+            }
+        }
+    }
+    Ok((run, engine.into_backend()))
 }

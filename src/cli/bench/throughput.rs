@@ -2,22 +2,23 @@
 //! single-stream decode rate of the same binary. With `--workload extract` the requests are
 //! extraction prompts (schema and a synthetic invoice) constrained by the schema, and the same
 //! prompts run again unconstrained with each request's output length fixed to what the
-//! constrained run produced, so the two passes do exactly the same amount of model work.
+//! constrained run produced, so the two passes do exactly the same amount of model work. With
+//! `--speculative-tokens` the main pass runs again with speculative decoding, beside the same
+//! pass without it, with each proposer's drafts checked and kept.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
 use clap::{Args, ValueEnum};
-use quarry_grammar::json::Whitespace;
 use serde_json::{json, Value};
 
-use super::{bench_prompt, median, percentile, workload};
+use super::jobs::{self, Job};
+use super::{bench_prompt, median, percentile};
 use crate::cli::ModelArgs;
-use crate::engine::{CompiledConstraint, Constraint, EngineConfig, EngineCore, EngineRequest, StructuredOutputs};
+use crate::engine::{DraftCounts, EngineConfig, EngineCore};
 use crate::runtime::cpu::Prefault;
 use crate::runtime::Backend;
-use crate::sampling::SamplingParams;
 use crate::tokenizer::Tokenizer;
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -51,12 +52,6 @@ pub struct ThroughputArgs {
     json: bool,
 }
 
-struct Job {
-    prompt: Vec<u32>,
-    max_tokens: usize,
-    constraint: Option<CompiledConstraint>,
-}
-
 /// What one pass measured.
 struct Pass {
     name: &'static str,
@@ -70,6 +65,9 @@ struct Pass {
     itl_ms: Vec<f64>,
     /// Output tokens of each request, in job order.
     lengths: Vec<usize>,
+    drafts: DraftCounts,
+    /// The outputs, to check that speculation changed none.
+    outputs: Vec<Vec<u32>>,
 }
 
 impl Pass {
@@ -87,6 +85,7 @@ impl Pass {
             "total_tok_s": (self.prompt_tokens + self.output_tokens) as f64 / self.seconds,
             "ttft_ms_p50": percentile(&mut ttft, 50.0), "ttft_ms_p99": percentile(&mut ttft, 99.0),
             "itl_ms_p50": percentile(&mut itl, 50.0), "itl_ms_p99": percentile(&mut itl, 99.0),
+            "drafts": drafts_json(&self.drafts),
         })
     }
 }
@@ -109,8 +108,13 @@ pub fn run(mut args: ThroughputArgs) -> anyhow::Result<()> {
     let (backend, tokenizer, config) = args.model.load_shared()?;
     let device = backend.device_name();
     let jobs = jobs(&args, &tokenizer)?;
+    let speculative = config.speculative.is_some();
+    let plain = EngineConfig {
+        speculative: None,
+        ..config
+    };
     let mut backend = Some(backend);
-    let mut pass = |name, jobs: &[Job]| -> anyhow::Result<Pass> {
+    let mut pass = |name, config: EngineConfig, jobs: &[Job]| -> anyhow::Result<Pass> {
         let (p, b) = run_pass(name, backend.take().expect("returned"), &tokenizer, config, jobs)?;
         backend = Some(b);
         Ok(p)
@@ -124,18 +128,27 @@ pub fn run(mut args: ThroughputArgs) -> anyhow::Result<()> {
             Workload::Extract => jobs[variant % jobs.len()].prompt.clone(),
         },
         max_tokens: args.output_len,
+        params: None,
         constraint: None,
     };
-    pass("warm-up", &[lone(0)])?;
+    pass("warm-up", plain, &[lone(0)])?;
     let mut decode = Vec::new();
     for variant in 0..3 {
-        let p = pass("single", &[lone(variant)])?;
+        let p = pass("single", plain, &[lone(variant)])?;
         let decode_ms = p.itl_ms.iter().sum::<f64>();
         decode.push(p.itl_ms.len() as f64 / (decode_ms / 1e3));
     }
     let single_decode = median(&mut decode);
 
-    let mut passes = vec![pass("concurrent", &jobs)?];
+    let mut passes = vec![pass("concurrent", plain, &jobs)?];
+    if speculative {
+        let p = pass("concurrent, speculative", config, &jobs)?;
+        anyhow::ensure!(
+            p.outputs == passes[0].outputs,
+            "speculative decoding changed an output: a bug (greedy outputs must be the same)"
+        );
+        passes.push(p);
+    }
     if args.workload == Workload::Extract {
         // The same work without the grammar: each request decodes exactly as many tokens.
         let lengths = passes[0].lengths.clone();
@@ -145,11 +158,15 @@ pub fn run(mut args: ThroughputArgs) -> anyhow::Result<()> {
             .map(|(j, &n)| Job {
                 prompt: j.prompt.clone(),
                 max_tokens: n,
+                params: j.params.clone(),
                 constraint: None,
             })
             .collect();
         passes[0].name = "concurrent, constrained";
-        passes.push(pass("concurrent, unconstrained", &free)?);
+        if speculative {
+            passes[1].name = "constrained, speculative";
+        }
+        passes.push(pass("concurrent, unconstrained", plain, &free)?);
     }
     if let Some(path) = &args.save_requests {
         let lines: Vec<String> = jobs
@@ -164,35 +181,14 @@ pub fn run(mut args: ThroughputArgs) -> anyhow::Result<()> {
 }
 
 fn jobs(args: &ThroughputArgs, tokenizer: &Tokenizer) -> anyhow::Result<Vec<Job>> {
-    let vocab = tokenizer.vocab_size();
     match args.workload {
-        Workload::Random => Ok((0..args.num_prompts)
-            .map(|i| Job {
-                prompt: bench_prompt(args.input_len, vocab, i),
-                max_tokens: args.output_len,
-                constraint: None,
-            })
-            .collect()),
-        Workload::Extract => {
-            let schema = workload::invoice_schema();
-            let constraint = StructuredOutputs::new(tokenizer).compile(&Constraint::Json {
-                schema: schema.clone(),
-                whitespace: Whitespace::Compact,
-                strict: true,
-                close_objects: false,
-                ordered_properties: false,
-            })?;
-            (0..args.num_prompts)
-                .map(|i| {
-                    let document = workload::invoice_document(tokenizer, i, args.input_len)?;
-                    Ok(Job {
-                        prompt: crate::extract::prompt(tokenizer, Default::default(), &schema, &document, None)?,
-                        max_tokens: args.output_len.max(MIN_ANSWER_TOKENS),
-                        constraint: Some(constraint.clone()),
-                    })
-                })
-                .collect()
-        }
+        Workload::Random => Ok(jobs::random(args.num_prompts, args.input_len, args.output_len, tokenizer)),
+        Workload::Extract => jobs::invoices(
+            args.num_prompts,
+            args.input_len,
+            args.output_len.max(MIN_ANSWER_TOKENS),
+            tokenizer,
+        ),
     }
 }
 
@@ -207,17 +203,7 @@ fn run_pass(
     let mut engine = EngineCore::new(backend, tokenizer.clone(), config);
     let started = Instant::now();
     for (i, j) in jobs.iter().enumerate() {
-        engine.add_request(EngineRequest {
-            id: i as u64,
-            prompt: j.prompt.clone(),
-            params: SamplingParams {
-                // Unconstrained requests decode exactly their length, as in `vllm bench`.
-                ignore_eos: j.constraint.is_none(),
-                ..SamplingParams::greedy(j.max_tokens)
-            },
-            priority: 0,
-            constraint: j.constraint.clone(),
-        })?;
+        engine.add_request(j.request(i as u64))?;
     }
     let done = engine.run_until_idle(|_| {})?;
     let seconds = started.elapsed().as_secs_f64();
@@ -233,13 +219,57 @@ fn run_pass(
         ttft_ms: done.iter().map(|c| ms(c.metrics.ttft)).collect(),
         itl_ms: done.iter().flat_map(|c| c.metrics.itl.iter().map(|&d| ms(d))).collect(),
         lengths: done.iter().map(|c| c.tokens.len()).collect(),
+        drafts: done.iter().fold(DraftCounts::default(), |mut d, c| {
+            d.add(&c.metrics.drafts);
+            d
+        }),
+        outputs: done.into_iter().map(|c| c.tokens).collect(),
     };
     Ok((pass, engine.into_backend()))
 }
 
+/// Each proposer's drafts checked and kept, and the rate.
+pub fn drafts_json(d: &DraftCounts) -> Value {
+    let rate = |kept: usize, proposed: usize| (proposed > 0).then(|| kept as f64 / proposed as f64);
+    json!({
+        "ngram": {"proposed": d.ngram_proposed, "accepted": d.ngram_accepted,
+            "rate": rate(d.ngram_accepted, d.ngram_proposed)},
+        "grammar": {"proposed": d.grammar_proposed, "accepted": d.grammar_accepted,
+            "rate": rate(d.grammar_accepted, d.grammar_proposed)},
+        "checks": d.checks,
+        "mean_accepted": (d.checks > 0).then(|| d.accepted() as f64 / d.checks as f64),
+    })
+}
+
+/// One line per proposer that proposed: drafts checked, kept, the rate; and the mean run of
+/// drafts kept per check.
+pub fn print_drafts(what: &str, d: &DraftCounts) {
+    for (name, proposed, kept) in [
+        ("prompt lookup", d.ngram_proposed, d.ngram_accepted),
+        ("grammar", d.grammar_proposed, d.grammar_accepted),
+    ] {
+        if proposed > 0 {
+            println!(
+                "{what}: {name} drafts {proposed} checked, {kept} kept ({:.1}%)",
+                100.0 * kept as f64 / proposed as f64
+            );
+        }
+    }
+    if d.checks > 0 {
+        println!(
+            "{what}: {:.2} drafts kept per check ({} checks)",
+            d.accepted() as f64 / d.checks as f64,
+            d.checks
+        );
+    }
+}
+
 fn report(args: &ThroughputArgs, device: &str, single_decode: f64, passes: &[Pass]) {
     let concurrent = passes[0].output_tok_s();
-    let constrained_ratio = passes.get(1).map(|free| concurrent / free.output_tok_s());
+    let speculative = passes.iter().find(|p| p.name.ends_with("speculative"));
+    let free = passes.iter().find(|p| p.name.ends_with("unconstrained"));
+    let constrained_ratio = free.map(|free| concurrent / free.output_tok_s());
+    let speculative_ratio = speculative.map(|s| s.output_tok_s() / concurrent);
     if args.json {
         println!(
             "{}",
@@ -248,7 +278,8 @@ fn report(args: &ThroughputArgs, device: &str, single_decode: f64, passes: &[Pas
                 "single_decode_tok_s": single_decode,
                 "passes": passes.iter().map(Pass::to_json).collect::<Vec<_>>(),
                 "concurrent_over_single": concurrent / single_decode,
-                "constrained_over_unconstrained": constrained_ratio})
+                "constrained_over_unconstrained": constrained_ratio,
+                "speculative_over_plain": speculative_ratio})
         );
         return;
     }
@@ -284,5 +315,9 @@ fn report(args: &ThroughputArgs, device: &str, single_decode: f64, passes: &[Pas
     );
     if let Some(r) = constrained_ratio {
         println!("constrained / unconstrained output tok/s: {r:.2}");
+    }
+    if let (Some(r), Some(s)) = (speculative_ratio, speculative) {
+        println!("speculative / without output tok/s: {r:.2} (the same outputs)");
+        print_drafts("speculative", &s.drafts);
     }
 }

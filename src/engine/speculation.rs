@@ -1,0 +1,158 @@
+//! When speculation pays. A draft token costs a share of the step it rides in, paid by every
+//! request in the batch, and gains only where the model agrees with it and with every draft
+//! before it. So the k-th draft of a request is worth checking when the chance of keeping it
+//! (its acceptance rate to the k-th power) exceeds what it costs the batch: the share of the
+//! step one more token takes, times the requests that wait for the step. At batch 1 on a
+//! memory-bound device that cost is small; in a full, compute-bound batch it is close to the
+//! whole token, and nobody speculates.
+
+/// Step time against the tokens in the step's batch, `a + b * tokens`, fitted by least
+/// squares over recent steps (older ones weigh less), so the model, the device and the batch
+/// shapes of this run decide it.
+#[derive(Debug, Clone, Default)]
+pub struct StepCost {
+    weight: f64,
+    x: f64,
+    y: f64,
+    xx: f64,
+    xy: f64,
+}
+
+/// Each step's weight in the fit falls by this factor per later step.
+const DECAY: f64 = 0.98;
+/// Before the fit can tell (too few steps, or all of one size): one more token costs this
+/// share of a step of one token.
+const PRIOR_SHARE: f64 = 0.25;
+
+impl StepCost {
+    pub fn record(&mut self, tokens: usize, seconds: f64) {
+        let (x, y) = (tokens as f64, seconds);
+        self.weight = self.weight * DECAY + 1.0;
+        self.x = self.x * DECAY + x;
+        self.y = self.y * DECAY + y;
+        self.xx = self.xx * DECAY + x * x;
+        self.xy = self.xy * DECAY + x * y;
+    }
+
+    /// `(a, b)`, where the steps seen vary enough in size to fit them.
+    fn fit(&self) -> Option<(f64, f64)> {
+        let spread = self.weight * self.xx - self.x * self.x;
+        if self.weight < 4.0 || spread <= 1e-9 * self.weight * self.weight {
+            return None;
+        }
+        let b = (self.weight * self.xy - self.x * self.y) / spread;
+        let a = (self.y - b * self.x) / self.weight;
+        (a > 0.0 && b >= 0.0).then_some((a, b))
+    }
+
+    /// What one more token adds to a step of `tokens` tokens, as a share of that step.
+    pub fn marginal_share(&self, tokens: usize) -> f64 {
+        let tokens = tokens.max(1) as f64;
+        match self.fit() {
+            Some((a, b)) => b / (a + b * tokens),
+            None => PRIOR_SHARE / (1.0 + PRIOR_SHARE * (tokens - 1.0)),
+        }
+    }
+}
+
+/// How often a request's drafts are kept, per draft checked, over its recent checks (a draft
+/// is checked when every one before it was kept), starting from even odds.
+#[derive(Debug, Clone, Default)]
+pub struct Acceptance {
+    kept: f64,
+    checked: f64,
+}
+
+/// Each check's weight falls by this factor per later check, so a request that moves from
+/// copying to writing on its own (or back) is followed within a few steps.
+const ACCEPTANCE_DECAY: f64 = 0.8;
+
+impl Acceptance {
+    pub fn rate(&self) -> f64 {
+        (self.kept + 1.0) / (self.checked + 2.0)
+    }
+
+    /// `proposed` drafts went into a step and the first `kept` were kept.
+    pub fn record(&mut self, proposed: usize, kept: usize) {
+        self.kept = self.kept * ACCEPTANCE_DECAY + kept as f64;
+        self.checked = self.checked * ACCEPTANCE_DECAY + (kept + 1).min(proposed) as f64;
+    }
+
+    /// A step without drafts: the evidence ages, so a request once judged not worth drafting
+    /// for is tried again later.
+    pub fn forget(&mut self) {
+        self.kept *= ACCEPTANCE_DECAY;
+        self.checked *= ACCEPTANCE_DECAY;
+    }
+}
+
+/// How many drafts a request should have checked: the largest `k` (at most `max`) whose
+/// chance of being kept, `rate^k`, exceeds its cost, `share` of a step for each of the
+/// `waiting` requests the step serves.
+pub fn drafts_worth(rate: f64, waiting: usize, share: f64, max: usize) -> usize {
+    let cost = share * waiting.max(1) as f64;
+    let mut kept = 1.0;
+    for k in 1..=max {
+        kept *= rate;
+        if kept <= cost {
+            return k - 1;
+        }
+    }
+    max
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fit_recovers_a_linear_step_cost() {
+        let mut cost = StepCost::default();
+        assert!((cost.marginal_share(1) - PRIOR_SHARE).abs() < 1e-9, "the prior before any step");
+        for i in 0..50 {
+            let tokens = 1 + i % 9;
+            cost.record(tokens, 0.004 + 0.001 * tokens as f64);
+        }
+        // a = 4 ms, b = 1 ms: one more token on a 1-token step is 1/5 of it, on 31 tokens 1/35.
+        assert!((cost.marginal_share(1) - 0.2).abs() < 1e-6, "{}", cost.marginal_share(1));
+        assert!((cost.marginal_share(31) - 1.0 / 35.0).abs() < 1e-6);
+        // Steps all of one size cannot be fitted: the prior stands.
+        let mut flat = StepCost::default();
+        for _ in 0..20 {
+            flat.record(1, 0.005);
+        }
+        assert!((flat.marginal_share(1) - PRIOR_SHARE).abs() < 1e-9);
+    }
+
+    #[test]
+    fn acceptance_follows_recent_checks_and_ages_without_them() {
+        let mut a = Acceptance::default();
+        assert_eq!(a.rate(), 0.5);
+        for _ in 0..20 {
+            a.record(4, 4);
+        }
+        assert!(a.rate() > 0.9, "{}", a.rate());
+        for _ in 0..20 {
+            // Rejected at once: one draft checked, none kept.
+            a.record(4, 0);
+        }
+        assert!(a.rate() < 0.25, "{}", a.rate());
+        for _ in 0..40 {
+            a.forget();
+        }
+        assert!((a.rate() - 0.5).abs() < 0.01, "{}", a.rate());
+    }
+
+    #[test]
+    fn drafts_are_worth_checking_while_kept_more_often_than_they_cost() {
+        // At batch 1 with a cheap extra token, a good copier drafts the most.
+        assert_eq!(drafts_worth(0.9, 1, 0.05, 8), 8);
+        // 0.7^k > 0.2 up to k = 4 (0.24), not 5 (0.168).
+        assert_eq!(drafts_worth(0.7, 1, 0.2, 8), 4);
+        // The same request in a batch of 32 where a token costs 3% of the step: 0.7 < 0.96.
+        assert_eq!(drafts_worth(0.7, 32, 0.03, 8), 0);
+        // 0.99^4 = 0.9606 > 0.96, 0.99^5 = 0.951.
+        assert_eq!(drafts_worth(0.99, 32, 0.03, 8), 4);
+        assert_eq!(drafts_worth(0.5, 1, 0.2, 0), 0);
+    }
+}
