@@ -349,7 +349,10 @@ fn speculation_changes_no_output() {
     };
 
     let (alone, _, mut core) = run(engine(backend, &tok, config, None), &jobs, &structured, false);
-    for (what, ngram, grammar) in [("prompt lookup", true, false), ("prompt lookup and grammar", true, true)] {
+    for (what, ngram, grammar) in [
+        ("prompt lookup", true, false),
+        ("prompt lookup and grammar", true, true),
+    ] {
         let c = speculating(ngram, grammar, config);
         let (out, _, done) = run(engine(core.into_backend(), &tok, c, None), &jobs, &structured, true);
         same_up_to_near_ties(&out, &alone, what);
@@ -362,14 +365,24 @@ fn speculation_changes_no_output() {
 
     let mut chunked = speculating(true, true, config);
     chunked.scheduler.max_num_batched_tokens = 4;
-    let (out, _, done) = run(engine(core.into_backend(), &tok, chunked, None), &jobs, &structured, true);
+    let (out, _, done) = run(
+        engine(core.into_backend(), &tok, chunked, None),
+        &jobs,
+        &structured,
+        true,
+    );
     same_up_to_near_ties(&out, &alone, "speculating, every prompt in chunks of at most 4 tokens");
     assert!(done.stats().drafts.accepted() > 0);
 
     let longest = jobs.iter().map(|j| j.prompt.len() + j.max_tokens).max().unwrap();
     let pool = BlockPool::new(4 * longest.div_ceil(block_size));
     let c = speculating(true, true, config);
-    let (out, preemptions, done) = run(engine(done.into_backend(), &tok, c, Some(pool)), &jobs, &structured, true);
+    let (out, preemptions, done) = run(
+        engine(done.into_backend(), &tok, c, Some(pool)),
+        &jobs,
+        &structured,
+        true,
+    );
     same_up_to_near_ties(&out, &alone, "speculating, a pool too small for everyone");
     assert!(preemptions > 0, "the small pool never preempted");
 
@@ -379,7 +392,12 @@ fn speculation_changes_no_output() {
         ..config
     };
     // Alone: on the GPU the reference needs its log-probabilities to judge near-ties by.
-    let (reference, _, core) = run(engine(done.into_backend(), &tok, plain, None), &jobs, &structured, false);
+    let (reference, _, core) = run(
+        engine(done.into_backend(), &tok, plain, None),
+        &jobs,
+        &structured,
+        false,
+    );
     let c = speculating(false, true, plain);
     let (out, _, done) = run(engine(core.into_backend(), &tok, c, None), &jobs, &structured, true);
     same_up_to_near_ties(&out, &reference, "forced tokens as drafts, jump-forward off");
@@ -390,8 +408,20 @@ fn speculation_changes_no_output() {
     // draft is drawing that position: the same tokens, where the batch cannot move a draw.
     if exact() {
         let c = speculating(true, true, config);
-        let (reference, _, core) = run_drawn(engine(done.into_backend(), &tok, config, None), &jobs, &structured, true, Draw::Seeded);
-        let (out, _, done) = run_drawn(engine(core.into_backend(), &tok, c, None), &jobs, &structured, true, Draw::Seeded);
+        let (reference, _, core) = run_drawn(
+            engine(done.into_backend(), &tok, config, None),
+            &jobs,
+            &structured,
+            true,
+            Draw::Seeded,
+        );
+        let (out, _, done) = run_drawn(
+            engine(core.into_backend(), &tok, c, None),
+            &jobs,
+            &structured,
+            true,
+            Draw::Seeded,
+        );
         assert_eq!(out, reference, "seeded sampling with and without speculation");
         assert!(done.stats().drafts.accepted() > 0);
     }

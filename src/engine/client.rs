@@ -23,7 +23,7 @@ pub struct EngineStats {
     pub preemptions: usize,
     pub steps: u64,
     /// Speculative decoding's drafts, checked and kept, over every request so far.
-    pub drafts: super::core::DraftCounts,
+    pub drafts: super::speculation::DraftCounts,
 }
 
 #[derive(Debug, thiserror::Error)]

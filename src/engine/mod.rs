@@ -17,10 +17,11 @@ pub mod structured;
 pub use block_pool::{BlockHash, BlockId, BlockPool};
 pub use client::{EngineClient, EngineStats, RequestStream, SubmitError};
 pub use core::{
-    AddError, Completion, Completions, DraftCounts, EngineConfig, EngineCore, EngineRequest, FinishReason, Proposer,
-    RequestMetrics, RequestOutput, SpeculativeConfig,
+    AddError, Completion, Completions, EngineConfig, EngineCore, EngineRequest, FinishReason, RequestMetrics,
+    RequestOutput,
 };
 pub use kv_cache_manager::{KvCacheManager, PrefixCacheStats, RequestId};
 pub use request::{Request, RequestStatus};
 pub use scheduler::{AdmitError, Policy, Scheduled, Scheduler, SchedulerConfig, SchedulerOutput};
+pub use speculation::{DraftCounts, Proposer, SpeculativeConfig};
 pub use structured::{CompiledConstraint, Constraint, StructuredOutputs};

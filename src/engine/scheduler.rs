@@ -234,7 +234,11 @@ impl Scheduler {
     /// Sets a running request's drafts for the next step (replacing any it had); a request
     /// that is not running keeps none.
     pub fn set_drafts(&mut self, id: RequestId, drafts: Vec<u32>) {
-        if let Some(r) = self.requests.get_mut(&id).filter(|r| r.status == RequestStatus::Running) {
+        if let Some(r) = self
+            .requests
+            .get_mut(&id)
+            .filter(|r| r.status == RequestStatus::Running)
+        {
             r.drafts = drafts;
         }
     }
@@ -293,7 +297,12 @@ impl Scheduler {
             return;
         }
         let accepted = run.len().saturating_sub(1);
-        assert!(accepted <= s.num_drafts, "request {}: {accepted} of {} drafts accepted", s.id, s.num_drafts);
+        assert!(
+            accepted <= s.num_drafts,
+            "request {}: {accepted} of {} drafts accepted",
+            s.id,
+            s.num_drafts
+        );
         r.num_computed = s.start + s.num_known() + accepted;
         r.output.extend_from_slice(run);
         r.drafts.clear();
@@ -376,7 +385,9 @@ mod tests {
                 }
             }
             for j in jobs.iter().filter(|_| speculate) {
-                let Some(r) = s.request(j.id).filter(|r| r.status == RequestStatus::Running && !r.output.is_empty())
+                let Some(r) = s
+                    .request(j.id)
+                    .filter(|r| r.status == RequestStatus::Running && !r.output.is_empty())
                 else {
                     continue;
                 };
@@ -398,7 +409,10 @@ mod tests {
             for sch in &plan.scheduled {
                 let r = s.request(sch.id).unwrap();
                 assert!(s.kv().block_table(sch.id).len() * 4 >= sch.start + sch.num_tokens);
-                assert!(sch.samples || sch.num_drafts == 0, "drafts only after the last known token");
+                assert!(
+                    sch.samples || sch.num_drafts == 0,
+                    "drafts only after the last known token"
+                );
                 let mut run = Vec::new();
                 if sch.samples {
                     let mut context = r.all_tokens();
@@ -416,7 +430,11 @@ mod tests {
                 s.update(sch, &run);
                 let r = s.request(sch.id).unwrap();
                 if sch.samples {
-                    assert_eq!(r.num_computed, r.num_tokens() - 1, "all but the model's own token computed");
+                    assert_eq!(
+                        r.num_computed,
+                        r.num_tokens() - 1,
+                        "all but the model's own token computed"
+                    );
                     let held = s.kv().block_table(sch.id).len();
                     assert!(held <= r.num_tokens().div_ceil(4), "rejected drafts' blocks given back");
                 }
@@ -526,7 +544,10 @@ mod tests {
                 (accepted, scheduled, preemptions) = (accepted + a, scheduled + n, preemptions + s.num_preemptions());
             }
         }
-        assert!(accepted > 100 && scheduled > accepted + 100, "{accepted} of {scheduled} drafts accepted");
+        assert!(
+            accepted > 100 && scheduled > accepted + 100,
+            "{accepted} of {scheduled} drafts accepted"
+        );
         assert!(preemptions > 10, "the small pools preempt ({preemptions} times)");
     }
 

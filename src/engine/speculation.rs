@@ -6,6 +6,81 @@
 //! memory-bound device that cost is small; in a full, compute-bound batch it is close to the
 //! whole token, and nobody speculates.
 
+/// Speculative decoding: which proposers guess a request's next tokens, and how many.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpeculativeConfig {
+    /// Draft tokens per request and step, at most.
+    pub tokens: usize,
+    /// Prompt lookup: what followed the output's last tokens where they occur earlier.
+    pub ngram: bool,
+    /// The constraint's forced tokens. Under jump-forward they are appended without the
+    /// model anyway; this adds them where they follow a draft, and guesses them where
+    /// jump-forward is off.
+    pub grammar: bool,
+    /// Draft only as many tokens as pay for themselves, judged from each request's recent
+    /// acceptance and the measured cost of a token in a step as large as the batch
+    /// (`speculation::drafts_worth`); otherwise always up to `tokens`.
+    pub adaptive: bool,
+}
+
+impl Default for SpeculativeConfig {
+    fn default() -> Self {
+        SpeculativeConfig {
+            tokens: 8,
+            ngram: true,
+            grammar: true,
+            adaptive: true,
+        }
+    }
+}
+
+/// Who guessed a draft token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Proposer {
+    /// Prompt lookup (`NgramProposer`).
+    Ngram,
+    /// The constraint's forced tokens.
+    Grammar,
+}
+
+/// Draft tokens the model checked, and those it agreed with, per proposer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DraftCounts {
+    pub ngram_proposed: usize,
+    pub ngram_accepted: usize,
+    pub grammar_proposed: usize,
+    pub grammar_accepted: usize,
+    /// Steps that checked at least one draft of a request.
+    pub checks: usize,
+}
+
+impl DraftCounts {
+    pub(crate) fn count(&mut self, by: Proposer, accepted: bool) {
+        let (proposed, kept) = match by {
+            Proposer::Ngram => (&mut self.ngram_proposed, &mut self.ngram_accepted),
+            Proposer::Grammar => (&mut self.grammar_proposed, &mut self.grammar_accepted),
+        };
+        *proposed += 1;
+        *kept += accepted as usize;
+    }
+
+    pub fn proposed(&self) -> usize {
+        self.ngram_proposed + self.grammar_proposed
+    }
+
+    pub fn accepted(&self) -> usize {
+        self.ngram_accepted + self.grammar_accepted
+    }
+
+    pub fn add(&mut self, other: &DraftCounts) {
+        self.ngram_proposed += other.ngram_proposed;
+        self.ngram_accepted += other.ngram_accepted;
+        self.grammar_proposed += other.grammar_proposed;
+        self.grammar_accepted += other.grammar_accepted;
+        self.checks += other.checks;
+    }
+}
+
 /// Step time against the tokens in the step's batch, `a + b * tokens`, fitted by least
 /// squares over recent steps (older ones weigh less), so the model, the device and the batch
 /// shapes of this run decide it.
@@ -108,13 +183,20 @@ mod tests {
     #[test]
     fn the_fit_recovers_a_linear_step_cost() {
         let mut cost = StepCost::default();
-        assert!((cost.marginal_share(1) - PRIOR_SHARE).abs() < 1e-9, "the prior before any step");
+        assert!(
+            (cost.marginal_share(1) - PRIOR_SHARE).abs() < 1e-9,
+            "the prior before any step"
+        );
         for i in 0..50 {
             let tokens = 1 + i % 9;
             cost.record(tokens, 0.004 + 0.001 * tokens as f64);
         }
         // a = 4 ms, b = 1 ms: one more token on a 1-token step is 1/5 of it, on 31 tokens 1/35.
-        assert!((cost.marginal_share(1) - 0.2).abs() < 1e-6, "{}", cost.marginal_share(1));
+        assert!(
+            (cost.marginal_share(1) - 0.2).abs() < 1e-6,
+            "{}",
+            cost.marginal_share(1)
+        );
         assert!((cost.marginal_share(31) - 1.0 / 35.0).abs() < 1e-6);
         // Steps all of one size cannot be fitted: the prior stands.
         let mut flat = StepCost::default();

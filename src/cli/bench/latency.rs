@@ -12,8 +12,8 @@ use clap::Args;
 use serde_json::json;
 
 use super::jobs::{self, Job};
-use super::throughput::{differing, drafts_json, print_drafts, same_outputs_line, Workload};
 use super::percentile;
+use super::throughput::{differing, drafts_json, print_drafts, same_outputs_line, Workload};
 use crate::cli::ModelArgs;
 use crate::engine::{DraftCounts, EngineConfig, EngineCore};
 use crate::runtime::Backend;

@@ -177,7 +177,12 @@ pub fn run(mut args: ThroughputArgs) -> anyhow::Result<()> {
 
 fn jobs(args: &ThroughputArgs, tokenizer: &Tokenizer) -> anyhow::Result<Vec<Job>> {
     match args.workload {
-        Workload::Random => Ok(jobs::random(args.num_prompts, args.input_len, args.output_len, tokenizer)),
+        Workload::Random => Ok(jobs::random(
+            args.num_prompts,
+            args.input_len,
+            args.output_len,
+            tokenizer,
+        )),
         Workload::Extract => jobs::invoices(
             args.num_prompts,
             args.input_len,

@@ -1,0 +1,551 @@
+//! The engine step (shared/design.md): propose drafts, schedule, run the model on one
+//! flattened batch, constrain and sample the requests that reached their last known token (and
+//! check their drafts), update, emit. The grammar masks of the step are filled on worker
+//! threads while the forward pass runs.
+//!
+//! `propose` guesses tokens ahead, `verify` draws each sampled request's rows and keeps the
+//! drafts the model agrees with, `output` turns the kept tokens into request state and
+//! outputs; `state` is a request's engine-side state.
+
+mod output;
+mod propose;
+mod state;
+mod verify;
+
+use output::merge;
+pub use output::{Completion, Completions, FinishReason, RequestMetrics, RequestOutput};
+use state::State;
+use verify::{copy_prior, RowDraw};
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use quarry_grammar::bitmask_words;
+
+use super::client::EngineStats;
+use super::contained::ContainedMatcher;
+use super::detokenizer::Detokenizer;
+use super::kv_cache_manager::{KvCacheManager, RequestId};
+use super::proposers::forced_after;
+use super::proposers::NgramProposer;
+use super::scheduler::{AdmitError, Scheduled, Scheduler, SchedulerConfig};
+use super::speculation::{Acceptance, DraftCounts, SpeculativeConfig, StepCost};
+use super::stop::StopStrings;
+use super::structured::CompiledConstraint;
+use super::BlockPool;
+use crate::runtime::{Backend, Draw, ForwardBatch, RowRequest, RuntimeError};
+use crate::sampling::{SampledToken, Sampler, SamplingParamError, SamplingParams};
+use crate::tokenizer::Tokenizer;
+
+/// What a client asks of the engine.
+pub struct EngineRequest {
+    pub id: RequestId,
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    /// Lower runs first under the priority policy.
+    pub priority: i32,
+    pub constraint: Option<CompiledConstraint>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AddError {
+    #[error(transparent)]
+    Admit(#[from] AdmitError),
+    #[error(transparent)]
+    BadParams(#[from] SamplingParamError),
+    /// The constraint's shortest output is longer than `max_tokens` (or what the context
+    /// leaves after the prompt) allows: `minimum` is its length in bytes, which as many tokens
+    /// always hold.
+    #[error("at most {max_tokens} tokens fit, but the shortest output the constraint allows is {minimum} bytes, which takes up to {minimum} tokens")]
+    MaxTokensTooSmall { max_tokens: usize, minimum: usize },
+    /// The constraint admits no output at all (a schema no value satisfies).
+    #[error("the constraint admits no output at all")]
+    NoValidOutput,
+}
+
+/// A completion cost this large means no output can complete (the grammar's infinity).
+const NO_OUTPUT: usize = 1 << 60;
+
+#[derive(Debug, Clone, Copy)]
+pub struct EngineConfig {
+    pub scheduler: SchedulerConfig,
+    pub prefix_caching: bool,
+    /// Append the tokens a constraint forces without sampling them (jump-forward decoding).
+    pub jump_forward: bool,
+    /// Separates prefix caches of different models (a hash of the model file's name).
+    pub cache_key: u64,
+    /// Guess tokens ahead and check the guesses in the same forward pass (off when `None`).
+    pub speculative: Option<SpeculativeConfig>,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            scheduler: SchedulerConfig {
+                max_num_batched_tokens: 2048,
+                max_num_seqs: 128,
+                policy: super::scheduler::Policy::Fcfs,
+                // Clamped to the model's context.
+                max_model_len: usize::MAX,
+            },
+            prefix_caching: true,
+            jump_forward: true,
+            cache_key: 0,
+            speculative: None,
+        }
+    }
+}
+
+pub struct EngineCore {
+    backend: Box<dyn Backend>,
+    tokenizer: Arc<Tokenizer>,
+    scheduler: Scheduler,
+    states: HashMap<RequestId, State>,
+    /// Forward passes run.
+    steps: u64,
+    jump_forward: bool,
+    /// Per list of DRY sequence breakers, which tokens hold one (by token id).
+    dry_breakers: HashMap<Vec<String>, Arc<[bool]>>,
+    speculative: Option<SpeculativeConfig>,
+    ngram: NgramProposer,
+    /// Every request's draft counts so far.
+    drafts: DraftCounts,
+    /// What a step costs against its tokens, measured as steps run.
+    step_cost: StepCost,
+    /// Tokens in the last step, drafts aside.
+    last_step_tokens: usize,
+}
+
+impl EngineCore {
+    pub fn new(backend: Box<dyn Backend>, tokenizer: Arc<Tokenizer>, config: EngineConfig) -> Self {
+        let pool = BlockPool::new(backend.kv_layout().num_blocks);
+        Self::with_pool(backend, tokenizer, config, pool)
+    }
+
+    /// With a given pool of the backend's blocks (tests scatter the free order).
+    pub fn with_pool(
+        backend: Box<dyn Backend>,
+        tokenizer: Arc<Tokenizer>,
+        config: EngineConfig,
+        pool: BlockPool,
+    ) -> Self {
+        let layout = backend.kv_layout();
+        let kv = KvCacheManager::new(pool, layout.block_size, config.cache_key, config.prefix_caching);
+        let scheduler_config = SchedulerConfig {
+            max_model_len: config.scheduler.max_model_len.min(backend.config().context_length),
+            ..config.scheduler
+        };
+        EngineCore {
+            backend,
+            tokenizer,
+            scheduler: Scheduler::new(scheduler_config, kv),
+            states: HashMap::new(),
+            steps: 0,
+            jump_forward: config.jump_forward,
+            dry_breakers: HashMap::new(),
+            speculative: config.speculative.filter(|c| c.tokens > 0 && (c.ngram || c.grammar)),
+            ngram: NgramProposer::default(),
+            drafts: DraftCounts::default(),
+            step_cost: StepCost::default(),
+            last_step_tokens: 0,
+        }
+    }
+
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.scheduler
+    }
+
+    pub fn backend(&self) -> &dyn Backend {
+        &*self.backend
+    }
+
+    /// Gives the backend back (its cache contents are then meaningless to anyone else).
+    pub fn into_backend(self) -> Box<dyn Backend> {
+        self.backend
+    }
+
+    /// Steps until every request has finished, passing each output to `on_output`; returns
+    /// the completions by request id.
+    pub fn run_until_idle(
+        &mut self,
+        mut on_output: impl FnMut(&RequestOutput),
+    ) -> Result<Vec<Completion>, RuntimeError> {
+        let mut all = Completions::default();
+        while self.has_unfinished() {
+            for out in self.step()? {
+                on_output(&out);
+                all.push(&out);
+            }
+        }
+        let mut done = all.done;
+        done.sort_by_key(|c| c.id);
+        Ok(done)
+    }
+
+    pub fn has_unfinished(&self) -> bool {
+        self.scheduler.has_unfinished()
+    }
+
+    pub fn add_request(&mut self, r: EngineRequest) -> Result<(), AddError> {
+        r.params.validate(self.backend.config().vocab_size)?;
+        let mut matcher = r.constraint.map(|c| ContainedMatcher::new(c.matcher()));
+        // A budget below the shortest output would end truncated whatever the model does; the
+        // context bounds the budget as much as max_tokens does.
+        if let Some(minimum) = matcher.as_mut().and_then(|m| m.completion_cost()) {
+            if minimum >= NO_OUTPUT {
+                return Err(AddError::NoValidOutput);
+            }
+            // A prompt that leaves no room at all is the scheduler's to refuse (too long).
+            let context = self.scheduler.token_limit().saturating_sub(r.prompt.len());
+            let room = match context {
+                0 => r.params.max_tokens,
+                c => r.params.max_tokens.min(c),
+            };
+            if minimum > room {
+                return Err(AddError::MaxTokensTooSmall {
+                    max_tokens: room,
+                    minimum,
+                });
+            }
+        }
+        let mut sampler = Sampler::new(r.params.clone(), &r.prompt);
+        if let Some(breakers) = r.params.dry.as_ref().map(|d| &d.breakers).filter(|b| !b.is_empty()) {
+            sampler.set_breakers(self.breaker_tokens(breakers));
+        }
+        let prompt_tokens = r.prompt.len();
+        self.scheduler.add(r.id, r.prompt, r.priority)?;
+        self.states.insert(
+            r.id,
+            State {
+                stops: StopStrings::new(r.params.stop.clone()),
+                sampler,
+                matcher,
+                detokenizer: Detokenizer::default(),
+                arrived: Instant::now(),
+                scheduled_at: None,
+                last_token_at: None,
+                metrics: RequestMetrics {
+                    prompt_tokens,
+                    ..Default::default()
+                },
+                draft_sources: Vec::new(),
+                acceptance: Acceptance::default(),
+            },
+        );
+        Ok(())
+    }
+
+    /// The tokens whose text holds one of `breakers`, worked out once per list.
+    fn breaker_tokens(&mut self, breakers: &[String]) -> Arc<[bool]> {
+        let tokenizer = &self.tokenizer;
+        self.dry_breakers
+            .entry(breakers.to_vec())
+            .or_insert_with(|| {
+                (0..tokenizer.vocab_size() as u32)
+                    .map(|t| {
+                        let text = tokenizer.decode(&[t], false).unwrap_or_default();
+                        breakers.iter().any(|b| text.contains(b.as_str()))
+                    })
+                    .collect()
+            })
+            .clone()
+    }
+
+    /// Drops a request wherever it is; its blocks go back to the pool at once.
+    pub fn abort(&mut self, id: RequestId) -> Option<RequestOutput> {
+        let r = self.scheduler.finish(id)?;
+        let state = self.states.remove(&id)?;
+        Some(self.final_output(id, state, r.num_preemptions, FinishReason::Aborted, String::new(), None))
+    }
+
+    /// Ends every request as `internal` (the backend failed under them); their blocks go back.
+    pub fn fail_all(&mut self) -> Vec<RequestOutput> {
+        let ids: Vec<RequestId> = self.states.keys().copied().collect();
+        let mut outputs = Vec::new();
+        for id in ids {
+            if let (Some(r), Some(state)) = (self.scheduler.finish(id), self.states.remove(&id)) {
+                let reason = FinishReason::Internal;
+                outputs.push(self.final_output(id, state, r.num_preemptions, reason, String::new(), None));
+            }
+        }
+        outputs
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        let kv = self.scheduler.kv();
+        EngineStats {
+            waiting: self.scheduler.num_waiting(),
+            running: self.scheduler.num_running(),
+            kv_blocks_total: kv.pool().total(),
+            kv_blocks_free: kv.num_free_blocks(),
+            prefix_cache: kv.stats(),
+            preemptions: self.scheduler.num_preemptions(),
+            steps: self.steps,
+            drafts: self.drafts,
+        }
+    }
+
+    /// One engine step; outputs of the requests that produced tokens or finished. The phases:
+    /// propose drafts, schedule, prepare the batch, run the model while the grammar masks
+    /// fill, sample (and check the drafts), then update the requests with what was kept.
+    pub fn step(&mut self) -> Result<Vec<RequestOutput>, RuntimeError> {
+        self.propose();
+        let plan = self.scheduler.schedule();
+        if plan.scheduled.is_empty() {
+            return Ok(Vec::new());
+        }
+        let started = Instant::now();
+        let (batch, sampling) = self.prepare_batch(&plan.scheduled);
+        let masks = self.forward_with_masks(&batch, &sampling)?;
+        let runs = self.sample(&sampling, &masks)?;
+        self.steps += 1;
+        let outputs = self.update(&plan.scheduled, &sampling, runs);
+        let tokens = plan.num_tokens();
+        self.step_cost.record(tokens, started.elapsed().as_secs_f64());
+        self.last_step_tokens = tokens - plan.scheduled.iter().map(|s| s.num_drafts).sum::<usize>();
+        Ok(outputs)
+    }
+
+    /// The flattened batch of the scheduled requests' tokens (their drafts last), and the
+    /// requests that sample, with their rows of logits: the last known token's, then each
+    /// draft's.
+    fn prepare_batch(&mut self, scheduled: &[Scheduled]) -> (ForwardBatch, Vec<Sampling>) {
+        let now = Instant::now();
+        let block_size = self.scheduler.kv().block_size();
+        let mut batch = ForwardBatch::default();
+        let mut sampling = Vec::new();
+        for s in scheduled {
+            let r = self.scheduler.request(s.id).expect("scheduled requests exist");
+            let tokens = r.span(s.start, s.num_known(), s.num_drafts);
+            batch.push_sequence(&tokens, s.start, self.scheduler.kv().block_table(s.id), block_size);
+            if s.samples {
+                let end = *batch.query_start.last().expect("just pushed") as usize;
+                sampling.push(Sampling {
+                    s: *s,
+                    first_row: batch.logits_rows.len(),
+                    drafts: r.drafts[..s.num_drafts].to_vec(),
+                });
+                batch
+                    .logits_rows
+                    .extend((end - 1 - s.num_drafts..end).map(|p| p as u32));
+            }
+            let state = self.states.get_mut(&s.id).expect("every request has a state");
+            if state.scheduled_at.is_none() {
+                state.scheduled_at = Some(now);
+                state.metrics.queue = now - state.arrived;
+                state.metrics.cached_tokens = r.num_cached;
+            }
+        }
+        (batch, sampling)
+    }
+
+    /// Queues the forward pass and fills the sampled rows' grammar masks meanwhile (they
+    /// depend only on the tokens accepted so far, and a draft row's on the drafts before it).
+    /// Masks span the grammar's vocabulary, the tokenizer's; a model may have more rows
+    /// (padding, or a stand-in tokenizer for dummy weights), which a mask never allows.
+    fn forward_with_masks(
+        &mut self,
+        batch: &ForwardBatch,
+        sampling: &[Sampling],
+    ) -> Result<Vec<Option<Vec<u32>>>, RuntimeError> {
+        let words = bitmask_words(self.tokenizer.vocab_size());
+        let rows = batch.logits_rows.len();
+        let mut masks: Vec<Option<Vec<u32>>> = vec![None; rows];
+        let mut matchers: Vec<(&Sampling, &mut ContainedMatcher)> = Vec::new();
+        {
+            let by_id: HashMap<RequestId, &Sampling> = sampling.iter().map(|v| (v.s.id, v)).collect();
+            for (id, state) in self.states.iter_mut() {
+                if let (Some(&v), Some(m)) = (by_id.get(id), state.matcher.as_mut()) {
+                    matchers.push((v, m));
+                }
+            }
+        }
+        // The forward pass is queued from this thread (a GPU context is bound to the thread that
+        // made it); the masks are filled on the pool meanwhile.
+        let backend = &mut self.backend;
+        let filled = std::sync::Mutex::new(Vec::with_capacity(rows));
+        let ran = rayon::in_place_scope(|scope| {
+            for (v, m) in matchers {
+                let filled = &filled;
+                scope.spawn(move |_| {
+                    let mut done = Vec::with_capacity(v.rows());
+                    let mut advanced = 0;
+                    for j in 0..v.rows() {
+                        let mut mask = vec![0u32; words];
+                        m.fill_bitmask(&mut mask);
+                        done.push((v.first_row + j, mask));
+                        // A row after a draft the grammar refuses is never reached.
+                        if j == v.drafts.len() || m.accept(v.drafts[j]).is_err() {
+                            break;
+                        }
+                        advanced += 1;
+                    }
+                    let _ = m.rollback(advanced);
+                    filled.lock().unwrap_or_else(|e| e.into_inner()).extend(done);
+                });
+            }
+            backend.run(batch)
+        });
+        let filled = filled.into_inner().unwrap_or_else(|e| e.into_inner());
+        ran?;
+        for (i, mask) in filled {
+            masks[i] = Some(mask);
+        }
+        Ok(masks)
+    }
+
+    /// Each sampling request's run of tokens: the drafts the model agrees with, then its own
+    /// token after them. Where the backend draws on its device, each row's draw goes with it
+    /// (the sampler's parameters and penalties, and the copy bias's mask, as they stand after
+    /// the drafts before the row); the rows it leaves come back as logits for the request's
+    /// sampler.
+    fn sample(
+        &mut self,
+        sampling: &[Sampling],
+        masks: &[Option<Vec<u32>>],
+    ) -> Result<Vec<Vec<SampledToken>>, RuntimeError> {
+        let words = bitmask_words(self.tokenizer.vocab_size());
+        let mut draws: Vec<Option<RowDraw>> = vec![None; masks.len()];
+        if self.backend.draws_on_device() {
+            for v in sampling {
+                let Some(state) = self.states.get_mut(&v.s.id) else {
+                    continue;
+                };
+                let checkpoint = (!v.drafts.is_empty()).then(|| state.sampler.checkpoint());
+                let mut advanced = 0;
+                for j in 0..v.rows() {
+                    draws[v.first_row + j] = Some((state.sampler.device_draw(), copy_prior(state)));
+                    let Some(&draft) = v.drafts.get(j) else { break };
+                    state.sampler.record(draft);
+                    if let Some(m) = state.matcher.as_mut() {
+                        if m.accept(draft).is_err() {
+                            break;
+                        }
+                        advanced += 1;
+                    }
+                }
+                if let Some(m) = state.matcher.as_mut() {
+                    let _ = m.rollback(advanced);
+                }
+                if let Some(c) = checkpoint {
+                    state.sampler.rewind(c);
+                }
+            }
+        }
+        let requests: Vec<RowRequest<'_>> = masks
+            .iter()
+            .zip(&draws)
+            .map(|(mask, draw)| RowRequest {
+                mask: mask.as_deref(),
+                draw: draw.as_ref().map(|(d, copying)| Draw {
+                    params: d.params,
+                    bias: copying.as_ref().map(|(c, b)| (&c[..], *b)),
+                    penalties: &d.penalties,
+                }),
+            })
+            .collect();
+        let decided = self.backend.sample(&requests)?;
+        let mut runs = Vec::with_capacity(sampling.len());
+        for v in sampling {
+            runs.push(self.verify(v, &decided, masks, words)?);
+        }
+        Ok(runs)
+    }
+
+    /// The requests after the step: prefill chunks advance, each run of sampled tokens is
+    /// accepted (then the tokens the grammar forces after it, under jump-forward), and the
+    /// outputs of the requests that produced tokens or finished come back.
+    fn update(
+        &mut self,
+        scheduled: &[Scheduled],
+        sampling: &[Sampling],
+        runs: Vec<Vec<SampledToken>>,
+    ) -> Vec<RequestOutput> {
+        let mut outputs = Vec::new();
+        for s in scheduled {
+            if !s.samples {
+                self.scheduler.update(s, &[]);
+            }
+        }
+        for (v, run) in sampling.iter().zip(runs) {
+            let id = v.s.id;
+            let tokens: Vec<u32> = run.iter().map(|t| t.token).collect();
+            self.scheduler.update(&v.s, &tokens);
+            let mut out: Option<RequestOutput> = None;
+            let n = run.len();
+            for (i, sampled) in run.into_iter().enumerate() {
+                let Some(next) = self.accept(id, sampled, n - 1 - i) else {
+                    break;
+                };
+                let finished = next.finished.is_some();
+                merge(&mut out, next);
+                if finished {
+                    break;
+                }
+            }
+            let Some(o) = out.as_ref() else { continue };
+            if o.finished.is_none() && self.jump_forward {
+                for token in self.forced_tokens(id) {
+                    self.scheduler.append(id, token);
+                    let state = self.states.get_mut(&id).expect("unfinished requests have a state");
+                    let forced = state.sampler.forced(token);
+                    let Some(next) = self.accept(id, forced, 0) else { break };
+                    let finished = next.finished.is_some();
+                    merge(&mut out, next);
+                    if finished {
+                        break;
+                    }
+                }
+            }
+            outputs.extend(out);
+        }
+        outputs
+    }
+
+    /// The tokens a request may still add after the one about to be sampled: its
+    /// `max_tokens` and the context both bound it.
+    fn room_after_next(&self, id: RequestId) -> usize {
+        let (Some(r), Some(state)) = (self.scheduler.request(id), self.states.get(&id)) else {
+            return 0;
+        };
+        let context = self.scheduler.token_limit().saturating_sub(r.num_tokens() + 1);
+        let budget = state.sampler.params().max_tokens.saturating_sub(r.output.len() + 1);
+        context.min(budget)
+    }
+
+    /// The tokens the grammar alone decides after a request's last token (`forced_after`),
+    /// capped by max_tokens and the context.
+    fn forced_tokens(&mut self, id: RequestId) -> Vec<u32> {
+        let Some(r) = self.scheduler.request(id) else {
+            return Vec::new();
+        };
+        let (Some(&last), output_len) = (r.output.last(), r.output.len()) else {
+            return Vec::new();
+        };
+        let room = self.scheduler.token_limit().saturating_sub(r.num_tokens() + 1);
+        let Some(state) = self.states.get_mut(&id) else {
+            return Vec::new();
+        };
+        let room = room.min(state.sampler.params().max_tokens.saturating_sub(output_len));
+        let Some(matcher) = state.matcher.as_mut() else {
+            return Vec::new();
+        };
+        forced_after(&self.tokenizer, matcher, last, room)
+    }
+}
+
+/// A request whose step samples: its rows of logits (the last known token's, then one after
+/// each draft) and the drafts they check.
+struct Sampling {
+    s: Scheduled,
+    /// Its first row among the batch's logits rows.
+    first_row: usize,
+    drafts: Vec<u32>,
+}
+
+impl Sampling {
+    fn rows(&self) -> usize {
+        1 + self.drafts.len()
+    }
+}
