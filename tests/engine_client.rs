@@ -325,8 +325,8 @@ fn thirty_two_concurrent_requests_match_each_alone() {
 
 /// Speculative decoding changes no output: the 32 jobs at once with prompt lookup alone, the
 /// grammar's forced tokens alone (with jump-forward off, where they are guesses to check) and
-/// both, with every prompt chunked and with a pool small enough to preempt; seeded sampling
-/// too. Drafts are checked and many kept, and every block comes back (`run` checks).
+/// both, with every prompt chunked and with a pool small enough to preempt; a draft model;
+/// seeded sampling too. Drafts are checked and many kept, and every block comes back (`run` checks).
 #[test]
 fn speculation_changes_no_output() {
     let Some((backend, tok)) = common::load_backend(8192) else {
@@ -403,6 +403,18 @@ fn speculation_changes_no_output() {
     same_up_to_near_ties(&out, &reference, "forced tokens as drafts, jump-forward off");
     let d = done.stats().drafts;
     assert!(d.grammar_accepted > 20 && d.ngram_proposed == 0, "{d:?}");
+
+    // A draft model: the same model again, as a second backend. Its guess under the request's
+    // mask is the model's own choice (these requests have no penalties), so nearly every
+    // guess is kept; the outputs are those without it.
+    let (draft, _) = common::load_backend(8192).expect("loaded once already");
+    let mut with_model = engine(done.into_backend(), &tok, speculating(false, true, config), None);
+    with_model.set_draft_model(draft);
+    let (out, _, done) = run(with_model, &jobs, &structured, true);
+    same_up_to_near_ties(&out, &alone, "a draft model");
+    let d = done.stats().drafts;
+    eprintln!("a draft model: {d:?}");
+    assert!(d.model_accepted * 10 > d.model_proposed * 8, "{d:?}");
 
     // A seeded draw depends on the request's seed and output position alone, so checking a
     // draft is drawing that position: the same tokens, where the batch cannot move a draw.

@@ -119,6 +119,11 @@ pub struct ModelArgs {
     /// many as each request's recent acceptance and the batch's load make worth it.
     #[arg(long)]
     speculative_always: bool,
+    /// A smaller model with the same tokenizer to guess with (a GGUF file or model
+    /// directory, on the same device, with a KV cache of its own); prompt lookup then stands
+    /// aside.
+    #[arg(long)]
+    speculative_model: Option<PathBuf>,
     /// Take the KV cache's memory at start (servers), not as blocks are first used.
     #[arg(skip)]
     prefault_kv: Prefault,
@@ -245,10 +250,37 @@ impl ModelArgs {
 impl ModelArgs {
     /// The model and tokenizer behind an engine with the default configuration.
     fn engine(&self) -> anyhow::Result<(EngineCore, Arc<Tokenizer>)> {
+        let draft = self.draft_model()?;
         let (backend, tokenizer) = self.load()?;
         let tokenizer = Arc::new(tokenizer);
         let config = self.engine_config()?;
-        Ok((EngineCore::new(backend, tokenizer.clone(), config), tokenizer))
+        let mut engine = EngineCore::new(backend, tokenizer.clone(), config);
+        if let Some(draft) = draft {
+            check_draft(&*draft, &tokenizer)?;
+            engine.set_draft_model(draft);
+        }
+        Ok((engine, tokenizer))
+    }
+
+    /// The model of `--speculative-model`, loaded before the main one (which may take a share
+    /// of the GPU's memory) with a cache of `DRAFT_KV_TOKENS`.
+    pub(crate) fn draft_model(&self) -> anyhow::Result<Option<Box<dyn Backend>>> {
+        let Some(path) = &self.speculative_model else {
+            return Ok(None);
+        };
+        anyhow::ensure!(
+            self.speculative_tokens > 0,
+            "--speculative-model guesses only with --speculative-tokens K (K > 0)"
+        );
+        let options = LoadOptions {
+            kv_cache_tokens: Some(DRAFT_KV_TOKENS),
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_num_seqs: self.max_num_seqs,
+            ..Default::default()
+        };
+        let backend = crate::runtime::load(self.device, path, options)
+            .map_err(|e| anyhow::anyhow!("--speculative-model {}: {e}", path.display()))?;
+        Ok(Some(backend))
     }
 
     /// The model's name as the API reports it: its file name without `.gguf`.
@@ -289,6 +321,20 @@ impl ModelArgs {
         });
         Ok(config)
     }
+}
+
+/// Tokens the draft model's KV cache holds, over every request it drafts for.
+const DRAFT_KV_TOKENS: usize = 1 << 17;
+
+/// A draft model must cover the tokenizer's vocabulary to guess in it.
+pub(crate) fn check_draft(draft: &dyn Backend, tokenizer: &Tokenizer) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        draft.config().vocab_size >= tokenizer.vocab_size(),
+        "--speculative-model has {} tokens, the model's tokenizer {}: they must share the tokenizer",
+        draft.config().vocab_size,
+        tokenizer.vocab_size()
+    );
+    Ok(())
 }
 
 /// Keeps prefix caches of different model files apart.

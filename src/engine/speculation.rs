@@ -41,6 +41,8 @@ pub enum Proposer {
     Ngram,
     /// The constraint's forced tokens.
     Grammar,
+    /// A draft model (`DraftModel`).
+    Model,
 }
 
 /// Draft tokens the model checked, and those it agreed with, per proposer.
@@ -50,6 +52,8 @@ pub struct DraftCounts {
     pub ngram_accepted: usize,
     pub grammar_proposed: usize,
     pub grammar_accepted: usize,
+    pub model_proposed: usize,
+    pub model_accepted: usize,
     /// Steps that checked at least one draft of a request.
     pub checks: usize,
 }
@@ -59,17 +63,18 @@ impl DraftCounts {
         let (proposed, kept) = match by {
             Proposer::Ngram => (&mut self.ngram_proposed, &mut self.ngram_accepted),
             Proposer::Grammar => (&mut self.grammar_proposed, &mut self.grammar_accepted),
+            Proposer::Model => (&mut self.model_proposed, &mut self.model_accepted),
         };
         *proposed += 1;
         *kept += accepted as usize;
     }
 
     pub fn proposed(&self) -> usize {
-        self.ngram_proposed + self.grammar_proposed
+        self.ngram_proposed + self.grammar_proposed + self.model_proposed
     }
 
     pub fn accepted(&self) -> usize {
-        self.ngram_accepted + self.grammar_accepted
+        self.ngram_accepted + self.grammar_accepted + self.model_accepted
     }
 
     pub fn add(&mut self, other: &DraftCounts) {
@@ -77,6 +82,8 @@ impl DraftCounts {
         self.ngram_accepted += other.ngram_accepted;
         self.grammar_proposed += other.grammar_proposed;
         self.grammar_accepted += other.grammar_accepted;
+        self.model_proposed += other.model_proposed;
+        self.model_accepted += other.model_accepted;
         self.checks += other.checks;
     }
 }

@@ -178,6 +178,7 @@ impl Metrics {
         for (proposer, proposed, kept) in [
             ("ngram", d.ngram_proposed, d.ngram_accepted),
             ("grammar", d.grammar_proposed, d.grammar_accepted),
+            ("model", d.model_proposed, d.model_accepted),
         ] {
             let label = ProposerLabel { proposer };
             self.draft_tokens.get_or_create(&label).inc_by(proposed as u64);

@@ -74,7 +74,11 @@ pub fn run(args: LatencyArgs) -> anyhow::Result<()> {
         args.batch_size > 0 && args.iters > 0,
         "--batch-size and --iters must be at least 1"
     );
+    let mut draft = args.model.draft_model()?;
     let (backend, tokenizer, config) = args.model.load_shared()?;
+    if let Some(d) = &draft {
+        crate::cli::check_draft(&**d, &tokenizer)?;
+    }
     let device = backend.device_name();
     // Every iteration gets fresh requests (the warm-up's too): none finds another's prompt
     // cached, unless a case file has fewer cases than requests.
@@ -89,10 +93,18 @@ pub fn run(args: LatencyArgs) -> anyhow::Result<()> {
         speculative: None,
         ..config
     };
-    let (without, backend) = iterate("without speculation", backend, &tokenizer, plain, &jobs, &args)?;
+    let (without, backend) = iterate(
+        "without speculation",
+        backend,
+        &tokenizer,
+        plain,
+        &jobs,
+        &args,
+        &mut draft,
+    )?;
     let mut runs = vec![without];
     if config.speculative.is_some() {
-        let (with, _) = iterate("speculative", backend, &tokenizer, config, &jobs, &args)?;
+        let (with, _) = iterate("speculative", backend, &tokenizer, config, &jobs, &args, &mut draft)?;
         runs.push(with);
     }
     let ratio = runs.get(1).map(|s| s.output_tok_s() / runs[0].output_tok_s());
@@ -146,8 +158,14 @@ fn iterate(
     config: EngineConfig,
     jobs: &[Job],
     args: &LatencyArgs,
+    draft: &mut Option<Box<dyn Backend>>,
 ) -> anyhow::Result<(Run, Box<dyn Backend>)> {
     let mut engine = EngineCore::new(backend, tokenizer.clone(), config);
+    if config.speculative.is_some() {
+        if let Some(d) = draft.take() {
+            engine.set_draft_model(d);
+        }
+    }
     let mut run = Run {
         name,
         seconds: Vec::new(),
@@ -170,6 +188,9 @@ fn iterate(
                 run.outputs.push(c.tokens);
             }
         }
+    }
+    if let Some(d) = engine.take_draft_model() {
+        *draft = Some(d);
     }
     Ok((run, engine.into_backend()))
 }

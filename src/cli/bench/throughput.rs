@@ -105,7 +105,11 @@ pub fn run(mut args: ThroughputArgs) -> anyhow::Result<()> {
             Some(args.num_prompts * (args.input_len + args.output_len.max(MIN_ANSWER_TOKENS) + 1024));
     }
     args.model.prefault_kv = Prefault::AtLoad;
+    let mut draft = args.model.draft_model()?;
     let (backend, tokenizer, config) = args.model.load_shared()?;
+    if let Some(d) = &draft {
+        crate::cli::check_draft(&**d, &tokenizer)?;
+    }
     let device = backend.device_name();
     let jobs = jobs(&args, &tokenizer)?;
     let speculative = config.speculative.is_some();
@@ -115,7 +119,14 @@ pub fn run(mut args: ThroughputArgs) -> anyhow::Result<()> {
     };
     let mut backend = Some(backend);
     let mut pass = |name, config: EngineConfig, jobs: &[Job]| -> anyhow::Result<Pass> {
-        let (p, b) = run_pass(name, backend.take().expect("returned"), &tokenizer, config, jobs)?;
+        let (p, b) = run_pass(
+            name,
+            backend.take().expect("returned"),
+            &tokenizer,
+            config,
+            jobs,
+            &mut draft,
+        )?;
         backend = Some(b);
         Ok(p)
     };
@@ -199,8 +210,14 @@ fn run_pass(
     tokenizer: &Arc<Tokenizer>,
     config: EngineConfig,
     jobs: &[Job],
+    draft: &mut Option<Box<dyn Backend>>,
 ) -> anyhow::Result<(Pass, Box<dyn Backend>)> {
     let mut engine = EngineCore::new(backend, tokenizer.clone(), config);
+    if config.speculative.is_some() {
+        if let Some(d) = draft.take() {
+            engine.set_draft_model(d);
+        }
+    }
     let started = Instant::now();
     for (i, j) in jobs.iter().enumerate() {
         engine.add_request(j.request(i as u64))?;
@@ -225,6 +242,9 @@ fn run_pass(
         }),
         outputs: done.into_iter().map(|c| c.tokens).collect(),
     };
+    if let Some(d) = engine.take_draft_model() {
+        *draft = Some(d);
+    }
     Ok((pass, engine.into_backend()))
 }
 
@@ -251,6 +271,8 @@ pub fn drafts_json(d: &DraftCounts) -> Value {
             "rate": rate(d.ngram_accepted, d.ngram_proposed)},
         "grammar": {"proposed": d.grammar_proposed, "accepted": d.grammar_accepted,
             "rate": rate(d.grammar_accepted, d.grammar_proposed)},
+        "model": {"proposed": d.model_proposed, "accepted": d.model_accepted,
+            "rate": rate(d.model_accepted, d.model_proposed)},
         "checks": d.checks,
         "mean_accepted": (d.checks > 0).then(|| d.accepted() as f64 / d.checks as f64),
     })
@@ -262,6 +284,7 @@ pub fn print_drafts(what: &str, d: &DraftCounts) {
     for (name, proposed, kept) in [
         ("prompt lookup", d.ngram_proposed, d.ngram_accepted),
         ("grammar", d.grammar_proposed, d.grammar_accepted),
+        ("draft model", d.model_proposed, d.model_accepted),
     ] {
         if proposed > 0 {
             println!(

@@ -28,7 +28,7 @@ use super::contained::ContainedMatcher;
 use super::detokenizer::Detokenizer;
 use super::kv_cache_manager::{KvCacheManager, RequestId};
 use super::proposers::forced_after;
-use super::proposers::NgramProposer;
+use super::proposers::{DraftModel, NgramProposer};
 use super::scheduler::{AdmitError, Scheduled, Scheduler, SchedulerConfig};
 use super::speculation::{Acceptance, DraftCounts, SpeculativeConfig, StepCost};
 use super::stop::StopStrings;
@@ -111,6 +111,8 @@ pub struct EngineCore {
     ngram: NgramProposer,
     /// Every request's draft counts so far.
     drafts: DraftCounts,
+    /// Guesses tokens where the engine speculates with a draft model.
+    draft_model: Option<DraftModel>,
     /// What a step costs against its tokens, measured as steps run.
     step_cost: StepCost,
     /// Tokens in the last step, drafts aside.
@@ -147,9 +149,21 @@ impl EngineCore {
             speculative: config.speculative.filter(|c| c.tokens > 0 && (c.ngram || c.grammar)),
             ngram: NgramProposer::default(),
             drafts: DraftCounts::default(),
+            draft_model: None,
             step_cost: StepCost::default(),
             last_step_tokens: 0,
         }
+    }
+
+    /// Speculates with `backend`, a smaller model with the same tokenizer, as the proposer
+    /// (where `EngineConfig::speculative` is on): it guesses, this engine's model checks.
+    pub fn set_draft_model(&mut self, backend: Box<dyn Backend>) {
+        self.draft_model = Some(DraftModel::new(backend));
+    }
+
+    /// The draft model's backend back (a benchmark moves it between engines).
+    pub fn take_draft_model(&mut self) -> Option<Box<dyn Backend>> {
+        self.draft_model.take().map(DraftModel::into_backend)
     }
 
     pub fn scheduler(&self) -> &Scheduler {
@@ -290,7 +304,7 @@ impl EngineCore {
     /// propose drafts, schedule, prepare the batch, run the model while the grammar masks
     /// fill, sample (and check the drafts), then update the requests with what was kept.
     pub fn step(&mut self) -> Result<Vec<RequestOutput>, RuntimeError> {
-        self.propose();
+        self.propose()?;
         let plan = self.scheduler.schedule();
         if plan.scheduled.is_empty() {
             return Ok(Vec::new());

@@ -1,19 +1,24 @@
 //! Guessing tokens ahead: each decoding request's drafts for the next step, from the
 //! proposers the engine speculates with, as many as pay for themselves.
 
+use quarry_grammar::bitmask_words;
+
 use super::EngineCore;
 use crate::engine::kv_cache_manager::RequestId;
-use crate::engine::proposers::forced_after;
+use crate::engine::proposers::{forced_after, DraftRow};
 use crate::engine::speculation::{drafts_worth, Proposer, SpeculativeConfig};
+use crate::runtime::RuntimeError;
 
 impl EngineCore {
     /// Gives each decoding request its drafts for the next step, where the engine speculates:
-    /// as many as pay for themselves (`SpeculativeConfig::adaptive`).
-    pub(super) fn propose(&mut self) {
-        let Some(config) = self.speculative else { return };
+    /// as many as pay for themselves (`SpeculativeConfig::adaptive`), from the draft model
+    /// where there is one, else from prompt lookup and the grammar.
+    pub(super) fn propose(&mut self) -> Result<(), RuntimeError> {
+        let Some(config) = self.speculative else { return Ok(()) };
         let running = self.scheduler.running().to_vec();
         let share = self.step_cost.marginal_share(self.last_step_tokens.max(running.len()));
-        for id in running {
+        let mut wanted = Vec::new();
+        for &id in &running {
             let Some(state) = self.states.get_mut(&id) else {
                 continue;
             };
@@ -28,13 +33,134 @@ impl EngineCore {
             };
             if k == 0 {
                 state.acceptance.forget();
+                state.draft_sources.clear();
+                self.scheduler.set_drafts(id, Vec::new());
+            } else {
+                wanted.push((id, k));
             }
+        }
+        if let Some(model) = self.draft_model.as_mut() {
+            model.retain(&running);
+            return self.model_drafts(&wanted, config);
+        }
+        for (id, k) in wanted {
             let (drafts, sources) = self.drafts(id, k, config);
             if let Some(state) = self.states.get_mut(&id) {
                 state.draft_sources = sources;
             }
             self.scheduler.set_drafts(id, drafts);
         }
+        Ok(())
+    }
+
+    /// The draft model's guesses for the requests in `wanted` (id, most drafts), one pass of
+    /// it per guess for all of them at once, each under its constraint's mask; the grammar's
+    /// forced tokens go in where it forces text, as in `drafts`.
+    fn model_drafts(&mut self, wanted: &[(RequestId, usize)], config: SpeculativeConfig) -> Result<(), RuntimeError> {
+        struct Seq {
+            id: RequestId,
+            tokens: Vec<u32>,
+            known: usize,
+            k: usize,
+            sources: Vec<Proposer>,
+            mask: Option<Vec<u32>>,
+            open: bool,
+        }
+        let words = bitmask_words(self.tokenizer.vocab_size());
+        let forcing = config.grammar || self.jump_forward;
+        let mut seqs = Vec::new();
+        for &(id, k) in wanted {
+            let room = self.room_after_next(id);
+            let (Some(r), Some(state)) = (self.scheduler.request(id), self.states.get(&id)) else {
+                continue;
+            };
+            let tokens = r.all_tokens();
+            let open = !r.output.is_empty() && state.sampler.params().speculate && room > 0;
+            seqs.push(Seq {
+                id,
+                known: tokens.len(),
+                tokens,
+                k: k.min(room),
+                sources: Vec::new(),
+                mask: None,
+                open,
+            });
+        }
+        let mut failed = None;
+        loop {
+            // Forced text first, then the mask the model's guess is held to.
+            for s in seqs.iter_mut().filter(|s| s.open) {
+                let state = self.states.get_mut(&s.id).expect("running requests have a state");
+                let Some(m) = state.matcher.as_mut() else { continue };
+                let drafted = s.tokens.len() - s.known;
+                if forcing && (config.grammar || drafted > 0) {
+                    let last = *s.tokens.last().expect("the output is not empty");
+                    for t in forced_after(&self.tokenizer, m, last, s.k - drafted) {
+                        if m.accept(t).is_err() {
+                            s.open = false;
+                            break;
+                        }
+                        s.tokens.push(t);
+                        s.sources.push(Proposer::Grammar);
+                    }
+                }
+                s.open &= s.tokens.len() - s.known < s.k;
+                if s.open {
+                    let mut mask = vec![0u32; words];
+                    m.fill_bitmask(&mut mask);
+                    s.mask = Some(mask);
+                }
+            }
+            let open: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].open).collect();
+            if open.is_empty() {
+                break;
+            }
+            let model = self.draft_model.as_mut().expect("drafting with a model");
+            let rows: Vec<DraftRow<'_>> = open
+                .iter()
+                .map(|&i| DraftRow {
+                    id: seqs[i].id,
+                    tokens: &seqs[i].tokens,
+                    mask: seqs[i].mask.as_deref(),
+                })
+                .collect();
+            let next = match model.next_tokens(&rows) {
+                Ok(next) => next,
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            };
+            for (&i, token) in open.iter().zip(next) {
+                let s = &mut seqs[i];
+                let Some(t) = token else {
+                    s.open = false;
+                    continue;
+                };
+                let state = self.states.get_mut(&s.id).expect("running requests have a state");
+                if let Some(m) = state.matcher.as_mut() {
+                    if m.accept(t).is_err() {
+                        s.open = false;
+                        continue;
+                    }
+                    s.open &= !m.is_finished();
+                }
+                s.tokens.push(t);
+                s.sources.push(Proposer::Model);
+                s.open &= s.tokens.len() - s.known < s.k;
+            }
+        }
+        // The constraints back where the known tokens leave them; the drafts to the scheduler.
+        for s in seqs {
+            let drafted = s.tokens.len() - s.known;
+            let state = self.states.get_mut(&s.id).expect("running requests have a state");
+            if let Some(m) = state.matcher.as_mut() {
+                let _ = m.rollback(drafted);
+            }
+            state.draft_sources = s.sources;
+            self.scheduler.set_drafts(s.id, s.tokens[s.known..].to_vec());
+        }
+        failed.map_or(Ok(()), Err)
     }
 
     /// Up to `k` guesses of a request's next tokens, within what it may still add,
