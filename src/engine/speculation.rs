@@ -127,6 +127,14 @@ impl StepCost {
         (a > 0.0 && b >= 0.0).then_some((a, b))
     }
 
+    /// What a step of `tokens` tokens takes, in seconds, once any step has run.
+    pub fn step_seconds(&self, tokens: usize) -> Option<f64> {
+        match self.fit() {
+            Some((a, b)) => Some(a + b * tokens as f64),
+            None => (self.weight > 0.0).then(|| self.y / self.weight),
+        }
+    }
+
     /// What one more token adds to a step of `tokens` tokens, as a share of that step.
     pub fn marginal_share(&self, tokens: usize) -> f64 {
         let tokens = tokens.max(1) as f64;
@@ -169,10 +177,11 @@ impl Acceptance {
 }
 
 /// How many drafts a request should have checked: the largest `k` (at most `max`) whose
-/// chance of being kept, `rate^k`, exceeds its cost, `share` of a step for each of the
-/// `waiting` requests the step serves.
-pub fn drafts_worth(rate: f64, waiting: usize, share: f64, max: usize) -> usize {
-    let cost = share * waiting.max(1) as f64;
+/// chance of being kept, `rate^k`, exceeds its cost: `share` of a step for each of the
+/// `waiting` requests the step serves, and `per_draft` of a step more to make each guess (a
+/// draft model's pass, as a share of the step; 0 for guesses that cost nothing to make).
+pub fn drafts_worth(rate: f64, waiting: usize, share: f64, per_draft: f64, max: usize) -> usize {
+    let cost = share * waiting.max(1) as f64 + per_draft;
     let mut kept = 1.0;
     for k in 1..=max {
         kept *= rate;
@@ -235,13 +244,17 @@ mod tests {
     #[test]
     fn drafts_are_worth_checking_while_kept_more_often_than_they_cost() {
         // At batch 1 with a cheap extra token, a good copier drafts the most.
-        assert_eq!(drafts_worth(0.9, 1, 0.05, 8), 8);
+        assert_eq!(drafts_worth(0.9, 1, 0.05, 0.0, 8), 8);
         // 0.7^k > 0.2 up to k = 4 (0.24), not 5 (0.168).
-        assert_eq!(drafts_worth(0.7, 1, 0.2, 8), 4);
+        assert_eq!(drafts_worth(0.7, 1, 0.2, 0.0, 8), 4);
         // The same request in a batch of 32 where a token costs 3% of the step: 0.7 < 0.96.
-        assert_eq!(drafts_worth(0.7, 32, 0.03, 8), 0);
+        assert_eq!(drafts_worth(0.7, 32, 0.03, 0.0, 8), 0);
         // 0.99^4 = 0.9606 > 0.96, 0.99^5 = 0.951.
-        assert_eq!(drafts_worth(0.99, 32, 0.03, 8), 4);
-        assert_eq!(drafts_worth(0.5, 1, 0.2, 0), 0);
+        assert_eq!(drafts_worth(0.99, 32, 0.03, 0.0, 8), 4);
+        assert_eq!(drafts_worth(0.5, 1, 0.2, 0.0, 0), 0);
+        // Checking is free (a memory-bound step) but each guess takes a draft model's pass of
+        // a quarter of the step: 0.7^3 = 0.343 > 0.25 > 0.7^4 = 0.24.
+        assert_eq!(drafts_worth(0.7, 1, 0.0, 0.25, 8), 3);
+        assert_eq!(drafts_worth(0.2, 1, 0.0, 0.25, 8), 0);
     }
 }

@@ -16,7 +16,16 @@ impl EngineCore {
     pub(super) fn propose(&mut self) -> Result<(), RuntimeError> {
         let Some(config) = self.speculative else { return Ok(()) };
         let running = self.scheduler.running().to_vec();
-        let share = self.step_cost.marginal_share(self.last_step_tokens.max(running.len()));
+        let tokens = self.last_step_tokens.max(running.len());
+        let share = self.step_cost.marginal_share(tokens);
+        // A draft model's guess costs its pass, a share of the step it saves.
+        let per_draft = match (
+            self.draft_model.as_ref().and_then(|d| d.pass_seconds()),
+            self.step_cost.step_seconds(tokens),
+        ) {
+            (Some(pass), Some(step)) if step > 0.0 => pass / step,
+            _ => 0.0,
+        };
         let mut wanted = Vec::new();
         for &id in &running {
             let Some(state) = self.states.get_mut(&id) else {
@@ -27,6 +36,7 @@ impl EngineCore {
                     state.acceptance.rate(),
                     self.scheduler.num_running(),
                     share,
+                    per_draft,
                     config.tokens,
                 ),
                 false => config.tokens,

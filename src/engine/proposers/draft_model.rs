@@ -16,6 +16,8 @@ pub struct DraftModel {
     kv: KvCacheManager,
     /// Per request, the tokens whose keys and values the draft's cache holds, in order.
     held: HashMap<RequestId, Vec<u32>>,
+    /// A pass's time, recent passes weighing most: what a guess costs.
+    pass_seconds: Option<f64>,
 }
 
 /// One request's next guess: all its tokens so far (known, then drafted), and the grammar's
@@ -33,7 +35,13 @@ impl DraftModel {
             kv: KvCacheManager::new(BlockPool::new(layout.num_blocks), layout.block_size, 0, false),
             backend,
             held: HashMap::new(),
+            pass_seconds: None,
         }
+    }
+
+    /// What one pass (one more guess for every drafting request) takes, once one has run.
+    pub fn pass_seconds(&self) -> Option<f64> {
+        self.pass_seconds
     }
 
     pub fn into_backend(self) -> Box<dyn Backend> {
@@ -75,6 +83,7 @@ impl DraftModel {
         if batch.logits_rows.is_empty() {
             return Ok(vec![None; rows.len()]);
         }
+        let started = std::time::Instant::now();
         self.backend.run(&batch)?;
         let greedy = Draw {
             params: DrawParams {
@@ -114,6 +123,8 @@ impl DraftModel {
             });
             i += 1;
         }
+        let took = started.elapsed().as_secs_f64();
+        self.pass_seconds = Some(self.pass_seconds.map_or(took, |s| 0.8 * s + 0.2 * took));
         Ok(next)
     }
 }
