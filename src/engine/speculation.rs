@@ -156,6 +156,9 @@ pub struct Acceptance {
 /// Each check's weight falls by this factor per later check, so a request that moves from
 /// copying to writing on its own (or back) is followed within a few steps.
 const ACCEPTANCE_DECAY: f64 = 0.8;
+/// The same per step without drafts: a request that stopped drafting tries again after some
+/// tens of steps.
+const FORGET_DECAY: f64 = 0.97;
 
 impl Acceptance {
     pub fn rate(&self) -> f64 {
@@ -169,10 +172,10 @@ impl Acceptance {
     }
 
     /// A step without drafts: the evidence ages, so a request once judged not worth drafting
-    /// for is tried again later.
+    /// for is tried again later: slowly, since every try costs the whole batch a little.
     pub fn forget(&mut self) {
-        self.kept *= ACCEPTANCE_DECAY;
-        self.checked *= ACCEPTANCE_DECAY;
+        self.kept *= FORGET_DECAY;
+        self.checked *= FORGET_DECAY;
     }
 }
 
@@ -235,7 +238,11 @@ mod tests {
             a.record(4, 0);
         }
         assert!(a.rate() < 0.25, "{}", a.rate());
-        for _ in 0..40 {
+        for _ in 0..10 {
+            a.forget();
+        }
+        assert!(a.rate() < 0.3, "not tried again at once: {}", a.rate());
+        for _ in 0..200 {
             a.forget();
         }
         assert!((a.rate() - 0.5).abs() < 0.01, "{}", a.rate());
