@@ -1,10 +1,10 @@
-//! When speculation pays. A draft token costs a share of the step it rides in, paid by every
-//! request in the batch, and gains only where the model agrees with it and with every draft
-//! before it. So the k-th draft of a request is worth checking when the chance of keeping it
-//! (its acceptance rate to the k-th power) exceeds what it costs the batch: the share of the
-//! step one more token takes, times the requests that wait for the step. At batch 1 on a
-//! memory-bound device that cost is small; in a full, compute-bound batch it is close to the
-//! whole token, and nobody speculates.
+//! When speculation pays. A draft costs a share of the step it rides in (one more token, one
+//! more row of logits to mask and draw), paid by every request in the batch, and gains only
+//! where the model agrees with it and with every draft before it. So the k-th draft of a
+//! request is worth checking when the chance of keeping it (its acceptance rate to the k-th
+//! power) exceeds what it costs the batch: the share of the step one more row takes, times the
+//! requests that wait for the step. At batch 1 on a memory-bound device that cost is small; in
+//! a full, compute-bound batch it is close to the whole row, and nobody speculates.
 
 /// Speculative decoding: which proposers guess a request's next tokens, and how many.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -18,7 +18,7 @@ pub struct SpeculativeConfig {
     /// jump-forward is off.
     pub grammar: bool,
     /// Draft only as many tokens as pay for themselves, judged from each request's recent
-    /// acceptance and the measured cost of a token in a step as large as the batch
+    /// acceptance and the measured cost of a row in a step as large as the batch
     /// (`speculation::drafts_worth`); otherwise always up to `tokens`.
     pub adaptive: bool,
 }
@@ -88,9 +88,9 @@ impl DraftCounts {
     }
 }
 
-/// Step time against the tokens in the step's batch, `a + b * tokens`, fitted by least
-/// squares over recent steps (older ones weigh less), so the model, the device and the batch
-/// shapes of this run decide it.
+/// Decoding step time against the rows of logits the step samples, `a + b * rows`, fitted by
+/// least squares over recent steps (older ones weigh less), so the model, the device and the
+/// batch shapes of this run decide it.
 #[derive(Debug, Clone, Default)]
 pub struct StepCost {
     weight: f64,
@@ -102,13 +102,13 @@ pub struct StepCost {
 
 /// Each step's weight in the fit falls by this factor per later step.
 const DECAY: f64 = 0.98;
-/// Before the fit can tell (too few steps, or all of one size): one more token costs this
-/// share of a step of one token.
+/// Before the fit can tell (too few steps, or all of one size): one more row costs this share
+/// of a step of one row.
 const PRIOR_SHARE: f64 = 0.25;
 
 impl StepCost {
-    pub fn record(&mut self, tokens: usize, seconds: f64) {
-        let (x, y) = (tokens as f64, seconds);
+    pub fn record(&mut self, rows: usize, seconds: f64) {
+        let (x, y) = (rows as f64, seconds);
         self.weight = self.weight * DECAY + 1.0;
         self.x = self.x * DECAY + x;
         self.y = self.y * DECAY + y;
@@ -127,20 +127,20 @@ impl StepCost {
         (a > 0.0 && b >= 0.0).then_some((a, b))
     }
 
-    /// What a step of `tokens` tokens takes, in seconds, once any step has run.
-    pub fn step_seconds(&self, tokens: usize) -> Option<f64> {
+    /// What a step of `rows` rows takes, in seconds, once any step has run.
+    pub fn step_seconds(&self, rows: usize) -> Option<f64> {
         match self.fit() {
-            Some((a, b)) => Some(a + b * tokens as f64),
+            Some((a, b)) => Some(a + b * rows as f64),
             None => (self.weight > 0.0).then(|| self.y / self.weight),
         }
     }
 
-    /// What one more token adds to a step of `tokens` tokens, as a share of that step.
-    pub fn marginal_share(&self, tokens: usize) -> f64 {
-        let tokens = tokens.max(1) as f64;
+    /// What one more row adds to a step of `rows` rows, as a share of that step.
+    pub fn marginal_share(&self, rows: usize) -> f64 {
+        let rows = rows.max(1) as f64;
         match self.fit() {
-            Some((a, b)) => b / (a + b * tokens),
-            None => PRIOR_SHARE / (1.0 + PRIOR_SHARE * (tokens - 1.0)),
+            Some((a, b)) => b / (a + b * rows),
+            None => PRIOR_SHARE / (1.0 + PRIOR_SHARE * (rows - 1.0)),
         }
     }
 }
@@ -207,10 +207,10 @@ mod tests {
             "the prior before any step"
         );
         for i in 0..50 {
-            let tokens = 1 + i % 9;
-            cost.record(tokens, 0.004 + 0.001 * tokens as f64);
+            let rows = 1 + i % 9;
+            cost.record(rows, 0.004 + 0.001 * rows as f64);
         }
-        // a = 4 ms, b = 1 ms: one more token on a 1-token step is 1/5 of it, on 31 tokens 1/35.
+        // a = 4 ms, b = 1 ms: one more row on a 1-row step is 1/5 of it, on 31 rows 1/35.
         assert!(
             (cost.marginal_share(1) - 0.2).abs() < 1e-6,
             "{}",

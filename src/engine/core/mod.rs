@@ -113,10 +113,8 @@ pub struct EngineCore {
     drafts: DraftCounts,
     /// Guesses tokens where the engine speculates with a draft model.
     draft_model: Option<DraftModel>,
-    /// What a step costs against its tokens, measured as steps run.
+    /// What a decoding step costs against its sampled rows, measured as steps run.
     step_cost: StepCost,
-    /// Tokens in the last step, drafts aside.
-    last_step_tokens: usize,
 }
 
 impl EngineCore {
@@ -151,7 +149,6 @@ impl EngineCore {
             drafts: DraftCounts::default(),
             draft_model: None,
             step_cost: StepCost::default(),
-            last_step_tokens: 0,
         }
     }
 
@@ -315,9 +312,12 @@ impl EngineCore {
         let runs = self.sample(&sampling, &masks)?;
         self.steps += 1;
         let outputs = self.update(&plan.scheduled, &sampling, runs);
-        let tokens = plan.num_tokens();
-        self.step_cost.record(tokens, started.elapsed().as_secs_f64());
-        self.last_step_tokens = tokens - plan.scheduled.iter().map(|s| s.num_drafts).sum::<usize>();
+        // Decoding steps only: a prompt's tokens cost far less each than a sampled row (no
+        // logits, no mask, no draw), so they would hide what a draft costs.
+        let rows = batch.logits_rows.len();
+        if plan.scheduled.iter().all(|s| s.samples) && plan.num_tokens() <= 2 * rows {
+            self.step_cost.record(rows, started.elapsed().as_secs_f64());
+        }
         Ok(outputs)
     }
 

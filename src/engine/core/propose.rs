@@ -16,12 +16,13 @@ impl EngineCore {
     pub(super) fn propose(&mut self) -> Result<(), RuntimeError> {
         let Some(config) = self.speculative else { return Ok(()) };
         let running = self.scheduler.running().to_vec();
-        let tokens = self.last_step_tokens.max(running.len());
-        let share = self.step_cost.marginal_share(tokens);
+        // A decoding step samples a row per running request, and one more per draft.
+        let rows = running.len();
+        let share = self.step_cost.marginal_share(rows);
         // A draft model's guess costs its pass, a share of the step it saves.
         let per_draft = match (
             self.draft_model.as_ref().and_then(|d| d.pass_seconds()),
-            self.step_cost.step_seconds(tokens),
+            self.step_cost.step_seconds(rows),
         ) {
             (Some(pass), Some(step)) if step > 0.0 => pass / step,
             _ => 0.0,
