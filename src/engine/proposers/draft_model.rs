@@ -123,8 +123,11 @@ impl DraftModel {
             });
             i += 1;
         }
-        let took = started.elapsed().as_secs_f64();
-        self.pass_seconds = Some(self.pass_seconds.map_or(took, |s| 0.8 * s + 0.2 * took));
+        // A guess's cost is a decoding pass's: one that catches up with prompts costs more, once.
+        if batch.num_tokens() <= 2 * batch.logits_rows.len() {
+            let took = started.elapsed().as_secs_f64();
+            self.pass_seconds = Some(self.pass_seconds.map_or(took, |s| 0.8 * s + 0.2 * took));
+        }
         Ok(next)
     }
 }
