@@ -14,7 +14,10 @@ impl EngineCore {
     /// (penalties, copy prior, the budget's room), as long as the token drawn is the draft the
     /// row checks: those drafts and the first token that differs (or the one after the last
     /// draft) make the run. Drawing a row is what decoding without drafts does at that
-    /// position, so the run is the output it would give, greedy or seeded. Under jump-forward,
+    /// position, so the run is the output it would give, greedy or seeded. (Every proposer
+    /// guesses one token, not a distribution; for such a guess, keeping it exactly when the
+    /// draw equals it is rejection sampling: kept with the target's probability of it, else a
+    /// draw from the rest.) Under jump-forward,
     /// forced tokens after a kept draft are kept where the drafts spell them as `update`
     /// would; where they do not, the run ends and `update` appends them.
     pub(super) fn verify(
