@@ -7,8 +7,11 @@ use std::path::Path;
 use serde_json::Value;
 
 use super::{bench_prompt, workload};
-use crate::engine::{CompiledConstraint, EngineRequest, StructuredOutputs};
+use std::sync::Arc;
+
+use crate::engine::{CompiledConstraint, EngineConfig, EngineCore, EngineRequest, StructuredOutputs};
 use crate::extract::Task;
+use crate::runtime::Backend;
 use crate::sampling::SamplingParams;
 use crate::tokenizer::Tokenizer;
 
@@ -96,4 +99,29 @@ pub fn cases(path: &Path, max_tokens: usize, tokenizer: &Tokenizer) -> anyhow::R
     }
     anyhow::ensure!(!jobs.is_empty(), "{}: no cases", path.display());
     Ok(jobs)
+}
+
+/// A fresh engine over `backend` (an empty prefix cache); where `config` speculates, it
+/// guesses with the draft model in `draft`, which `into_backend` gives back.
+pub fn engine(
+    backend: Box<dyn Backend>,
+    tokenizer: &Arc<Tokenizer>,
+    config: EngineConfig,
+    draft: &mut Option<Box<dyn Backend>>,
+) -> EngineCore {
+    let mut engine = EngineCore::new(backend, tokenizer.clone(), config);
+    if config.speculative.is_some() {
+        if let Some(d) = draft.take() {
+            engine.set_draft_model(d);
+        }
+    }
+    engine
+}
+
+/// The engine's backend, its draft model back in `draft`.
+pub fn into_backend(mut engine: EngineCore, draft: &mut Option<Box<dyn Backend>>) -> Box<dyn Backend> {
+    if let Some(d) = engine.take_draft_model() {
+        *draft = Some(d);
+    }
+    engine.into_backend()
 }

@@ -15,7 +15,7 @@ use super::jobs::{self, Job};
 use super::percentile;
 use super::throughput::{differing, drafts_json, print_drafts, same_outputs_line, Workload};
 use crate::cli::ModelArgs;
-use crate::engine::{DraftCounts, EngineConfig, EngineCore};
+use crate::engine::{DraftCounts, EngineConfig};
 use crate::runtime::Backend;
 use crate::tokenizer::Tokenizer;
 
@@ -160,12 +160,7 @@ fn iterate(
     args: &LatencyArgs,
     draft: &mut Option<Box<dyn Backend>>,
 ) -> anyhow::Result<(Run, Box<dyn Backend>)> {
-    let mut engine = EngineCore::new(backend, tokenizer.clone(), config);
-    if config.speculative.is_some() {
-        if let Some(d) = draft.take() {
-            engine.set_draft_model(d);
-        }
-    }
+    let mut engine = jobs::engine(backend, tokenizer, config, draft);
     let mut run = Run {
         name,
         seconds: Vec::new(),
@@ -189,8 +184,5 @@ fn iterate(
             }
         }
     }
-    if let Some(d) = engine.take_draft_model() {
-        *draft = Some(d);
-    }
-    Ok((run, engine.into_backend()))
+    Ok((run, jobs::into_backend(engine, draft)))
 }

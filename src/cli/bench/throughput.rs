@@ -16,7 +16,7 @@ use serde_json::{json, Value};
 use super::jobs::{self, Job};
 use super::{bench_prompt, median, percentile};
 use crate::cli::ModelArgs;
-use crate::engine::{DraftCounts, EngineConfig, EngineCore};
+use crate::engine::{DraftCounts, EngineConfig};
 use crate::runtime::cpu::Prefault;
 use crate::runtime::Backend;
 use crate::tokenizer::Tokenizer;
@@ -212,12 +212,7 @@ fn run_pass(
     jobs: &[Job],
     draft: &mut Option<Box<dyn Backend>>,
 ) -> anyhow::Result<(Pass, Box<dyn Backend>)> {
-    let mut engine = EngineCore::new(backend, tokenizer.clone(), config);
-    if config.speculative.is_some() {
-        if let Some(d) = draft.take() {
-            engine.set_draft_model(d);
-        }
-    }
+    let mut engine = jobs::engine(backend, tokenizer, config, draft);
     let started = Instant::now();
     for (i, j) in jobs.iter().enumerate() {
         engine.add_request(j.request(i as u64))?;
@@ -242,10 +237,7 @@ fn run_pass(
         }),
         outputs: done.into_iter().map(|c| c.tokens).collect(),
     };
-    if let Some(d) = engine.take_draft_model() {
-        *draft = Some(d);
-    }
-    Ok((pass, engine.into_backend()))
+    Ok((pass, jobs::into_backend(engine, draft)))
 }
 
 /// How many outputs of two runs of the same requests differ. Speculation changes no output

@@ -4,10 +4,12 @@
 use quarry_grammar::bitmask_words;
 
 use super::EngineCore;
+use crate::engine::contained::ContainedMatcher;
 use crate::engine::kv_cache_manager::RequestId;
 use crate::engine::proposers::{forced_after, DraftRow};
 use crate::engine::speculation::{drafts_worth, Proposer, SpeculativeConfig};
 use crate::runtime::RuntimeError;
+use crate::tokenizer::Tokenizer;
 
 impl EngineCore {
     /// Gives each decoding request its drafts for the next step, where the engine speculates:
@@ -105,15 +107,8 @@ impl EngineCore {
                 let Some(m) = state.matcher.as_mut() else { continue };
                 let drafted = s.tokens.len() - s.known;
                 if forcing && (config.grammar || drafted > 0) {
-                    let last = *s.tokens.last().expect("the output is not empty");
-                    for t in forced_after(&self.tokenizer, m, last, s.k - drafted) {
-                        if m.accept(t).is_err() {
-                            s.open = false;
-                            break;
-                        }
-                        s.tokens.push(t);
-                        s.sources.push(Proposer::Grammar);
-                    }
+                    let left = s.k - drafted;
+                    s.open &= push_forced(&self.tokenizer, m, &mut s.tokens, &mut s.sources, left).is_some();
                 }
                 s.open &= s.tokens.len() - s.known < s.k;
                 if s.open {
@@ -181,9 +176,6 @@ impl EngineCore {
     /// append, so that checking them gives the output it would.
     fn drafts(&mut self, id: RequestId, k: usize, config: SpeculativeConfig) -> (Vec<u32>, Vec<Proposer>) {
         let none = (Vec::new(), Vec::new());
-        if k == 0 {
-            return none;
-        }
         let room = self.room_after_next(id);
         let (Some(r), Some(state)) = (self.scheduler.request(id), self.states.get_mut(&id)) else {
             return none;
@@ -200,19 +192,12 @@ impl EngineCore {
         let forcing = config.grammar || self.jump_forward;
         'propose: while context.len() - known < k {
             let left = k - (context.len() - known);
-            let last = *context.last().expect("the output is not empty");
             if let Some(m) = matcher.as_deref_mut().filter(|_| forcing) {
                 if config.grammar || context.len() > known {
-                    let forced = forced_after(&self.tokenizer, m, last, left);
-                    if !forced.is_empty() {
-                        for t in forced {
-                            if m.accept(t).is_err() {
-                                break 'propose;
-                            }
-                            context.push(t);
-                            sources.push(Proposer::Grammar);
-                        }
-                        continue;
+                    match push_forced(&self.tokenizer, m, &mut context, &mut sources, left) {
+                        None => break 'propose,
+                        Some(0) => {}
+                        Some(_) => continue,
                     }
                 }
             }
@@ -248,4 +233,24 @@ impl EngineCore {
         }
         (context.split_off(known), sources)
     }
+}
+
+/// Appends the tokens the grammar forces after the last of `tokens` (at most `left`), each
+/// accepted by the matcher, as the grammar's drafts: how many, or `None` where the matcher
+/// refused one (no draft may follow).
+fn push_forced(
+    tokenizer: &Tokenizer,
+    m: &mut ContainedMatcher,
+    tokens: &mut Vec<u32>,
+    sources: &mut Vec<Proposer>,
+    left: usize,
+) -> Option<usize> {
+    let last = *tokens.last().expect("drafts follow a known token");
+    let forced = forced_after(tokenizer, m, last, left);
+    for &t in &forced {
+        m.accept(t).ok()?;
+        tokens.push(t);
+        sources.push(Proposer::Grammar);
+    }
+    Some(forced.len())
 }

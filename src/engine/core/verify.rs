@@ -92,12 +92,13 @@ impl EngineCore {
             if !v.drafts[j..].starts_with(&forced) {
                 break Ok(());
             }
-            for &t in &forced {
-                if m.accept(t).is_err() {
-                    break;
-                }
-                advanced += 1;
-                run.push(state.sampler.forced(t));
+            // Forced tokens come from the matcher itself; a refusal ends the run, so rows stay
+            // in step with the drafts.
+            let kept = forced.iter().take_while(|&&t| m.accept(t).is_ok()).count();
+            advanced += kept;
+            run.extend(forced[..kept].iter().map(|&t| state.sampler.forced(t)));
+            if kept < forced.len() {
+                break Ok(());
             }
             j += forced.len();
             if run.len() > room {
