@@ -45,6 +45,11 @@ pub struct QualityArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
+    /// With --show, also print every sampled token with its log-probability and this many
+    /// alternatives (the model's own, before mask and biases): where a wrong value was a
+    /// near-tie and where the model was sure.
+    #[arg(long)]
+    logprobs: Option<usize>,
     /// Where the schema and the document sit in the prompt.
     #[arg(long, value_enum)]
     layout: Option<PromptLayout>,
@@ -88,6 +93,8 @@ struct Row {
     tokens: usize,
     ms: f64,
     text: String,
+    /// One line per sampled token, when --logprobs asked for them.
+    trace: Vec<String>,
 }
 
 pub fn run(args: QualityArgs) -> anyhow::Result<()> {
@@ -143,6 +150,7 @@ fn run_cases(args: &QualityArgs, cases: &[Case]) -> anyhow::Result<Vec<Row>> {
                 dry: dry(args, base.dry.clone()),
                 verbatim: args.verbatim.unwrap_or(base.verbatim),
                 copy_bias: args.copy_bias.unwrap_or(base.copy_bias),
+                logprobs: args.logprobs,
                 ..base
             }
         })
@@ -188,6 +196,7 @@ fn run_cases(args: &QualityArgs, cases: &[Case]) -> anyhow::Result<Vec<Row>> {
                     fields: score(&case.expected, x.data.as_ref()),
                     tokens: x.completion_tokens,
                     ms: x.metrics.e2e.as_secs_f64() * 1e3,
+                    trace: trace(&tokenizer, &x.sampled),
                     text: x.text,
                 }
             }
@@ -199,6 +208,7 @@ fn run_cases(args: &QualityArgs, cases: &[Case]) -> anyhow::Result<Vec<Row>> {
                 tokens: 0,
                 ms: 0.0,
                 text: e.to_string(),
+                trace: Vec::new(),
             },
         });
     }
@@ -262,6 +272,7 @@ fn score_answers(cases: &[Case], path: &Path) -> anyhow::Result<Vec<Row>> {
                 tokens: answer.and_then(|a| a["tokens"].as_u64()).unwrap_or(0) as usize,
                 ms: answer.and_then(|a| a["ms"].as_f64()).unwrap_or(0.0),
                 text,
+                trace: Vec::new(),
             }
         })
         .collect())
@@ -311,6 +322,9 @@ fn report(args: &QualityArgs, rows: &[Row]) {
         );
         if args.show {
             println!("    {}", r.text);
+            for line in &r.trace {
+                println!("      {line}");
+            }
         }
     }
     println!(
@@ -325,4 +339,24 @@ fn report(args: &QualityArgs, rows: &[Row]) {
         100.0 * total.accuracy(),
         100.0 * macro_acc
     );
+}
+
+/// `"tok" -0.12 | "alt" -1.50 "alt2" -2.31`, one line per token; forced tokens are marked.
+fn trace(tokenizer: &crate::tokenizer::Tokenizer, sampled: &[crate::sampling::SampledToken]) -> Vec<String> {
+    let text = |id: u32| format!("{:?}", tokenizer.decode(&[id], false).unwrap_or_default());
+    sampled
+        .iter()
+        .filter(|s| s.logprob.is_some())
+        .map(|s| {
+            if s.forced {
+                return format!("{} forced", text(s.token));
+            }
+            let alts: Vec<String> = s
+                .top
+                .iter()
+                .map(|t| format!("{} {:.2}", text(t.token), t.logprob))
+                .collect();
+            format!("{} {:.2} | {}", text(s.token), s.logprob.unwrap_or(0.0), alts.join(" "))
+        })
+        .collect()
 }
