@@ -147,7 +147,7 @@ fn run(m: &Model, jobs: &[Job], config: EngineConfig, blocks: Option<usize>) -> 
         step += 1;
         assert!(step < 5_000, "no progress");
     }
-    let kv = engine.scheduler().kv();
+    let kv = engine.kv();
     assert_eq!(kv.num_free_blocks(), kv.pool().total(), "blocks leaked");
     *m.backend.lock().unwrap() = Some(engine.into_backend());
     let mut out: Vec<Option<Vec<u32>>> = vec![None; jobs.len()];

@@ -114,7 +114,7 @@ fn prompt_longer_than_the_context_is_rejected_up_front() {
         .unwrap();
     let done = engine.run_until_idle(|_| {}).unwrap();
     assert_eq!(done.len(), 1);
-    let kv = engine.scheduler().kv();
+    let kv = engine.kv();
     assert_eq!(kv.num_free_blocks(), kv.pool().total());
 }
 

@@ -101,7 +101,7 @@ fn run(
         assert_eq!(c.finish, FinishReason::Length);
         preemptions += c.metrics.preemptions;
     }
-    let kv = engine.scheduler().kv();
+    let kv = engine.kv();
     assert_eq!(kv.num_free_blocks(), kv.pool().total(), "blocks leaked");
     done.sort_by_key(|c| c.id);
     let tokens = done.into_iter().map(|c| c.tokens).collect();

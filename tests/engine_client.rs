@@ -252,7 +252,7 @@ fn run_drawn(
         }
     });
     let core = client.shutdown().expect("the engine thread returns the engine");
-    let kv = core.scheduler().kv();
+    let kv = core.kv();
     assert_eq!(kv.num_free_blocks(), kv.pool().total(), "blocks leaked");
     let preemptions = results.iter().map(|(_, p)| p).sum();
     (results.into_iter().map(|(s, _)| s).collect(), preemptions, core)

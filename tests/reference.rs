@@ -175,7 +175,7 @@ fn greedy_continuations_match_llama_cpp_token_for_token() {
         "only {full_matches:?} match all {} tokens",
         golden.gen_tokens
     );
-    let kv = engine.scheduler().kv();
+    let kv = engine.kv();
     assert_eq!(kv.num_free_blocks(), kv.pool().total());
 }
 

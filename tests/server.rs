@@ -1078,3 +1078,53 @@ fn the_committed_openapi_document_matches_the_code() {
     assert!(spec["paths"]["/extract"]["post"].is_object());
     assert!(spec["components"]["schemas"]["ErrorBody"].is_object());
 }
+
+/// A speculating server gives each extraction the record it gives without speculation, and
+/// says what its drafts did in `usage.speculation` and `/metrics`; `options.speculate: false`
+/// opts a request out.
+#[test]
+fn speculation_is_reported_per_request_and_changes_no_record() {
+    let Some(server) = start(&["--speculative-tokens", "6", "--speculative-always"]) else {
+        return;
+    };
+    let port = server.port;
+    let document = include_str!("../examples/documents/invoice.txt");
+    let (status, spec) = post(port, &json!({"schema_id": "invoice", "document": document}));
+    assert_eq!(status, 200, "{spec}");
+    let (status, plain) = post(
+        port,
+        &json!({"schema_id": "invoice", "document": document, "options": {"speculate": false}}),
+    );
+    assert_eq!(status, 200, "{plain}");
+    assert_eq!(spec["outcome"], "ok", "{spec}");
+    assert_eq!(spec["data"], plain["data"], "speculation changed the record");
+    assert!(plain["usage"].get("speculation").is_none(), "{plain}");
+
+    let s = &spec["usage"]["speculation"];
+    let proposers = s["proposers"].as_array().expect("usage.speculation.proposers");
+    let (mut checked, mut kept) = (0, 0);
+    for p in proposers {
+        let (c, k) = (p["checked"].as_u64().unwrap(), p["kept"].as_u64().unwrap());
+        assert!(k <= c, "{p}");
+        checked += c;
+        kept += k;
+    }
+    assert!(checked > 0 && kept > 0, "{s}");
+    let checks = s["checks"].as_u64().unwrap();
+    assert!(checks > 0, "{s}");
+    let mean = s["mean_accepted"].as_f64().unwrap();
+    assert!((mean - kept as f64 / checks as f64).abs() < 1e-9, "{s}");
+
+    // The same counts in /metrics, which has seen only these two requests.
+    let (status, metrics) = http_text(port, "GET", "/metrics", None, b"");
+    assert_eq!(status, 200);
+    let counter = |name: &str| -> u64 {
+        metrics
+            .lines()
+            .filter(|l| l.starts_with(name))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>() as u64
+    };
+    assert_eq!(counter("quarry_spec_draft_tokens_total"), checked, "{metrics}");
+    assert_eq!(counter("quarry_spec_accepted_tokens_total"), kept, "{metrics}");
+}

@@ -9,7 +9,7 @@ mod common;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use quarry::engine::{EngineConfig, EngineCore, EngineRequest, FinishReason};
+use quarry::engine::{EngineConfig, EngineCore, EngineRequest, FinishReason, SpeculativeConfig};
 use quarry::runtime::{
     Backend, ForwardBatch, KvLayout, ModelConfig, Result, RowLogprobs, RowRequest, RuntimeError, Sampled,
 };
@@ -112,9 +112,73 @@ fn a_failed_step_ends_its_requests_as_internal_and_the_engine_goes_on() {
         vec![(2, Some(FinishReason::Internal)), (3, Some(FinishReason::Internal))]
     );
     assert!(!engine.has_unfinished());
-    let kv = engine.scheduler().kv();
+    let kv = engine.kv();
     assert_eq!(kv.num_free_blocks(), kv.pool().total(), "every block came back");
 
     // The engine goes on, and gives what it gave before the failure.
     assert_eq!(alone(&mut engine, 4), before);
+}
+
+/// A draft model that fails mid-run costs the speed-up, never a request: the engine drops it
+/// and decodes on, and every request ends as it would have without speculation.
+#[test]
+fn a_failed_draft_model_ends_no_request() {
+    let Some((backend, tok)) = common::load_backend(4096) else {
+        return;
+    };
+    let (draft, _) = common::load_backend(4096).expect("loaded once already");
+    let fail_at = Arc::new(AtomicUsize::new(3));
+    let failing = FailingSample {
+        inner: draft,
+        samples: 0,
+        fail_at: fail_at.clone(),
+    };
+    let tok = Arc::new(tok);
+    let request = |id, text: &str| EngineRequest {
+        id,
+        prompt: tok.encode(text, false).unwrap(),
+        params: SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::greedy(24)
+        },
+        priority: 0,
+        constraint: None,
+    };
+    let prompts = ["The three primary colors are", "Count from one to ten:"];
+    let mut plain = EngineCore::new(backend, tok.clone(), EngineConfig::default());
+    for (i, p) in prompts.iter().enumerate() {
+        plain.add_request(request(i as u64, p)).unwrap();
+    }
+    let mut expected = plain.run_until_idle(|_| {}).unwrap();
+    expected.sort_by_key(|c| c.id);
+
+    let config = EngineConfig {
+        speculative: Some(SpeculativeConfig {
+            tokens: 4,
+            adaptive: false,
+            ..SpeculativeConfig::default()
+        }),
+        ..EngineConfig::default()
+    };
+    let mut engine = EngineCore::new(plain.into_backend(), tok.clone(), config);
+    engine.set_draft_model(Box::new(failing));
+    for (i, p) in prompts.iter().enumerate() {
+        engine.add_request(request(i as u64, p)).unwrap();
+    }
+    let mut done = engine
+        .run_until_idle(|_| {})
+        .expect("the step goes on without the draft model");
+    done.sort_by_key(|c| c.id);
+    let stats = engine.stats();
+    assert_eq!(stats.draft_model_failures, 1);
+    assert!(
+        stats.drafts.model_proposed > 0,
+        "the draft model guessed before it failed: {stats:?}"
+    );
+    for (got, want) in done.iter().zip(&expected) {
+        assert_eq!(got.finish, FinishReason::Length);
+        assert_eq!(got.tokens, want.tokens, "request {}", got.id);
+    }
+    let kv = engine.kv();
+    assert_eq!(kv.num_free_blocks(), kv.pool().total(), "every block came back");
 }

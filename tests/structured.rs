@@ -98,6 +98,6 @@ fn constrained_outputs_validate_and_bad_schemas_are_typed_errors() {
         assert!(validator.is_valid(&value), "{}: {value}", case["name"]);
         eprintln!("{}: {value}", case["name"]);
     }
-    let kv = engine.scheduler().kv();
+    let kv = engine.kv();
     assert_eq!(kv.num_free_blocks(), kv.pool().total());
 }

@@ -24,6 +24,8 @@ pub struct EngineStats {
     pub steps: u64,
     /// Speculative decoding's drafts, checked and kept, over every request so far.
     pub drafts: super::speculation::DraftCounts,
+    /// Draft-model passes that failed (the engine then drops the draft model and decodes on).
+    pub draft_model_failures: u64,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -73,10 +73,13 @@ pub enum AdmitError {
     DuplicateId(RequestId),
 }
 
-pub struct Scheduler {
+/// The scheduler over requests that carry the engine's own state of each (`T`: its sampler,
+/// grammar matcher, detokenizer): one map holds a request whole, so nothing has to be kept in
+/// step with it. The scheduler never looks inside `T`.
+pub struct Scheduler<T = ()> {
     config: SchedulerConfig,
     kv: KvCacheManager,
-    requests: HashMap<RequestId, Request>,
+    requests: HashMap<RequestId, Entry<T>>,
     /// In the order they will be considered (see `pick_waiting`).
     waiting: Vec<RequestId>,
     running: Vec<RequestId>,
@@ -84,7 +87,13 @@ pub struct Scheduler {
     num_preemptions: usize,
 }
 
-impl Scheduler {
+/// One request: what the scheduler keeps of it, and its owner's state.
+struct Entry<T> {
+    request: Request,
+    state: T,
+}
+
+impl<T> Scheduler<T> {
     pub fn new(config: SchedulerConfig, kv: KvCacheManager) -> Self {
         Scheduler {
             config,
@@ -105,7 +114,7 @@ impl Scheduler {
     }
 
     /// Queues a request, or refuses it up front when its prompt could never run.
-    pub fn add(&mut self, id: RequestId, prompt: Vec<u32>, priority: i32) -> Result<(), AdmitError> {
+    pub fn add(&mut self, id: RequestId, prompt: Vec<u32>, priority: i32, state: T) -> Result<(), AdmitError> {
         if prompt.is_empty() {
             return Err(AdmitError::EmptyPrompt);
         }
@@ -120,15 +129,39 @@ impl Scheduler {
         if self.requests.contains_key(&id) {
             return Err(AdmitError::DuplicateId(id));
         }
-        let r = Request::new(id, prompt, priority, self.next_arrival);
+        let request = Request::new(id, prompt, priority, self.next_arrival);
         self.next_arrival += 1;
-        self.requests.insert(id, r);
+        self.requests.insert(id, Entry { request, state });
         self.waiting.push(id);
         Ok(())
     }
 
     pub fn request(&self, id: RequestId) -> Option<&Request> {
-        self.requests.get(&id)
+        self.requests.get(&id).map(|e| &e.request)
+    }
+
+    /// A request's state as its owner keeps it.
+    pub fn state(&self, id: RequestId) -> Option<&T> {
+        self.requests.get(&id).map(|e| &e.state)
+    }
+
+    pub fn state_mut(&mut self, id: RequestId) -> Option<&mut T> {
+        self.requests.get_mut(&id).map(|e| &mut e.state)
+    }
+
+    /// A request, read-only, with its owner's state to change.
+    pub fn get_mut(&mut self, id: RequestId) -> Option<(&Request, &mut T)> {
+        self.requests.get_mut(&id).map(|e| (&e.request, &mut e.state))
+    }
+
+    /// Every request's owner state, waiting or running, in no particular order.
+    pub fn states_mut(&mut self) -> impl Iterator<Item = (RequestId, &mut T)> {
+        self.requests.iter_mut().map(|(&id, e)| (id, &mut e.state))
+    }
+
+    /// Every request's id, waiting or running.
+    pub fn ids(&self) -> Vec<RequestId> {
+        self.requests.keys().copied().collect()
     }
 
     pub fn kv(&self) -> &KvCacheManager {
@@ -168,7 +201,7 @@ impl Scheduler {
             if !self.running.contains(&id) {
                 continue;
             }
-            let r = &self.requests[&id];
+            let r = &self.requests[&id].request;
             // Drafts ride after the known tokens, as far as the budget goes.
             let known = r.num_tokens() - r.num_computed;
             let num_new = (known + r.drafts.len()).min(budget);
@@ -202,7 +235,7 @@ impl Scheduler {
         while budget > 0 && self.running.len() < self.config.max_num_seqs {
             let Some(at) = self.pick_waiting() else { break };
             let id = self.waiting[at];
-            let tokens = self.requests[&id].all_tokens();
+            let tokens = self.requests[&id].request.all_tokens();
             let (hit, cached) = self.kv.get_computed_blocks(&tokens);
             let num_new = (tokens.len() - cached).min(budget);
             if !self.kv.allocate_slots(id, cached + num_new, &hit) {
@@ -210,7 +243,7 @@ impl Scheduler {
             }
             self.waiting.remove(at);
             self.running.push(id);
-            let r = self.requests.get_mut(&id).expect("waiting requests exist");
+            let r = &mut self.requests.get_mut(&id).expect("waiting requests exist").request;
             r.status = RequestStatus::Running;
             r.num_computed = cached;
             r.num_cached = cached;
@@ -221,7 +254,7 @@ impl Scheduler {
     }
 
     fn push(&self, id: RequestId, num_tokens: usize, num_drafts: usize, out: &mut SchedulerOutput) {
-        let r = &self.requests[&id];
+        let r = &self.requests[&id].request;
         out.scheduled.push(Scheduled {
             id,
             start: r.num_computed,
@@ -237,6 +270,7 @@ impl Scheduler {
         if let Some(r) = self
             .requests
             .get_mut(&id)
+            .map(|e| &mut e.request)
             .filter(|r| r.status == RequestStatus::Running)
         {
             r.drafts = drafts;
@@ -248,7 +282,7 @@ impl Scheduler {
         match self.config.policy {
             Policy::Fcfs => (!self.waiting.is_empty()).then_some(0),
             Policy::Priority => (0..self.waiting.len()).min_by_key(|&i| {
-                let r = &self.requests[&self.waiting[i]];
+                let r = &self.requests[&self.waiting[i]].request;
                 (r.priority, r.arrival)
             }),
         }
@@ -258,7 +292,7 @@ impl Scheduler {
     /// lowest priority, latest among equals.
     fn victim(&self) -> RequestId {
         let key = |id: &RequestId| {
-            let r = &self.requests[id];
+            let r = &self.requests[id].request;
             match self.config.policy {
                 Policy::Fcfs => (0, r.arrival),
                 Policy::Priority => (r.priority, r.arrival),
@@ -275,7 +309,7 @@ impl Scheduler {
         self.kv.free(id);
         self.running.retain(|&r| r != id);
         out.scheduled.retain(|s| s.id != id);
-        let r = self.requests.get_mut(&id).expect("running requests exist");
+        let r = &mut self.requests.get_mut(&id).expect("running requests exist").request;
         r.status = RequestStatus::Preempted;
         r.num_computed = 0;
         r.drafts.clear();
@@ -292,7 +326,9 @@ impl Scheduler {
     /// ones are given back, and only full blocks of accepted tokens become reusable prefixes,
     /// so no cached block ever holds a rejected token.
     pub fn update(&mut self, s: &Scheduled, run: &[u32]) {
-        let Some(r) = self.requests.get_mut(&s.id) else { return };
+        let Some(r) = self.requests.get_mut(&s.id).map(|e| &mut e.request) else {
+            return;
+        };
         if r.status != RequestStatus::Running {
             return;
         }
@@ -315,20 +351,20 @@ impl Scheduler {
 
     /// Appends a token decided without sampling (jump-forward); the next step computes it.
     pub fn append(&mut self, id: RequestId, token: u32) {
-        if let Some(r) = self.requests.get_mut(&id) {
-            r.output.push(token);
+        if let Some(e) = self.requests.get_mut(&id) {
+            e.request.output.push(token);
         }
     }
 
     /// Removes a request wherever it is (finished, aborted, refused) and frees its blocks; its
-    /// final state is returned.
-    pub fn finish(&mut self, id: RequestId) -> Option<Request> {
+    /// final state, and its owner's, are returned.
+    pub fn finish(&mut self, id: RequestId) -> Option<(Request, T)> {
         self.kv.free(id);
         self.running.retain(|&r| r != id);
         self.waiting.retain(|&r| r != id);
-        let mut r = self.requests.remove(&id)?;
-        r.status = RequestStatus::Finished;
-        Some(r)
+        let Entry { mut request, state } = self.requests.remove(&id)?;
+        request.status = RequestStatus::Finished;
+        Some((request, state))
     }
 }
 
@@ -378,7 +414,7 @@ mod tests {
         while step <= jobs.iter().map(|j| j.arrival_step).max().unwrap_or(0) || s.has_unfinished() {
             for (i, j) in jobs.iter().enumerate() {
                 if j.arrival_step == step {
-                    s.add(j.id, j.prompt.clone(), j.priority).unwrap();
+                    s.add(j.id, j.prompt.clone(), j.priority, ()).unwrap();
                 }
                 if j.abort_at_step == Some(step) && s.finish(j.id).is_some() {
                     outputs[i] = None;
@@ -440,7 +476,7 @@ mod tests {
                 }
                 let j = jobs.iter().position(|j| j.id == sch.id).unwrap();
                 if r.output.len() >= jobs[j].max_tokens || r.num_tokens() >= s.token_limit() {
-                    outputs[j] = Some(s.finish(sch.id).unwrap().output);
+                    outputs[j] = Some(s.finish(sch.id).unwrap().0.output);
                 }
             }
             step += 1;
@@ -573,13 +609,13 @@ mod tests {
         let kv = KvCacheManager::new(BlockPool::new(32), 4, 0, true);
         let mut s = Scheduler::new(config(4096, 8, Policy::Fcfs), kv);
         let prompt: Vec<u32> = (0..21).collect();
-        s.add(1, prompt.clone(), 0).unwrap();
+        s.add(1, prompt.clone(), 0, ()).unwrap();
         let plan = s.schedule();
         for sch in &plan.scheduled {
             s.update(sch, &[7]);
         }
         s.finish(1);
-        s.add(2, prompt, 0).unwrap();
+        s.add(2, prompt, 0, ()).unwrap();
         let plan = s.schedule();
         assert_eq!(plan.scheduled[0].start, 20, "five full blocks reused");
         assert_eq!(plan.scheduled[0].num_tokens, 1);
@@ -591,11 +627,11 @@ mod tests {
         let kv = KvCacheManager::new(BlockPool::new(4), 4, 0, true);
         let mut s = Scheduler::new(config(64, 8, Policy::Fcfs), kv);
         assert_eq!(
-            s.add(1, vec![1; 16], 0),
+            s.add(1, vec![1; 16], 0, ()),
             Err(AdmitError::InputTooLong { tokens: 16, limit: 15 })
         );
-        assert_eq!(s.add(1, vec![], 0), Err(AdmitError::EmptyPrompt));
-        assert!(s.add(1, vec![1; 15], 0).is_ok());
-        assert_eq!(s.add(1, vec![1], 0), Err(AdmitError::DuplicateId(1)));
+        assert_eq!(s.add(1, vec![], 0, ()), Err(AdmitError::EmptyPrompt));
+        assert!(s.add(1, vec![1; 15], 0, ()).is_ok());
+        assert_eq!(s.add(1, vec![1], 0, ()), Err(AdmitError::DuplicateId(1)));
     }
 }

@@ -108,6 +108,57 @@ pub struct Usage {
     pub completion_tokens: usize,
     /// Prompt tokens whose keys and values came from the prefix cache.
     pub cached_tokens: usize,
+    /// Output tokens the schema decided alone, appended without a model step.
+    pub forced_tokens: usize,
+    /// Where the server speculates (`--speculative-tokens`): the draft tokens the model
+    /// checked for this request and those it kept, per proposer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub speculation: Option<SpeculationUsage>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct SpeculationUsage {
+    /// One entry per proposer that made drafts: `ngram` (prompt lookup), `grammar` (the
+    /// schema's forced tokens) or `model` (the draft model).
+    pub proposers: Vec<ProposerUsage>,
+    /// Steps that checked drafts of this request.
+    pub checks: usize,
+    /// Drafts kept per check: the tokens a step gained over decoding one at a time.
+    pub mean_accepted: f64,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ProposerUsage {
+    pub proposer: String,
+    pub checked: usize,
+    pub kept: usize,
+}
+
+impl SpeculationUsage {
+    /// None where nothing was drafted for the request.
+    pub fn from_counts(d: &crate::engine::DraftCounts) -> Option<Self> {
+        if d.checks == 0 && d.proposed() == 0 {
+            return None;
+        }
+        let proposers = [
+            ("ngram", d.ngram_proposed, d.ngram_accepted),
+            ("grammar", d.grammar_proposed, d.grammar_accepted),
+            ("model", d.model_proposed, d.model_accepted),
+        ]
+        .into_iter()
+        .filter(|&(_, checked, _)| checked > 0)
+        .map(|(proposer, checked, kept)| ProposerUsage {
+            proposer: proposer.into(),
+            checked,
+            kept,
+        })
+        .collect();
+        Some(SpeculationUsage {
+            proposers,
+            checks: d.checks,
+            mean_accepted: d.accepted() as f64 / d.checks.max(1) as f64,
+        })
+    }
 }
 
 #[derive(Debug, Serialize, ToSchema)]

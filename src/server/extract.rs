@@ -8,7 +8,7 @@ use axum::http::StatusCode;
 use axum::Json;
 use quarry_grammar::json::Whitespace;
 
-use super::api::{ExtractRequest, ExtractResponse, KeywordEntry, Timings, Usage, WhitespaceOption};
+use super::api::{ExtractRequest, ExtractResponse, KeywordEntry, SpeculationUsage, Timings, Usage, WhitespaceOption};
 use super::error::{ApiError, ErrorBody};
 use super::{ApiJson, AppState};
 use crate::engine::{AddError, AdmitError, SubmitError};
@@ -139,6 +139,8 @@ async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractRespon
             prompt_tokens: m.prompt_tokens,
             completion_tokens: x.completion_tokens,
             cached_tokens: m.cached_tokens,
+            forced_tokens: m.forced_tokens,
+            speculation: SpeculationUsage::from_counts(&m.drafts),
         },
         timings: Timings {
             queue_ms: ms(m.queue),

@@ -51,6 +51,7 @@ pub struct Metrics {
     kv_usage: Gauge<f64, AtomicU64>,
     prefix_hit_rate: Gauge<f64, AtomicU64>,
     preemptions: Gauge,
+    draft_model_failures: Gauge,
 }
 
 impl Metrics {
@@ -84,6 +85,7 @@ impl Default for Metrics {
             kv_usage: Gauge::default(),
             prefix_hit_rate: Gauge::default(),
             preemptions: Gauge::default(),
+            draft_model_failures: Gauge::default(),
         };
         let r = &mut m.registry;
         r.register(
@@ -152,6 +154,11 @@ impl Default for Metrics {
             m.prefix_hit_rate.clone(),
         );
         r.register("preemptions", "Requests preempted so far", m.preemptions.clone());
+        r.register(
+            "spec_draft_model_failures",
+            "Speculative decoding: draft-model passes that failed (the draft model is then dropped; requests go on without it)",
+            m.draft_model_failures.clone(),
+        );
         m
     }
 }
@@ -211,6 +218,7 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
     m.kv_usage.set(used as f64 / s.kv_blocks_total.max(1) as f64);
     m.prefix_hit_rate.set(s.prefix_cache.hit_rate());
     m.preemptions.set(s.preemptions as i64);
+    m.draft_model_failures.set(s.draft_model_failures as i64);
     let mut text = String::new();
     let _ = encode(&mut text, &m.registry);
     (

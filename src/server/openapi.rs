@@ -4,8 +4,8 @@
 use utoipa::OpenApi;
 
 use super::api::{
-    ExtractOptions, ExtractRequest, ExtractResponse, Grounding, Health, KeywordEntry, Outcome, Span, Timings, Usage,
-    WhitespaceOption,
+    ExtractOptions, ExtractRequest, ExtractResponse, Grounding, Health, KeywordEntry, Outcome, ProposerUsage, Span,
+    SpeculationUsage, Timings, Usage, WhitespaceOption,
 };
 use super::error::{ErrorBody, ErrorDetail};
 use super::jobs::{BatchFormat, JobStatus, RetryRequest};
@@ -42,6 +42,8 @@ use super::schemas::{RegisterSchema, SchemaInfo, SchemaList};
         ExtractResponse,
         Outcome,
         Usage,
+        SpeculationUsage,
+        ProposerUsage,
         Timings,
         KeywordEntry,
         Health,

@@ -100,8 +100,8 @@ impl Default for EngineConfig {
 pub struct EngineCore {
     backend: Box<dyn Backend>,
     tokenizer: Arc<Tokenizer>,
-    scheduler: Scheduler,
-    states: HashMap<RequestId, State>,
+    /// Every request, with the engine's state of it (`State`).
+    scheduler: Scheduler<State>,
     /// Forward passes run.
     steps: u64,
     jump_forward: bool,
@@ -113,6 +113,8 @@ pub struct EngineCore {
     drafts: DraftCounts,
     /// Guesses tokens where the engine speculates with a draft model.
     draft_model: Option<DraftModel>,
+    /// Times the draft model failed (it is dropped the first time).
+    draft_model_failures: u64,
     /// What a decoding step costs against its sampled rows, measured as steps run.
     step_cost: StepCost,
 }
@@ -140,7 +142,6 @@ impl EngineCore {
             backend,
             tokenizer,
             scheduler: Scheduler::new(scheduler_config, kv),
-            states: HashMap::new(),
             steps: 0,
             jump_forward: config.jump_forward,
             dry_breakers: HashMap::new(),
@@ -148,6 +149,7 @@ impl EngineCore {
             ngram: NgramProposer::default(),
             drafts: DraftCounts::default(),
             draft_model: None,
+            draft_model_failures: 0,
             step_cost: StepCost::default(),
         }
     }
@@ -163,8 +165,9 @@ impl EngineCore {
         self.draft_model.take().map(DraftModel::into_backend)
     }
 
-    pub fn scheduler(&self) -> &Scheduler {
-        &self.scheduler
+    /// The KV cache the requests' blocks come from (tests check that none leak).
+    pub fn kv(&self) -> &KvCacheManager {
+        self.scheduler.kv()
     }
 
     pub fn backend(&self) -> &dyn Backend {
@@ -225,25 +228,22 @@ impl EngineCore {
             sampler.set_breakers(self.breaker_tokens(breakers));
         }
         let prompt_tokens = r.prompt.len();
-        self.scheduler.add(r.id, r.prompt, r.priority)?;
-        self.states.insert(
-            r.id,
-            State {
-                stops: StopStrings::new(r.params.stop.clone()),
-                sampler,
-                matcher,
-                detokenizer: Detokenizer::default(),
-                arrived: Instant::now(),
-                scheduled_at: None,
-                last_token_at: None,
-                metrics: RequestMetrics {
-                    prompt_tokens,
-                    ..Default::default()
-                },
-                draft_sources: Vec::new(),
-                acceptance: Acceptance::default(),
+        let state = State {
+            stops: StopStrings::new(r.params.stop.clone()),
+            sampler,
+            matcher,
+            detokenizer: Detokenizer::default(),
+            arrived: Instant::now(),
+            scheduled_at: None,
+            last_token_at: None,
+            metrics: RequestMetrics {
+                prompt_tokens,
+                ..Default::default()
             },
-        );
+            draft_sources: Vec::new(),
+            acceptance: Acceptance::default(),
+        };
+        self.scheduler.add(r.id, r.prompt, r.priority, state)?;
         Ok(())
     }
 
@@ -265,17 +265,15 @@ impl EngineCore {
 
     /// Drops a request wherever it is; its blocks go back to the pool at once.
     pub fn abort(&mut self, id: RequestId) -> Option<RequestOutput> {
-        let r = self.scheduler.finish(id)?;
-        let state = self.states.remove(&id)?;
+        let (r, state) = self.scheduler.finish(id)?;
         Some(self.final_output(id, state, r.num_preemptions, FinishReason::Aborted, String::new(), None))
     }
 
     /// Ends every request as `internal` (the backend failed under them); their blocks go back.
     pub fn fail_all(&mut self) -> Vec<RequestOutput> {
-        let ids: Vec<RequestId> = self.states.keys().copied().collect();
         let mut outputs = Vec::new();
-        for id in ids {
-            if let (Some(r), Some(state)) = (self.scheduler.finish(id), self.states.remove(&id)) {
+        for id in self.scheduler.ids() {
+            if let Some((r, state)) = self.scheduler.finish(id) {
                 let reason = FinishReason::Internal;
                 outputs.push(self.final_output(id, state, r.num_preemptions, reason, String::new(), None));
             }
@@ -294,6 +292,7 @@ impl EngineCore {
             preemptions: self.scheduler.num_preemptions(),
             steps: self.steps,
             drafts: self.drafts,
+            draft_model_failures: self.draft_model_failures,
         }
     }
 
@@ -301,7 +300,7 @@ impl EngineCore {
     /// propose drafts, schedule, prepare the batch, run the model while the grammar masks
     /// fill, sample (and check the drafts), then update the requests with what was kept.
     pub fn step(&mut self) -> Result<Vec<RequestOutput>, RuntimeError> {
-        self.propose()?;
+        self.propose();
         let plan = self.scheduler.schedule();
         if plan.scheduled.is_empty() {
             return Ok(Vec::new());
@@ -344,7 +343,7 @@ impl EngineCore {
                     .logits_rows
                     .extend((end - 1 - s.num_drafts..end).map(|p| p as u32));
             }
-            let state = self.states.get_mut(&s.id).expect("every request has a state");
+            let (r, state) = self.scheduler.get_mut(s.id).expect("scheduled requests exist");
             if state.scheduled_at.is_none() {
                 state.scheduled_at = Some(now);
                 state.metrics.queue = now - state.arrived;
@@ -369,8 +368,8 @@ impl EngineCore {
         let mut matchers: Vec<(&Sampling, &mut ContainedMatcher)> = Vec::new();
         {
             let by_id: HashMap<RequestId, &Sampling> = sampling.iter().map(|v| (v.s.id, v)).collect();
-            for (id, state) in self.states.iter_mut() {
-                if let (Some(&v), Some(m)) = (by_id.get(id), state.matcher.as_mut()) {
+            for (id, state) in self.scheduler.states_mut() {
+                if let (Some(&v), Some(m)) = (by_id.get(&id), state.matcher.as_mut()) {
                     matchers.push((v, m));
                 }
             }
@@ -423,7 +422,7 @@ impl EngineCore {
         let mut draws: Vec<Option<RowDraw>> = vec![None; masks.len()];
         if self.backend.draws_on_device() {
             for v in sampling {
-                let Some(state) = self.states.get_mut(&v.s.id) else {
+                let Some(state) = self.scheduler.state_mut(v.s.id) else {
                     continue;
                 };
                 let checkpoint = (!v.drafts.is_empty()).then(|| state.sampler.checkpoint());
@@ -502,7 +501,7 @@ impl EngineCore {
             if o.finished.is_none() && self.jump_forward {
                 for token in self.forced_tokens(id) {
                     self.scheduler.append(id, token);
-                    let state = self.states.get_mut(&id).expect("unfinished requests have a state");
+                    let state = self.scheduler.state_mut(id).expect("unfinished requests are kept");
                     let forced = state.sampler.forced(token);
                     let Some(next) = self.accept(id, forced, 0) else { break };
                     let finished = next.finished.is_some();
@@ -520,7 +519,7 @@ impl EngineCore {
     /// The tokens a request may still add after the one about to be sampled: its
     /// `max_tokens` and the context both bound it.
     fn room_after_next(&self, id: RequestId) -> usize {
-        let (Some(r), Some(state)) = (self.scheduler.request(id), self.states.get(&id)) else {
+        let (Some(r), Some(state)) = (self.scheduler.request(id), self.scheduler.state(id)) else {
             return 0;
         };
         let context = self.scheduler.token_limit().saturating_sub(r.num_tokens() + 1);
@@ -531,16 +530,14 @@ impl EngineCore {
     /// The tokens the grammar alone decides after a request's last token (`forced_after`),
     /// capped by max_tokens and the context.
     fn forced_tokens(&mut self, id: RequestId) -> Vec<u32> {
-        let Some(r) = self.scheduler.request(id) else {
+        let limit = self.scheduler.token_limit();
+        let Some((r, state)) = self.scheduler.get_mut(id) else {
             return Vec::new();
         };
         let (Some(&last), output_len) = (r.output.last(), r.output.len()) else {
             return Vec::new();
         };
-        let room = self.scheduler.token_limit().saturating_sub(r.num_tokens() + 1);
-        let Some(state) = self.states.get_mut(&id) else {
-            return Vec::new();
-        };
+        let room = limit.saturating_sub(r.num_tokens() + 1);
         let room = room.min(state.sampler.params().max_tokens.saturating_sub(output_len));
         let Some(matcher) = state.matcher.as_mut() else {
             return Vec::new();

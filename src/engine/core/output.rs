@@ -110,9 +110,8 @@ impl EngineCore {
     pub(super) fn accept(&mut self, id: RequestId, sampled: SampledToken, after: usize) -> Option<RequestOutput> {
         let token = sampled.token;
         let limit = self.scheduler.token_limit();
-        let r = self.scheduler.request(id)?;
+        let (r, state) = self.scheduler.get_mut(id)?;
         let (num_tokens, output_len, preemptions) = (r.num_tokens() - after, r.output.len() - after, r.num_preemptions);
-        let state = self.states.get_mut(&id)?;
         if !sampled.forced {
             let now = Instant::now();
             match state.last_token_at {
@@ -171,8 +170,7 @@ impl EngineCore {
         if stop_string.is_none() {
             text.push_str(&state.stops.flush());
         }
-        let state = self.states.remove(&id)?;
-        self.scheduler.finish(id);
+        let (_, state) = self.scheduler.finish(id)?;
         let mut out = self.final_output(id, state, preemptions, reason, text, stop_string);
         out.tokens = vec![sampled];
         Some(out)

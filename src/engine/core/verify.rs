@@ -35,7 +35,10 @@ impl EngineCore {
         let forced_room = {
             let r = self.scheduler.request(id).expect("sampling requests exist");
             let context = self.scheduler.token_limit().saturating_sub(r.num_tokens() + 1);
-            let budget = self.states[&id]
+            let budget = self
+                .scheduler
+                .state(id)
+                .expect("sampling requests are kept")
                 .sampler
                 .params()
                 .max_tokens
@@ -43,7 +46,7 @@ impl EngineCore {
             move |m: usize| context.saturating_sub(m).min(budget.saturating_sub(m))
         };
         let eog = self.tokenizer.end_of_generation_ids();
-        let state = self.states.get_mut(&id).expect("every request has a state");
+        let state = self.scheduler.state_mut(id).expect("sampling requests are kept");
         let mut run: Vec<SampledToken> = Vec::with_capacity(v.rows());
         let mut advanced = 0;
         let mut j = 0;
