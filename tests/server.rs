@@ -18,6 +18,8 @@ const KEY: &str = "test-key-123";
 struct Server {
     child: Child,
     port: u16,
+    /// Its state directory (the job store), removed with it unless another server shares it.
+    state: Option<StateDir>,
 }
 
 impl Drop for Server {
@@ -27,10 +29,50 @@ impl Drop for Server {
     }
 }
 
+/// A fresh state directory, removed on drop.
+struct StateDir(std::path::PathBuf);
+
+impl StateDir {
+    fn new() -> StateDir {
+        let dir = std::env::temp_dir().join(format!("quarry-test-state-{:x}", rand_u64()));
+        std::fs::create_dir_all(&dir).unwrap();
+        StateDir(dir)
+    }
+}
+
+impl Drop for StateDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn rand_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos(),
+    );
+    h.finish()
+}
+
+/// A server with a state directory of its own.
 fn start(extra: &[&str]) -> Option<Server> {
+    let state = StateDir::new();
+    let mut server = start_in(&state.0, extra)?;
+    server.state = Some(state);
+    Some(server)
+}
+
+/// A server keeping its jobs in `state_dir`.
+fn start_in(state_dir: &std::path::Path, extra: &[&str]) -> Option<Server> {
     let model = common::model_path()?;
     let mut child = Command::new(env!("CARGO_BIN_EXE_quarry"))
         .args(["serve", "--port", "0", "--api-key", KEY, "--kv-cache-tokens", "8192"])
+        .arg("--state-dir")
+        .arg(state_dir)
         .args(extra)
         .arg("--model")
         .arg(&model)
@@ -48,7 +90,11 @@ fn start(extra: &[&str]) -> Option<Server> {
     };
     // Keep draining stderr so the server never blocks on a full pipe.
     std::thread::spawn(move || for _ in lines {});
-    Some(Server { child, port })
+    Some(Server {
+        child,
+        port,
+        state: None,
+    })
 }
 
 /// One HTTP/1.1 request; returns the status and the body parsed as JSON.
@@ -1127,4 +1173,50 @@ fn speculation_is_reported_per_request_and_changes_no_record() {
     };
     assert_eq!(counter("quarry_spec_draft_tokens_total"), checked, "{metrics}");
     assert_eq!(counter("quarry_spec_accepted_tokens_total"), kept, "{metrics}");
+}
+
+/// A job outlives its server: killed (SIGKILL) mid-job, a new server on the same state
+/// directory finds the job, takes back the dead one's items once their leases run out, and
+/// every item ends with exactly one result, in input order.
+#[test]
+fn a_job_survives_its_server_being_killed() {
+    let state = StateDir::new();
+    let lease = ["--job-lease", "2"];
+    let Some(first) = start_in(&state.0, &lease) else {
+        return;
+    };
+    let ids: Vec<String> = (0..60).map(|i| format!("c{i}")).collect();
+    let body: String = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| json!({"id": id, "document": contact_document(i)}).to_string() + "\n")
+        .collect();
+    let job = submit_job(first.port, "schema_id=contact", body.as_bytes());
+    let started = Instant::now();
+    loop {
+        let (_, st) = http(first.port, "GET", &format!("/jobs/{job}"), Some(KEY), b"");
+        if st["ok"].as_u64().unwrap_or(0) >= 5 {
+            assert_ne!(st["done"], true, "the job ended before the kill: {st}");
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(300), "no progress: {st}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(first);
+
+    let second = start_in(&state.0, &lease).expect("the model loaded once already");
+    let st = wait_for_job(second.port, &job);
+    assert_eq!((st["total"].as_u64(), st["ok"].as_u64()), (Some(60), Some(60)), "{st}");
+    let (status, text) = http_text(second.port, "GET", &format!("/jobs/{job}/results"), Some(KEY), b"");
+    assert_eq!(status, 200);
+    let got: Vec<String> = text
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["id"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(got, ids, "every item exactly once, in input order");
 }

@@ -5,10 +5,12 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use clap::Args;
+use std::time::Duration;
 
 use super::ModelArgs;
 use crate::engine::EngineClient;
 use crate::extract::Extractor;
+use crate::jobs::{self, Worker, WorkerConfig};
 use crate::runtime::cpu::Prefault;
 use crate::server::{self, AppState};
 
@@ -31,6 +33,48 @@ pub struct ServeArgs {
     /// Folder of ready-made schemas, addressed by file name without `.json`.
     #[arg(long, default_value = "schemas")]
     schemas: PathBuf,
+    #[command(flatten)]
+    jobs: JobArgs,
+}
+
+/// Where batch jobs are kept, and how this process works on them.
+#[derive(Args)]
+pub struct JobArgs {
+    /// Where Quarry keeps its state (the default job store, `jobs.sqlite3`)
+    /// [default: $XDG_DATA_HOME/quarry or ~/.local/share/quarry]
+    #[arg(long, env = "QUARRY_STATE_DIR")]
+    state_dir: Option<PathBuf>,
+    /// The job store: `sqlite:PATH`, or a `postgres://` URL that every process working on the
+    /// same jobs shares [default: SQLite in --state-dir]
+    #[arg(long, env = "QUARRY_JOB_STORE")]
+    job_store: Option<String>,
+    /// Seconds a claimed job item stays this process's without a heartbeat; a process that
+    /// dies gives its items back after this long.
+    #[arg(long, default_value_t = 30.0)]
+    job_lease: f64,
+    /// Job items this process runs at once.
+    #[arg(long, default_value_t = 32)]
+    job_concurrency: usize,
+}
+
+impl JobArgs {
+    /// The store and this process's worker on it; an unreachable store is an error here,
+    /// before anything is served.
+    pub fn worker(&self) -> anyhow::Result<Arc<Worker>> {
+        anyhow::ensure!(
+            self.job_lease.is_finite() && self.job_lease >= 1.0,
+            "--job-lease must be at least 1 second"
+        );
+        anyhow::ensure!(self.job_concurrency > 0, "--job-concurrency must be at least 1");
+        let dir = self.state_dir.clone().unwrap_or_else(jobs::default_state_dir);
+        let store = jobs::open(self.job_store.as_deref(), &dir)?;
+        let config = WorkerConfig {
+            slots: self.job_concurrency,
+            lease: Duration::from_secs_f64(self.job_lease),
+            ..WorkerConfig::default()
+        };
+        Ok(Worker::new(store, config))
+    }
 }
 
 pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
@@ -39,6 +83,7 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
     // `scripts/bench-server load`, p99 13 s against 5 s).
     args.model.prefault_kv = Prefault::AtLoad;
     let schemas = server::schemas::SchemaRegistry::load(&args.schemas)?;
+    let jobs = args.jobs.worker()?;
     let (engine, tokenizer) = args.model.engine()?;
     let model = args.model.model_name();
     let device = engine.backend().device_name();
@@ -53,7 +98,7 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
         api_keys: args.api_key,
         metrics,
         max_pending: args.max_pending,
-        jobs: Default::default(),
+        jobs,
     });
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(server::serve(state, SocketAddr::new(args.host, args.port)))

@@ -19,13 +19,15 @@ pub struct Record {
 }
 
 /// How one record's extraction ended.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct RecordResult {
     /// `ok`, another outcome (`truncated`, ...) or an error type (`input_too_long`, ...).
     pub outcome: String,
     pub data: Option<Value>,
     /// What was generated, for outcomes other than `ok` that produced text.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub partial: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
 }
 

@@ -1,15 +1,14 @@
 //! Batch jobs for ETL: `POST /jobs?schema_id=ID` with a JSONL body (one `{"id"?, "document"}`
 //! per line) or a CSV body (a `document` column, or the one `text_column` names) answers at
-//! once with a job id; the items run through the engine concurrently; `GET /jobs/{id}`
+//! once with a job id; the items go into the job store (`crate::jobs`), where this process's
+//! worker, and those of every other process sharing the store, run them; `GET /jobs/{id}`
 //! reports progress; `GET /jobs/{id}/results?format=jsonl|csv` streams one result per item in
 //! input order (CSV columns come from the schema, see `extract::table`); `POST
 //! /jobs/{id}/retry` runs the failed items again. An item that fails never fails the job.
-//! Finished jobs are forgotten an hour after their last item ends.
+//! Jobs outlive the process: a restarted server finds its jobs, and goes on with their items.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
@@ -17,46 +16,17 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::IntoResponse;
 use axum::Json;
 use serde::{Deserialize, Serialize};
-
-use tokio::sync::Semaphore;
 use utoipa::{IntoParams, ToSchema};
 
 use super::api::{ExtractOptions, ExtractRequest};
 use super::error::{ApiError, ErrorBody};
 use super::{ApiBody, ApiQuery, AppState};
-use crate::extract::records::{self, Format, Record, RecordResult};
+use crate::extract::records::{self, Format, RecordResult};
 use crate::extract::table::Table;
+use crate::jobs::{self, Counts, JobStore, NewJob, StoreError};
 
-/// Items of one job in flight at once: enough to fill the engine's batch.
-const CONCURRENCY: usize = 32;
-/// How long a finished job's results stay available.
-const TTL: Duration = Duration::from_secs(3600);
-/// Result rows per chunk of a streamed results body.
+/// Result rows per chunk of a streamed results body (and per read from the store).
 const ROWS_PER_CHUNK: usize = 256;
-
-#[derive(Default)]
-pub struct JobStore {
-    jobs: Mutex<HashMap<String, Arc<Job>>>,
-    next: AtomicU64,
-}
-
-struct Job {
-    id: String,
-    schema_id: String,
-    max_tokens: Option<usize>,
-    items: Vec<Record>,
-    /// Per item, in input order.
-    states: Mutex<Vec<ItemState>>,
-    /// When the last item ended, while none is queued or running.
-    finished: Mutex<Option<Instant>>,
-}
-
-#[derive(Clone)]
-enum ItemState {
-    Queued,
-    Running,
-    Done(Arc<RecordResult>),
-}
 
 #[derive(Debug, Clone, Copy, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
@@ -115,41 +85,31 @@ pub struct JobStatus {
     pub done: bool,
 }
 
-impl Job {
-    fn status(&self) -> JobStatus {
-        let states = self.states.lock().unwrap_or_else(|e| e.into_inner());
-        let (mut queued, mut running, mut ok, mut failed) = (0, 0, 0, 0);
-        for s in states.iter() {
-            match s {
-                ItemState::Queued => queued += 1,
-                ItemState::Running => running += 1,
-                ItemState::Done(r) if r.ok() => ok += 1,
-                ItemState::Done(_) => failed += 1,
-            }
-        }
-        JobStatus {
-            job_id: self.id.clone(),
-            schema_id: self.schema_id.clone(),
-            total: states.len(),
-            queued,
-            running,
-            ok,
-            failed,
-            progress: (ok + failed) as f64 / states.len().max(1) as f64,
-            done: queued + running == 0,
-        }
+fn job_status(job_id: &str, schema_id: &str, c: Counts) -> JobStatus {
+    let total = c.total();
+    JobStatus {
+        job_id: job_id.into(),
+        schema_id: schema_id.into(),
+        total,
+        queued: c.queued,
+        running: c.running,
+        ok: c.ok,
+        failed: c.failed,
+        progress: (c.ok + c.failed) as f64 / total.max(1) as f64,
+        done: c.queued + c.running == 0,
     }
 }
 
-impl JobStore {
-    /// Forgets jobs that finished more than `TTL` ago.
-    fn expire(&self) {
-        let mut jobs = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
-        jobs.retain(|_, job| {
-            let finished = *job.finished.lock().unwrap_or_else(|e| e.into_inner());
-            finished.is_none_or(|t| t.elapsed() < TTL)
-        });
-    }
+/// A store call off the async threads; a store that fails is a 503 naming it.
+async fn store_call<T: Send + 'static>(
+    state: &AppState,
+    f: impl FnOnce(&dyn JobStore) -> Result<T, StoreError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let store = state.jobs.store().clone();
+    tokio::task::spawn_blocking(move || f(store.as_ref()))
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))?
+        .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "job_store_unavailable", e.to_string()))
 }
 
 fn max_tokens_ok(n: Option<usize>) -> Result<(), ApiError> {
@@ -208,64 +168,38 @@ pub async fn create(
     };
     let items = records::parse(&body, format, params.text_column.as_deref())
         .map_err(|e| ApiError::bad_request(e.to_string()))?;
-    state.jobs.expire();
-    let n = state.jobs.next.fetch_add(1, Ordering::Relaxed);
-    let job = Arc::new(Job {
-        id: format!("job-{n}"),
+    let schema = state
+        .schemas
+        .get(&schema_id)
+        .ok_or_else(|| super::schemas::unknown(&schema_id))?;
+    let job = NewJob {
+        id: jobs::new_job_id(),
         schema_id,
+        schema,
         max_tokens: params.max_tokens,
-        states: Mutex::new(vec![ItemState::Queued; items.len()]),
         items,
-        finished: Mutex::new(None),
-    });
-    state
-        .jobs
-        .jobs
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert(job.id.clone(), job.clone());
-    let todo: Vec<usize> = (0..job.items.len()).collect();
-    tokio::spawn(run(state.clone(), job.clone(), todo, params.max_tokens));
-    Ok((StatusCode::ACCEPTED, Json(job.status())))
+    };
+    let counts = Counts {
+        queued: job.items.len(),
+        ..Default::default()
+    };
+    let status = job_status(&job.id, &job.schema_id, counts);
+    store_call(&state, move |s| s.create(&job)).await?;
+    state.jobs.wake();
+    Ok((StatusCode::ACCEPTED, Json(status)))
 }
 
-/// Works through `todo` (item indices), `CONCURRENCY` at a time.
-async fn run(state: Arc<AppState>, job: Arc<Job>, todo: Vec<usize>, max_tokens: Option<usize>) {
-    let permits = Arc::new(Semaphore::new(CONCURRENCY));
-    let mut tasks = tokio::task::JoinSet::new();
-    for i in todo {
-        let Ok(permit) = permits.clone().acquire_owned().await else {
-            return;
-        };
-        let (state, job) = (state.clone(), job.clone());
-        tasks.spawn(async move {
-            set(&job, i, ItemState::Running);
-            let result = extract_item(&state, &job, i, max_tokens).await;
-            set(&job, i, ItemState::Done(Arc::new(result)));
-            drop(permit);
-        });
-    }
-    while tasks.join_next().await.is_some() {}
-    if job.status().done {
-        *job.finished.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
-    }
-}
-
-fn set(job: &Job, i: usize, s: ItemState) {
-    job.states.lock().unwrap_or_else(|e| e.into_inner())[i] = s;
-}
-
-/// One item's result; a full queue (other traffic) is waited out, not reported.
-async fn extract_item(state: &Arc<AppState>, job: &Job, i: usize, max_tokens: Option<usize>) -> RecordResult {
-    let item = &job.items[i];
+/// One item's result through the extraction path; a full queue (other traffic) is waited
+/// out, not reported.
+pub(super) async fn extract_item(state: &Arc<AppState>, work: jobs::worker::Work) -> RecordResult {
     loop {
         let req = ExtractRequest {
-            schema: None,
-            schema_id: Some(job.schema_id.clone()),
-            document: item.document.clone(),
+            schema: Some(work.job.schema.clone()),
+            schema_id: None,
+            document: work.document.clone(),
             instructions: None,
             options: ExtractOptions {
-                max_tokens,
+                max_tokens: work.max_tokens.or(work.job.max_tokens),
                 ..Default::default()
             },
             grounding: false,
@@ -287,16 +221,21 @@ async fn extract_item(state: &Arc<AppState>, job: &Job, i: usize, max_tokens: Op
     }
 }
 
-fn find(state: &AppState, id: &str) -> Result<Arc<Job>, ApiError> {
-    state.jobs.expire();
-    state
-        .jobs
-        .jobs
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .get(id)
-        .cloned()
-        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "unknown_job", format!("no job `{id}`")))
+fn unknown_job(id: &str) -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "unknown_job", format!("no job `{id}`"))
+}
+
+/// A job's status, or 404.
+async fn find(state: &AppState, id: &str) -> Result<(jobs::JobSpec, JobStatus), ApiError> {
+    let key = id.to_string();
+    let (spec, counts) = store_call(state, move |s| Ok((s.spec(&key)?, s.counts(&key)?))).await?;
+    match (spec, counts) {
+        (Some(spec), Some(c)) => {
+            let status = job_status(id, &spec.schema_id, c);
+            Ok((spec, status))
+        }
+        _ => Err(unknown_job(id)),
+    }
 }
 
 #[utoipa::path(
@@ -307,7 +246,7 @@ fn find(state: &AppState, id: &str) -> Result<Arc<Job>, ApiError> {
     responses((status = 200, body = JobStatus), (status = 404, body = ErrorBody))
 )]
 pub async fn status(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Json<JobStatus>, ApiError> {
-    Ok(Json(find(&state, &id)?.status()))
+    Ok(Json(find(&state, &id).await?.1))
 }
 
 #[utoipa::path(
@@ -326,27 +265,28 @@ pub async fn results(
     Path(id): Path<String>,
     ApiQuery(params): ApiQuery<ResultParams>,
 ) -> Result<impl IntoResponse, ApiError> {
-    let job = find(&state, &id)?;
-    let done: Vec<(String, Arc<RecordResult>)> = {
-        let states = job.states.lock().unwrap_or_else(|e| e.into_inner());
-        (states.iter().zip(&job.items))
-            .filter_map(|(s, item)| match s {
-                ItemState::Done(r) => Some((item.id.clone(), r.clone())),
-                _ => None,
-            })
-            .collect()
-    };
+    let (spec, _) = find(&state, &id).await?;
+    // Read in pages by item index, so a long job never holds the store for long.
+    let page = ROWS_PER_CHUNK * 16;
+    let mut done: Vec<(String, RecordResult)> = Vec::new();
+    let mut from = 0;
+    loop {
+        let key = id.clone();
+        let rows = store_call(&state, move |s| s.results(&key, from, page)).await?;
+        let full = rows.len() == page;
+        from = rows.last().map_or(from, |r| r.0 + 1);
+        done.extend(rows.into_iter().map(|(_, item, r)| (item, r)));
+        if !full {
+            break;
+        }
+    }
     let (content_type, chunks): (&str, Vec<Bytes>) = match params.format.unwrap_or(BatchFormat::Jsonl) {
         BatchFormat::Jsonl => (
             "application/jsonl",
             done.chunks(ROWS_PER_CHUNK).map(jsonl_chunk).collect(),
         ),
         BatchFormat::Csv => {
-            let schema = state
-                .schemas
-                .get(&job.schema_id)
-                .ok_or_else(|| super::schemas::unknown(&job.schema_id))?;
-            let table = Table::from_schema(&schema, params.explode.as_deref())
+            let table = Table::from_schema(&spec.schema, params.explode.as_deref())
                 .map_err(|e| ApiError::bad_request(e.to_string()))?;
             let mut chunks = vec![csv_rows(&[table.header()])];
             chunks.extend(done.chunks(ROWS_PER_CHUNK).map(|c| {
@@ -363,7 +303,7 @@ pub async fn results(
     Ok(([(header::CONTENT_TYPE, content_type)], Body::from_stream(stream)))
 }
 
-fn jsonl_chunk(results: &[(String, Arc<RecordResult>)]) -> Bytes {
+fn jsonl_chunk(results: &[(String, RecordResult)]) -> Bytes {
     let mut out = String::new();
     for (id, r) in results {
         out.push_str(&r.json_line(id));
@@ -398,7 +338,7 @@ pub async fn retry(
     Path(id): Path<String>,
     ApiBody(body): ApiBody,
 ) -> Result<impl IntoResponse, ApiError> {
-    let job = find(&state, &id)?;
+    find(&state, &id).await?;
     let req: RetryRequest = if body.iter().all(u8::is_ascii_whitespace) {
         RetryRequest::default()
     } else {
@@ -406,17 +346,8 @@ pub async fn retry(
             .map_err(|e| ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_field", e.to_string()))?
     };
     max_tokens_ok(req.max_tokens)?;
-    let todo: Vec<usize> = {
-        let mut states = job.states.lock().unwrap_or_else(|e| e.into_inner());
-        let failed: Vec<usize> = (0..states.len())
-            .filter(|&i| matches!(&states[i], ItemState::Done(r) if !r.ok()))
-            .collect();
-        for &i in &failed {
-            states[i] = ItemState::Queued;
-        }
-        failed
-    };
-    *job.finished.lock().unwrap_or_else(|e| e.into_inner()) = None;
-    tokio::spawn(run(state.clone(), job.clone(), todo, req.max_tokens.or(job.max_tokens)));
-    Ok((StatusCode::ACCEPTED, Json(job.status())))
+    let key = id.clone();
+    store_call(&state, move |s| s.retry_failed(&key, req.max_tokens)).await?;
+    state.jobs.wake();
+    Ok((StatusCode::ACCEPTED, Json(find(&state, &id).await?.1)))
 }

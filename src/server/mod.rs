@@ -40,7 +40,8 @@ pub struct AppState {
     pub metrics: metrics::Metrics,
     /// Most requests admitted and not finished (waiting or running); past it, 429.
     pub max_pending: usize,
-    pub jobs: jobs::JobStore,
+    /// This process's worker on the job store (which it also hands out to the handlers).
+    pub jobs: Arc<crate::jobs::Worker>,
 }
 
 /// `axum::Json` whose rejections are JSON errors (`ApiError`).
@@ -94,10 +95,20 @@ pub async fn serve(state: Arc<AppState>, addr: SocketAddr) -> anyhow::Result<()>
         .map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
     // Tests and scripts read this line to find the port (`--port 0` picks a free one).
     eprintln!("quarry: listening on http://{}", listener.local_addr()?);
+    let worker = {
+        let st = state.clone();
+        tokio::spawn(state.jobs.clone().run(move |work| {
+            let st = st.clone();
+            async move { jobs::extract_item(&st, work).await }
+        }))
+    };
     axum::serve(listener, router(state.clone()))
         .with_graceful_shutdown(shutdown_signal())
         .await?;
     eprintln!("quarry: draining running requests");
+    // Job items in flight finish and are written; the rest stay queued for the next process.
+    state.jobs.stop();
+    let _ = worker.await;
     tokio::task::spawn_blocking(move || state.extractor.client.shutdown()).await?;
     Ok(())
 }

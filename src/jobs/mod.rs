@@ -1,0 +1,161 @@
+//! Durable batch jobs. A job is a schema and a list of items (documents); its items live in a
+//! store that outlives the process, so a restart, a crash or a deploy loses nothing, and any
+//! number of processes sharing the store work through the same jobs.
+//!
+//! Every item is claimed under a lease: its owner renews the lease while it works
+//! (`Worker`'s heartbeat), and an item whose lease ran out (its owner died) is claimed again
+//! by anyone. Each claim bumps the item's attempt number, and a result is written only by the
+//! owner of the current attempt, in the transaction that marks the item done: a late writer
+//! (a worker that stalled past its lease) is fenced out, so every item ends with exactly one
+//! result.
+
+pub mod sqlite;
+pub mod worker;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::extract::records::{Record, RecordResult};
+
+pub use sqlite::SqliteStore;
+pub use worker::{Worker, WorkerConfig};
+
+/// A job as it is submitted.
+#[derive(Debug, Clone)]
+pub struct NewJob {
+    pub id: String,
+    pub schema_id: String,
+    /// The schema itself: an item can run in a process whose registry never saw it.
+    pub schema: Value,
+    pub max_tokens: Option<usize>,
+    pub items: Vec<Record>,
+}
+
+/// A job's settings, as a worker needs them to run its items.
+#[derive(Debug, Clone)]
+pub struct JobSpec {
+    pub id: String,
+    pub schema_id: String,
+    pub schema: Value,
+    pub max_tokens: Option<usize>,
+}
+
+/// How a job's items stand.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counts {
+    pub queued: usize,
+    pub running: usize,
+    pub ok: usize,
+    pub failed: usize,
+}
+
+impl Counts {
+    pub fn total(&self) -> usize {
+        self.queued + self.running + self.ok + self.failed
+    }
+}
+
+/// One attempt at one item: what fences its result.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Attempt {
+    pub job_id: String,
+    pub index: usize,
+    pub attempt: u32,
+}
+
+/// An item claimed for work.
+#[derive(Debug, Clone)]
+pub struct Claim {
+    pub attempt: Attempt,
+    pub item_id: String,
+    pub document: String,
+    /// A retry's budget, over the job's.
+    pub max_tokens: Option<usize>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("job store: {0}")]
+    Backend(String),
+    #[error("job store {location}: {message}")]
+    Open { location: String, message: String },
+    #[error("a job `{0}` exists already")]
+    DuplicateJob(String),
+}
+
+pub type Result<T> = std::result::Result<T, StoreError>;
+
+/// Where jobs are kept. Every call is one short transaction; none is held open while an item
+/// runs. The calls block: async callers go through `tokio::task::spawn_blocking`.
+pub trait JobStore: Send + Sync {
+    /// The job and all its items, queued, in one transaction.
+    fn create(&self, job: &NewJob) -> Result<()>;
+    fn spec(&self, job_id: &str) -> Result<Option<JobSpec>>;
+    fn counts(&self, job_id: &str) -> Result<Option<Counts>>;
+    /// Up to `n` items for `owner`, leased until `lease` from now: queued ones first, in the
+    /// order they were queued, then ones whose lease ran out.
+    fn claim(&self, owner: &str, n: usize, lease: Duration) -> Result<Vec<Claim>>;
+    /// Extends every lease `owner` holds to `lease` from now; how many it holds.
+    fn heartbeat(&self, owner: &str, lease: Duration) -> Result<usize>;
+    /// The attempt's result, with the item marked done, if `owner` still holds that attempt;
+    /// false (nothing written) where it does not.
+    fn complete(&self, owner: &str, attempt: &Attempt, result: &RecordResult) -> Result<bool>;
+    /// The results of the items that have one, in input order, from item `from` on, at most
+    /// `limit`: (item index, item id, result).
+    fn results(&self, job_id: &str, from: usize, limit: usize) -> Result<Vec<(usize, String, RecordResult)>>;
+    /// Queues the job's failed items again (with a new budget where given); how many.
+    fn retry_failed(&self, job_id: &str, max_tokens: Option<usize>) -> Result<usize>;
+    /// Queues again every item `owner` holds (it is shutting down).
+    fn release(&self, owner: &str) -> Result<usize>;
+}
+
+/// Opens the store `location` names: a `postgres://` URL, `sqlite:PATH`, or nothing for
+/// SQLite at `state_dir/jobs.sqlite3`.
+pub fn open(location: Option<&str>, state_dir: &Path) -> Result<Arc<dyn JobStore>> {
+    match location {
+        Some(url) if url.starts_with("postgres://") || url.starts_with("postgresql://") => Err(StoreError::Open {
+            location: url.into(),
+            message: "Postgres job stores are not built into this version".into(),
+        }),
+        Some(path) => Ok(Arc::new(SqliteStore::open(Path::new(
+            path.strip_prefix("sqlite:").unwrap_or(path),
+        ))?)),
+        None => {
+            std::fs::create_dir_all(state_dir).map_err(|e| StoreError::Open {
+                location: state_dir.display().to_string(),
+                message: e.to_string(),
+            })?;
+            Ok(Arc::new(SqliteStore::open(&state_dir.join("jobs.sqlite3"))?))
+        }
+    }
+}
+
+/// `$XDG_DATA_HOME/quarry`, else `~/.local/share/quarry`, else `./quarry-state`.
+pub fn default_state_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("XDG_DATA_HOME").filter(|d| !d.is_empty()) {
+        return PathBuf::from(d).join("quarry");
+    }
+    match std::env::var_os("HOME").filter(|h| !h.is_empty()) {
+        Some(home) => PathBuf::from(home).join(".local/share/quarry"),
+        None => PathBuf::from("quarry-state"),
+    }
+}
+
+/// A job id no other process will pick: the clock and a random number.
+pub fn new_job_id() -> String {
+    let millis = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    format!("job-{millis:x}{:08x}", rand::random::<u32>())
+}
+
+/// Milliseconds since the epoch: lease expiries are compared across processes (and machines,
+/// whose clocks are assumed to agree to well within a lease).
+pub(crate) fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
