@@ -9,6 +9,7 @@
 //! (a worker that stalled past its lease) is fenced out, so every item ends with exactly one
 //! result.
 
+pub mod postgres;
 pub mod sqlite;
 pub mod worker;
 
@@ -20,6 +21,7 @@ use serde_json::Value;
 
 use crate::extract::records::{Record, RecordResult};
 
+pub use postgres::PostgresStore;
 pub use sqlite::SqliteStore;
 pub use worker::{Worker, WorkerConfig};
 
@@ -116,10 +118,9 @@ pub trait JobStore: Send + Sync {
 /// SQLite at `state_dir/jobs.sqlite3`.
 pub fn open(location: Option<&str>, state_dir: &Path) -> Result<Arc<dyn JobStore>> {
     match location {
-        Some(url) if url.starts_with("postgres://") || url.starts_with("postgresql://") => Err(StoreError::Open {
-            location: url.into(),
-            message: "Postgres job stores are not built into this version".into(),
-        }),
+        Some(url) if url.starts_with("postgres://") || url.starts_with("postgresql://") => {
+            Ok(Arc::new(PostgresStore::open(url)?))
+        }
         Some(path) => Ok(Arc::new(SqliteStore::open(Path::new(
             path.strip_prefix("sqlite:").unwrap_or(path),
         ))?)),

@@ -1,0 +1,348 @@
+//! The distributed job store: one Postgres database shared by every Quarry process that works
+//! on the same jobs, on any number of machines. Items are claimed with `FOR UPDATE SKIP
+//! LOCKED` in a short transaction (never held open while an item runs), so processes claiming
+//! at once take different items without waiting on each other. A dropped connection is opened
+//! again on the next call; the caller retries with backoff meanwhile.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use postgres::{Client, NoTls};
+
+use super::{now_ms, Attempt, Claim, Counts, JobSpec, JobStore, NewJob, Result, StoreError};
+use crate::extract::records::RecordResult;
+
+const QUEUED: i16 = 0;
+const RUNNING: i16 = 1;
+const DONE: i16 = 2;
+
+/// Each entry moves the database one version up; `quarry_migrations` lists those applied.
+const MIGRATIONS: &[&str] = &[r#"
+CREATE TABLE quarry_jobs (
+    id TEXT PRIMARY KEY,
+    schema_id TEXT NOT NULL,
+    schema TEXT NOT NULL,
+    max_tokens INTEGER,
+    created_ms BIGINT NOT NULL
+);
+-- seq is the queue order: jobs in the order they came, items in input order.
+CREATE TABLE quarry_items (
+    seq BIGSERIAL PRIMARY KEY,
+    job_id TEXT NOT NULL REFERENCES quarry_jobs (id),
+    idx INTEGER NOT NULL,
+    item_id TEXT NOT NULL,
+    document TEXT NOT NULL,
+    state SMALLINT NOT NULL,
+    ok BOOLEAN,
+    lease_owner TEXT,
+    lease_expiry BIGINT,
+    attempt INTEGER NOT NULL DEFAULT 0,
+    max_tokens INTEGER,
+    UNIQUE (job_id, idx)
+);
+CREATE INDEX quarry_items_by_state ON quarry_items (state, seq);
+CREATE INDEX quarry_items_by_owner ON quarry_items (lease_owner) WHERE lease_owner IS NOT NULL;
+CREATE TABLE quarry_results (
+    job_id TEXT NOT NULL,
+    idx INTEGER NOT NULL,
+    attempt INTEGER NOT NULL,
+    result TEXT NOT NULL,
+    PRIMARY KEY (job_id, idx)
+);
+"#];
+
+/// Any number to name the advisory lock that serialises migrations between processes.
+const MIGRATION_LOCK: i64 = 0x5155_4152_5259;
+
+pub struct PostgresStore {
+    url: String,
+    client: Mutex<Option<Client>>,
+}
+
+fn backend(e: postgres::Error) -> StoreError {
+    StoreError::Backend(e.to_string())
+}
+
+impl PostgresStore {
+    /// Connects and brings the database's tables up to date: an unreachable database is an
+    /// error here, at start.
+    pub fn open(url: &str) -> Result<Self> {
+        let open_error = |e: postgres::Error| StoreError::Open {
+            location: redact(url),
+            message: e.to_string(),
+        };
+        let mut client = connect(url).map_err(open_error)?;
+        migrate(&mut client).map_err(open_error)?;
+        Ok(PostgresStore {
+            url: url.to_string(),
+            client: Mutex::new(Some(client)),
+        })
+    }
+
+    /// Runs `f` on the connection, opening it again where it was lost.
+    fn with<T>(&self, f: impl FnOnce(&mut Client) -> std::result::Result<T, postgres::Error>) -> Result<T> {
+        let mut slot = self.client.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.as_ref().is_none_or(Client::is_closed) {
+            *slot = Some(connect(&self.url).map_err(backend)?);
+        }
+        let client = slot.as_mut().expect("connected above");
+        let result = f(client);
+        if result.is_err() && client.is_closed() {
+            *slot = None;
+        }
+        result.map_err(backend)
+    }
+}
+
+fn connect(url: &str) -> std::result::Result<Client, postgres::Error> {
+    let mut config: postgres::Config = url.parse()?;
+    if config.get_connect_timeout().is_none() {
+        config.connect_timeout(Duration::from_secs(10));
+    }
+    config.connect(NoTls)
+}
+
+/// The URL without its password, for messages.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let userinfo = &url[scheme + 3..at];
+            let user = userinfo.split(':').next().unwrap_or("");
+            format!("{}{user}:***{}", &url[..scheme + 3], &url[at..])
+        }
+        _ => url.to_string(),
+    }
+}
+
+fn migrate(client: &mut Client) -> std::result::Result<(), postgres::Error> {
+    let mut tx = client.transaction()?;
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])?;
+    tx.batch_execute("CREATE TABLE IF NOT EXISTS quarry_migrations (version INTEGER PRIMARY KEY)")?;
+    let applied: i32 = tx
+        .query_one("SELECT COALESCE(MAX(version), 0) FROM quarry_migrations", &[])?
+        .get(0);
+    for (i, sql) in MIGRATIONS.iter().enumerate().skip(applied as usize) {
+        tx.batch_execute(sql)?;
+        tx.execute(
+            "INSERT INTO quarry_migrations (version) VALUES ($1)",
+            &[&(i as i32 + 1)],
+        )?;
+    }
+    tx.commit()
+}
+
+fn int(n: Option<usize>) -> Option<i32> {
+    n.map(|n| n.min(i32::MAX as usize) as i32)
+}
+
+impl JobStore for PostgresStore {
+    fn create(&self, job: &NewJob) -> Result<()> {
+        let inserted =
+            self.with(|c| {
+                let mut tx = c.transaction()?;
+                let n = tx.execute(
+                "INSERT INTO quarry_jobs (id, schema_id, schema, max_tokens, created_ms) VALUES ($1, $2, $3, $4, $5)
+                 ON CONFLICT (id) DO NOTHING",
+                &[&job.id, &job.schema_id, &job.schema.to_string(), &int(job.max_tokens), &now_ms()],
+            )?;
+                if n == 0 {
+                    return Ok(false);
+                }
+                let insert = tx.prepare(
+                    "INSERT INTO quarry_items (job_id, idx, item_id, document, state) VALUES ($1, $2, $3, $4, $5)",
+                )?;
+                for (i, item) in job.items.iter().enumerate() {
+                    tx.execute(&insert, &[&job.id, &(i as i32), &item.id, &item.document, &QUEUED])?;
+                }
+                tx.commit()?;
+                Ok(true)
+            })?;
+        match inserted {
+            true => Ok(()),
+            false => Err(StoreError::DuplicateJob(job.id.clone())),
+        }
+    }
+
+    fn spec(&self, job_id: &str) -> Result<Option<JobSpec>> {
+        let row = self.with(|c| {
+            c.query_opt(
+                "SELECT schema_id, schema, max_tokens FROM quarry_jobs WHERE id = $1",
+                &[&job_id],
+            )
+        })?;
+        let Some(row) = row else { return Ok(None) };
+        let schema: String = row.get(1);
+        let schema = serde_json::from_str(&schema).map_err(|e| StoreError::Backend(format!("job {job_id}: {e}")))?;
+        Ok(Some(JobSpec {
+            id: job_id.into(),
+            schema_id: row.get(0),
+            schema,
+            max_tokens: row.get::<_, Option<i32>>(2).map(|n| n as usize),
+        }))
+    }
+
+    fn counts(&self, job_id: &str) -> Result<Option<Counts>> {
+        let rows = self.with(|c| {
+            if c.query_opt("SELECT 1 FROM quarry_jobs WHERE id = $1", &[&job_id])?
+                .is_none()
+            {
+                return Ok(None);
+            }
+            c.query(
+                "SELECT state, ok, COUNT(*) FROM quarry_items WHERE job_id = $1 GROUP BY state, ok",
+                &[&job_id],
+            )
+            .map(Some)
+        })?;
+        let Some(rows) = rows else { return Ok(None) };
+        let mut counts = Counts::default();
+        for row in rows {
+            let n = row.get::<_, i64>(2) as usize;
+            match (row.get::<_, i16>(0), row.get::<_, Option<bool>>(1)) {
+                (QUEUED, _) => counts.queued += n,
+                (RUNNING, _) => counts.running += n,
+                (_, Some(true)) => counts.ok += n,
+                _ => counts.failed += n,
+            }
+        }
+        Ok(Some(counts))
+    }
+
+    fn claim(&self, owner: &str, n: usize, lease: Duration) -> Result<Vec<Claim>> {
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let now = now_ms();
+        let expiry = now + lease.as_millis() as i64;
+        let rows = self.with(|c| {
+            c.query(
+                "WITH picked AS (
+                     SELECT seq FROM quarry_items
+                     WHERE state = $1 OR (state = $2 AND lease_expiry < $3)
+                     ORDER BY state, seq LIMIT $4
+                     FOR UPDATE SKIP LOCKED
+                 )
+                 UPDATE quarry_items i
+                 SET state = $2, lease_owner = $5, lease_expiry = $6, attempt = i.attempt + 1
+                 FROM picked WHERE i.seq = picked.seq
+                 RETURNING i.seq, i.job_id, i.idx, i.attempt, i.item_id, i.document, i.max_tokens",
+                &[&QUEUED, &RUNNING, &now, &(n as i64), &owner, &expiry],
+            )
+        })?;
+        let mut claims: Vec<(i64, Claim)> = rows
+            .into_iter()
+            .map(|r| {
+                (
+                    r.get::<_, i64>(0),
+                    Claim {
+                        attempt: Attempt {
+                            job_id: r.get(1),
+                            index: r.get::<_, i32>(2) as usize,
+                            attempt: r.get::<_, i32>(3) as u32,
+                        },
+                        item_id: r.get(4),
+                        document: r.get(5),
+                        max_tokens: r.get::<_, Option<i32>>(6).map(|n| n as usize),
+                    },
+                )
+            })
+            .collect();
+        claims.sort_by_key(|c| c.0);
+        Ok(claims.into_iter().map(|c| c.1).collect())
+    }
+
+    fn heartbeat(&self, owner: &str, lease: Duration) -> Result<usize> {
+        let expiry = now_ms() + lease.as_millis() as i64;
+        let n = self.with(|c| {
+            c.execute(
+                "UPDATE quarry_items SET lease_expiry = $1 WHERE lease_owner = $2 AND state = $3",
+                &[&expiry, &owner, &RUNNING],
+            )
+        })?;
+        Ok(n as usize)
+    }
+
+    fn complete(&self, owner: &str, a: &Attempt, result: &RecordResult) -> Result<bool> {
+        let json = serde_json::to_string(result).map_err(|e| StoreError::Backend(e.to_string()))?;
+        self.with(|c| {
+            let mut tx = c.transaction()?;
+            let marked = tx.execute(
+                "UPDATE quarry_items SET state = $1, ok = $2, lease_owner = NULL, lease_expiry = NULL
+                 WHERE job_id = $3 AND idx = $4 AND attempt = $5 AND lease_owner = $6 AND state = $7",
+                &[
+                    &DONE,
+                    &result.ok(),
+                    &a.job_id,
+                    &(a.index as i32),
+                    &(a.attempt as i32),
+                    &owner,
+                    &RUNNING,
+                ],
+            )?;
+            if marked == 0 {
+                return Ok(false);
+            }
+            tx.execute(
+                "INSERT INTO quarry_results (job_id, idx, attempt, result) VALUES ($1, $2, $3, $4)
+                 ON CONFLICT (job_id, idx) DO UPDATE SET attempt = excluded.attempt, result = excluded.result",
+                &[&a.job_id, &(a.index as i32), &(a.attempt as i32), &json],
+            )?;
+            tx.commit()?;
+            Ok(true)
+        })
+    }
+
+    fn results(&self, job_id: &str, from: usize, limit: usize) -> Result<Vec<(usize, String, RecordResult)>> {
+        let rows = self.with(|c| {
+            c.query(
+                "SELECT i.idx, i.item_id, r.result FROM quarry_items i
+                 JOIN quarry_results r ON r.job_id = i.job_id AND r.idx = i.idx
+                 WHERE i.job_id = $1 AND i.state = $2 AND i.idx >= $3 ORDER BY i.idx LIMIT $4",
+                &[&job_id, &DONE, &(from as i32), &(limit.min(i64::MAX as usize) as i64)],
+            )
+        })?;
+        rows.into_iter()
+            .map(|r| {
+                let idx = r.get::<_, i32>(0) as usize;
+                let json: String = r.get(2);
+                let result = serde_json::from_str(&json)
+                    .map_err(|e| StoreError::Backend(format!("job {job_id} item {idx}: {e}")))?;
+                Ok((idx, r.get(1), result))
+            })
+            .collect()
+    }
+
+    fn retry_failed(&self, job_id: &str, max_tokens: Option<usize>) -> Result<usize> {
+        let n = self.with(|c| {
+            c.execute(
+                "UPDATE quarry_items SET state = $1, ok = NULL, max_tokens = COALESCE($2, max_tokens)
+                 WHERE job_id = $3 AND state = $4 AND ok = false",
+                &[&QUEUED, &int(max_tokens), &job_id, &DONE],
+            )
+        })?;
+        Ok(n as usize)
+    }
+
+    fn release(&self, owner: &str) -> Result<usize> {
+        let n = self.with(|c| {
+            c.execute(
+                "UPDATE quarry_items SET state = $1, lease_owner = NULL, lease_expiry = NULL
+                 WHERE lease_owner = $2 AND state = $3",
+                &[&QUEUED, &owner, &RUNNING],
+            )
+        })?;
+        Ok(n as usize)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn passwords_stay_out_of_messages() {
+        assert_eq!(
+            super::redact("postgres://quarry:secret@db:5432/jobs"),
+            "postgres://quarry:***@db:5432/jobs"
+        );
+        assert_eq!(super::redact("postgres://db/jobs"), "postgres://db/jobs");
+    }
+}
