@@ -7,8 +7,9 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
-use quarry::extract::records::{Record, RecordResult};
-use quarry::jobs::{Counts, JobStore, NewJob, PostgresStore, SqliteStore, StoreError};
+use serde_json::{json, Value};
+
+use quarry::jobs::{Counts, JobStore, NewItem, NewJob, PostgresStore, SqliteStore, StoreError, StoredFile};
 
 struct TempDir(PathBuf);
 
@@ -67,27 +68,21 @@ impl Drop for Cluster {
 fn job(id: &str, n: usize) -> NewJob {
     NewJob {
         id: id.into(),
-        schema_id: "s".into(),
-        schema: serde_json::json!({"type": "object"}),
-        max_tokens: Some(64),
+        kind: "test".into(),
+        settings: json!({"max_tokens": 64}),
         items: (0..n)
-            .map(|i| Record {
-                id: format!("item-{i}"),
-                document: format!("document {i}"),
+            .map(|i| NewItem {
+                item_id: format!("item-{i}"),
+                payload: format!("document {i}"),
             })
             .collect(),
     }
 }
 
-fn result(ok: bool) -> RecordResult {
+fn result(ok: bool) -> (bool, Value) {
     match ok {
-        true => RecordResult {
-            outcome: "ok".into(),
-            data: Some(serde_json::json!({"a": 1})),
-            partial: None,
-            error: None,
-        },
-        false => RecordResult::failed("truncated", "too long".into()),
+        true => (true, json!({"outcome": "ok", "data": {"a": 1}})),
+        false => (false, json!({"outcome": "truncated"})),
     }
 }
 
@@ -100,11 +95,11 @@ fn indices(claims: &[quarry::jobs::Claim]) -> Vec<usize> {
 /// The checks every store passes.
 fn conformance(s: &dyn JobStore) {
     s.create(&job("j", 3)).unwrap();
-    assert!(matches!(s.create(&job("j", 1)), Err(StoreError::DuplicateJob(_))));
+    assert!(matches!(s.create(&job("j", 1)), Err(StoreError::Duplicate(_))));
     let long = Duration::from_secs(60);
     let a0 = s.claim("a", 1, long).unwrap();
     assert_eq!(indices(&a0), vec![0]);
-    assert_eq!(a0[0].document, "document 0");
+    assert_eq!(a0[0].payload, "document 0");
     assert_eq!(a0[0].item_id, "item-0");
     // a's claim on item 1 runs out at once.
     let a1 = s.claim("a", 1, Duration::from_millis(1)).unwrap();
@@ -125,10 +120,17 @@ fn conformance(s: &dyn JobStore) {
     );
 
     // a finishes item 1 late: refused. b's result stands, once.
-    assert!(!s.complete("a", &a1[0].attempt, &result(true)).unwrap());
-    assert!(s.complete("b", &b1.attempt, &result(false)).unwrap());
-    assert!(!s.complete("b", &b1.attempt, &result(true)).unwrap(), "done once");
-    assert!(s.complete("a", &a0[0].attempt, &result(true)).unwrap());
+    assert!(!s
+        .complete("a", &a1[0].attempt, result(true).0, &result(true).1)
+        .unwrap());
+    assert!(s.complete("b", &b1.attempt, result(false).0, &result(false).1).unwrap());
+    assert!(
+        !s.complete("b", &b1.attempt, result(true).0, &result(true).1).unwrap(),
+        "done once"
+    );
+    assert!(s
+        .complete("a", &a0[0].attempt, result(true).0, &result(true).1)
+        .unwrap());
     // Heartbeats count what an owner holds.
     assert_eq!(s.heartbeat("a", long).unwrap(), 0);
     assert_eq!(s.heartbeat("b", long).unwrap(), 1);
@@ -137,10 +139,13 @@ fn conformance(s: &dyn JobStore) {
     assert_eq!((c.ok, c.failed, c.running, c.queued), (1, 1, 1, 0));
     let results = s.results("j", 0, 10).unwrap();
     assert_eq!(
-        results.iter().map(|r| (r.0, r.1.as_str())).collect::<Vec<_>>(),
-        vec![(0, "item-0"), (1, "item-1")]
+        results
+            .iter()
+            .map(|r| (r.0, r.1.item_id.as_str(), r.1.ok))
+            .collect::<Vec<_>>(),
+        vec![(0, "item-0", true), (1, "item-1", false)]
     );
-    assert_eq!(results[1].2, result(false));
+    assert_eq!(results[1].1.result, result(false).1);
     assert_eq!(s.results("j", 1, 10).unwrap().len(), 1, "paged by item index");
 
     // Retry queues the failed item with a new budget; b's shutdown queues item 2 again.
@@ -154,7 +159,7 @@ fn conformance(s: &dyn JobStore) {
     let budget = |i| redo.iter().find(|c| c.attempt.index == i).unwrap().max_tokens;
     assert_eq!((budget(1), budget(2)), (Some(128), None));
     for c in &redo {
-        assert!(s.complete("c", &c.attempt, &result(true)).unwrap());
+        assert!(s.complete("c", &c.attempt, result(true).0, &result(true).1).unwrap());
     }
     assert_eq!(s.counts("j").unwrap().unwrap().ok, 3);
 
@@ -162,9 +167,48 @@ fn conformance(s: &dyn JobStore) {
     assert!(s.spec("nope").unwrap().is_none());
     let spec = s.spec("j").unwrap().unwrap();
     assert_eq!(
-        (spec.max_tokens, spec.schema["type"].as_str()),
-        (Some(64), Some("object"))
+        (spec.kind.as_str(), spec.settings["max_tokens"].as_u64()),
+        ("test", Some(64))
     );
+    assert!(spec.cancelled_ms.is_none());
+    assert!(s.last_result_ms("j").unwrap().unwrap() >= spec.created_ms);
+
+    // Cancelling ends the queued items with the given result; a running one finishes.
+    s.create(&job("k", 3)).unwrap();
+    let running = s.claim("d", 1, long).unwrap();
+    let cancelled = json!({"outcome": "cancelled"});
+    assert_eq!(s.cancel("k", &cancelled).unwrap(), 2);
+    assert!(s.spec("k").unwrap().unwrap().cancelled_ms.is_some());
+    assert!(s.claim("e", 5, long).unwrap().is_empty());
+    assert!(s
+        .complete("d", &running[0].attempt, true, &json!({"outcome": "ok"}))
+        .unwrap());
+    let c = s.counts("k").unwrap().unwrap();
+    assert_eq!((c.ok, c.failed), (1, 2));
+    assert_eq!(s.results("k", 1, 10).unwrap()[0].1.result, cancelled);
+
+    // Listing: newest first, paged by the last id seen, one kind at a time.
+    let listed: Vec<String> = s.list("test", 10, None).unwrap().into_iter().map(|j| j.id).collect();
+    assert_eq!(listed.len(), 2);
+    assert_eq!(s.list("test", 1, Some(&listed[0])).unwrap()[0].id, listed[1]);
+    assert!(s.list("other", 10, None).unwrap().is_empty());
+
+    // Files keep their bytes, and an id once.
+    let f = StoredFile {
+        id: "file-1".into(),
+        purpose: "batch".into(),
+        filename: "in.jsonl".into(),
+        bytes: b"{\"a\": 1}\n\x00\xff".to_vec(),
+        created_ms: 1,
+    };
+    s.put_file(&f).unwrap();
+    assert!(matches!(s.put_file(&f), Err(StoreError::Duplicate(_))));
+    let back = s.file("file-1").unwrap().unwrap();
+    assert_eq!(
+        (back.bytes, back.filename, back.purpose),
+        (f.bytes, f.filename, f.purpose)
+    );
+    assert!(s.file("file-2").unwrap().is_none());
 }
 
 /// Claimers racing for the same items: each item goes to exactly one of them.

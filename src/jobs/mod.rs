@@ -19,30 +19,47 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::extract::records::{Record, RecordResult};
-
 pub use postgres::PostgresStore;
 pub use sqlite::SqliteStore;
 pub use worker::{Worker, WorkerConfig};
 
-/// A job as it is submitted.
+/// A job as it is submitted. The store keeps `kind`, `settings` and each item's payload as
+/// given: what they mean is the runner's business (an extraction job's settings hold its
+/// schema and its items' payloads are documents; a batch's items are request bodies).
 #[derive(Debug, Clone)]
 pub struct NewJob {
     pub id: String,
-    pub schema_id: String,
-    /// The schema itself: an item can run in a process whose registry never saw it.
-    pub schema: Value,
-    pub max_tokens: Option<usize>,
-    pub items: Vec<Record>,
+    pub kind: String,
+    pub settings: Value,
+    pub items: Vec<NewItem>,
 }
 
-/// A job's settings, as a worker needs them to run its items.
+#[derive(Debug, Clone)]
+pub struct NewItem {
+    /// The caller's name for the item (a record id, a batch line's `custom_id`).
+    pub item_id: String,
+    pub payload: String,
+}
+
+/// A job as stored.
 #[derive(Debug, Clone)]
 pub struct JobSpec {
     pub id: String,
-    pub schema_id: String,
-    pub schema: Value,
-    pub max_tokens: Option<usize>,
+    pub kind: String,
+    pub settings: Value,
+    pub created_ms: i64,
+    /// When it was cancelled, if it was.
+    pub cancelled_ms: Option<i64>,
+}
+
+/// A stored file (the OpenAI Files API: a batch's input).
+#[derive(Debug, Clone)]
+pub struct StoredFile {
+    pub id: String,
+    pub purpose: String,
+    pub filename: String,
+    pub bytes: Vec<u8>,
+    pub created_ms: i64,
 }
 
 /// How a job's items stand.
@@ -73,9 +90,18 @@ pub struct Attempt {
 pub struct Claim {
     pub attempt: Attempt,
     pub item_id: String,
-    pub document: String,
+    pub payload: String,
     /// A retry's budget, over the job's.
     pub max_tokens: Option<usize>,
+}
+
+/// An item's result as stored: whether it succeeded (for counts and retries), and what the
+/// runner made of it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ItemResult {
+    pub item_id: String,
+    pub ok: bool,
+    pub result: Value,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -84,8 +110,8 @@ pub enum StoreError {
     Backend(String),
     #[error("job store {location}: {message}")]
     Open { location: String, message: String },
-    #[error("a job `{0}` exists already")]
-    DuplicateJob(String),
+    #[error("`{0}` exists already")]
+    Duplicate(String),
 }
 
 pub type Result<T> = std::result::Result<T, StoreError>;
@@ -97,6 +123,10 @@ pub trait JobStore: Send + Sync {
     fn create(&self, job: &NewJob) -> Result<()>;
     fn spec(&self, job_id: &str) -> Result<Option<JobSpec>>;
     fn counts(&self, job_id: &str) -> Result<Option<Counts>>;
+    /// Jobs of `kind`, newest first, at most `limit`, those created before `after` where given.
+    fn list(&self, kind: &str, limit: usize, after: Option<&str>) -> Result<Vec<JobSpec>>;
+    /// When the job's last result was written (milliseconds since the epoch), if any was.
+    fn last_result_ms(&self, job_id: &str) -> Result<Option<i64>>;
     /// Up to `n` items for `owner`, leased until `lease` from now: queued ones first, in the
     /// order they were queued, then ones whose lease ran out.
     fn claim(&self, owner: &str, n: usize, lease: Duration) -> Result<Vec<Claim>>;
@@ -104,14 +134,19 @@ pub trait JobStore: Send + Sync {
     fn heartbeat(&self, owner: &str, lease: Duration) -> Result<usize>;
     /// The attempt's result, with the item marked done, if `owner` still holds that attempt;
     /// false (nothing written) where it does not.
-    fn complete(&self, owner: &str, attempt: &Attempt, result: &RecordResult) -> Result<bool>;
+    fn complete(&self, owner: &str, attempt: &Attempt, ok: bool, result: &Value) -> Result<bool>;
     /// The results of the items that have one, in input order, from item `from` on, at most
-    /// `limit`: (item index, item id, result).
-    fn results(&self, job_id: &str, from: usize, limit: usize) -> Result<Vec<(usize, String, RecordResult)>>;
+    /// `limit`, each with its item index.
+    fn results(&self, job_id: &str, from: usize, limit: usize) -> Result<Vec<(usize, ItemResult)>>;
     /// Queues the job's failed items again (with a new budget where given); how many.
     fn retry_failed(&self, job_id: &str, max_tokens: Option<usize>) -> Result<usize>;
+    /// Marks the job cancelled and ends its queued items with `result` (not ok); items
+    /// running finish as they would. How many were ended.
+    fn cancel(&self, job_id: &str, result: &Value) -> Result<usize>;
     /// Queues again every item `owner` holds (it is shutting down).
     fn release(&self, owner: &str) -> Result<usize>;
+    fn put_file(&self, file: &StoredFile) -> Result<()>;
+    fn file(&self, id: &str) -> Result<Option<StoredFile>>;
 }
 
 /// Opens the store `location` names: a `postgres://` URL, `sqlite:PATH`, or nothing for
@@ -145,12 +180,12 @@ pub fn default_state_dir() -> PathBuf {
     }
 }
 
-/// A job id no other process will pick: the clock and a random number.
-pub fn new_job_id() -> String {
+/// An id no other process will pick: `prefix`, the clock and a random number.
+pub fn new_id(prefix: &str) -> String {
     let millis = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis());
-    format!("job-{millis:x}{:08x}", rand::random::<u32>())
+    format!("{prefix}{millis:x}{:08x}", rand::random::<u32>())
 }
 
 /// Milliseconds since the epoch: lease expiries are compared across processes (and machines,

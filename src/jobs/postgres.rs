@@ -9,8 +9,10 @@ use std::time::Duration;
 
 use postgres::{Client, NoTls};
 
-use super::{now_ms, Attempt, Claim, Counts, JobSpec, JobStore, NewJob, Result, StoreError};
-use crate::extract::records::RecordResult;
+use postgres::{GenericClient, Row};
+use serde_json::Value;
+
+use super::{now_ms, Attempt, Claim, Counts, ItemResult, JobSpec, JobStore, NewJob, Result, StoreError, StoredFile};
 
 const QUEUED: i16 = 0;
 const RUNNING: i16 = 1;
@@ -20,18 +22,19 @@ const DONE: i16 = 2;
 const MIGRATIONS: &[&str] = &[r#"
 CREATE TABLE quarry_jobs (
     id TEXT PRIMARY KEY,
-    schema_id TEXT NOT NULL,
-    schema TEXT NOT NULL,
-    max_tokens INTEGER,
-    created_ms BIGINT NOT NULL
+    kind TEXT NOT NULL,
+    settings TEXT NOT NULL,
+    created_ms BIGINT NOT NULL,
+    cancelled_ms BIGINT
 );
+CREATE INDEX quarry_jobs_by_kind ON quarry_jobs (kind, created_ms);
 -- seq is the queue order: jobs in the order they came, items in input order.
 CREATE TABLE quarry_items (
     seq BIGSERIAL PRIMARY KEY,
     job_id TEXT NOT NULL REFERENCES quarry_jobs (id),
     idx INTEGER NOT NULL,
     item_id TEXT NOT NULL,
-    document TEXT NOT NULL,
+    payload TEXT NOT NULL,
     state SMALLINT NOT NULL,
     ok BOOLEAN,
     lease_owner TEXT,
@@ -47,7 +50,15 @@ CREATE TABLE quarry_results (
     idx INTEGER NOT NULL,
     attempt INTEGER NOT NULL,
     result TEXT NOT NULL,
+    done_ms BIGINT NOT NULL,
     PRIMARY KEY (job_id, idx)
+);
+CREATE TABLE quarry_files (
+    id TEXT PRIMARY KEY,
+    purpose TEXT NOT NULL,
+    filename TEXT NOT NULL,
+    bytes BYTEA NOT NULL,
+    created_ms BIGINT NOT NULL
 );
 "#];
 
@@ -137,48 +148,59 @@ fn int(n: Option<usize>) -> Option<i32> {
 
 impl JobStore for PostgresStore {
     fn create(&self, job: &NewJob) -> Result<()> {
-        let inserted =
-            self.with(|c| {
-                let mut tx = c.transaction()?;
-                let n = tx.execute(
-                "INSERT INTO quarry_jobs (id, schema_id, schema, max_tokens, created_ms) VALUES ($1, $2, $3, $4, $5)
+        let inserted = self.with(|c| {
+            let mut tx = c.transaction()?;
+            let n = tx.execute(
+                "INSERT INTO quarry_jobs (id, kind, settings, created_ms) VALUES ($1, $2, $3, $4)
                  ON CONFLICT (id) DO NOTHING",
-                &[&job.id, &job.schema_id, &job.schema.to_string(), &int(job.max_tokens), &now_ms()],
+                &[&job.id, &job.kind, &job.settings.to_string(), &now_ms()],
             )?;
-                if n == 0 {
-                    return Ok(false);
-                }
-                let insert = tx.prepare(
-                    "INSERT INTO quarry_items (job_id, idx, item_id, document, state) VALUES ($1, $2, $3, $4, $5)",
-                )?;
-                for (i, item) in job.items.iter().enumerate() {
-                    tx.execute(&insert, &[&job.id, &(i as i32), &item.id, &item.document, &QUEUED])?;
-                }
-                tx.commit()?;
-                Ok(true)
-            })?;
+            if n == 0 {
+                return Ok(false);
+            }
+            let insert = tx.prepare(
+                "INSERT INTO quarry_items (job_id, idx, item_id, payload, state) VALUES ($1, $2, $3, $4, $5)",
+            )?;
+            for (i, item) in job.items.iter().enumerate() {
+                tx.execute(&insert, &[&job.id, &(i as i32), &item.item_id, &item.payload, &QUEUED])?;
+            }
+            tx.commit()?;
+            Ok(true)
+        })?;
         match inserted {
             true => Ok(()),
-            false => Err(StoreError::DuplicateJob(job.id.clone())),
+            false => Err(StoreError::Duplicate(job.id.clone())),
         }
     }
 
     fn spec(&self, job_id: &str) -> Result<Option<JobSpec>> {
         let row = self.with(|c| {
             c.query_opt(
-                "SELECT schema_id, schema, max_tokens FROM quarry_jobs WHERE id = $1",
+                "SELECT id, kind, settings, created_ms, cancelled_ms FROM quarry_jobs WHERE id = $1",
                 &[&job_id],
             )
         })?;
-        let Some(row) = row else { return Ok(None) };
-        let schema: String = row.get(1);
-        let schema = serde_json::from_str(&schema).map_err(|e| StoreError::Backend(format!("job {job_id}: {e}")))?;
-        Ok(Some(JobSpec {
-            id: job_id.into(),
-            schema_id: row.get(0),
-            schema,
-            max_tokens: row.get::<_, Option<i32>>(2).map(|n| n as usize),
-        }))
+        row.map(|r| spec_row(&r)).transpose()
+    }
+
+    fn list(&self, kind: &str, limit: usize, after: Option<&str>) -> Result<Vec<JobSpec>> {
+        let rows = self.with(|c| {
+            c.query(
+                "SELECT id, kind, settings, created_ms, cancelled_ms FROM quarry_jobs
+                 WHERE kind = $1 AND ($2::TEXT IS NULL
+                     OR (created_ms, id) < (SELECT created_ms, id FROM quarry_jobs WHERE id = $2))
+                 ORDER BY created_ms DESC, id DESC LIMIT $3",
+                &[&kind, &after, &(limit.min(i64::MAX as usize) as i64)],
+            )
+        })?;
+        rows.iter().map(spec_row).collect()
+    }
+
+    fn last_result_ms(&self, job_id: &str) -> Result<Option<i64>> {
+        self.with(|c| {
+            c.query_one("SELECT MAX(done_ms) FROM quarry_results WHERE job_id = $1", &[&job_id])
+                .map(|r| r.get(0))
+        })
     }
 
     fn counts(&self, job_id: &str) -> Result<Option<Counts>> {
@@ -225,7 +247,7 @@ impl JobStore for PostgresStore {
                  UPDATE quarry_items i
                  SET state = $2, lease_owner = $5, lease_expiry = $6, attempt = i.attempt + 1
                  FROM picked WHERE i.seq = picked.seq
-                 RETURNING i.seq, i.job_id, i.idx, i.attempt, i.item_id, i.document, i.max_tokens",
+                 RETURNING i.seq, i.job_id, i.idx, i.attempt, i.item_id, i.payload, i.max_tokens",
                 &[&QUEUED, &RUNNING, &now, &(n as i64), &owner, &expiry],
             )
         })?;
@@ -241,7 +263,7 @@ impl JobStore for PostgresStore {
                             attempt: r.get::<_, i32>(3) as u32,
                         },
                         item_id: r.get(4),
-                        document: r.get(5),
+                        payload: r.get(5),
                         max_tokens: r.get::<_, Option<i32>>(6).map(|n| n as usize),
                     },
                 )
@@ -262,8 +284,7 @@ impl JobStore for PostgresStore {
         Ok(n as usize)
     }
 
-    fn complete(&self, owner: &str, a: &Attempt, result: &RecordResult) -> Result<bool> {
-        let json = serde_json::to_string(result).map_err(|e| StoreError::Backend(e.to_string()))?;
+    fn complete(&self, owner: &str, a: &Attempt, ok: bool, result: &Value) -> Result<bool> {
         self.with(|c| {
             let mut tx = c.transaction()?;
             let marked = tx.execute(
@@ -271,7 +292,7 @@ impl JobStore for PostgresStore {
                  WHERE job_id = $3 AND idx = $4 AND attempt = $5 AND lease_owner = $6 AND state = $7",
                 &[
                     &DONE,
-                    &result.ok(),
+                    &ok,
                     &a.job_id,
                     &(a.index as i32),
                     &(a.attempt as i32),
@@ -282,20 +303,16 @@ impl JobStore for PostgresStore {
             if marked == 0 {
                 return Ok(false);
             }
-            tx.execute(
-                "INSERT INTO quarry_results (job_id, idx, attempt, result) VALUES ($1, $2, $3, $4)
-                 ON CONFLICT (job_id, idx) DO UPDATE SET attempt = excluded.attempt, result = excluded.result",
-                &[&a.job_id, &(a.index as i32), &(a.attempt as i32), &json],
-            )?;
+            write_result(&mut tx, &a.job_id, a.index, a.attempt, result)?;
             tx.commit()?;
             Ok(true)
         })
     }
 
-    fn results(&self, job_id: &str, from: usize, limit: usize) -> Result<Vec<(usize, String, RecordResult)>> {
+    fn results(&self, job_id: &str, from: usize, limit: usize) -> Result<Vec<(usize, ItemResult)>> {
         let rows = self.with(|c| {
             c.query(
-                "SELECT i.idx, i.item_id, r.result FROM quarry_items i
+                "SELECT i.idx, i.item_id, i.ok, r.result FROM quarry_items i
                  JOIN quarry_results r ON r.job_id = i.job_id AND r.idx = i.idx
                  WHERE i.job_id = $1 AND i.state = $2 AND i.idx >= $3 ORDER BY i.idx LIMIT $4",
                 &[&job_id, &DONE, &(from as i32), &(limit.min(i64::MAX as usize) as i64)],
@@ -304,10 +321,17 @@ impl JobStore for PostgresStore {
         rows.into_iter()
             .map(|r| {
                 let idx = r.get::<_, i32>(0) as usize;
-                let json: String = r.get(2);
+                let json: String = r.get(3);
                 let result = serde_json::from_str(&json)
                     .map_err(|e| StoreError::Backend(format!("job {job_id} item {idx}: {e}")))?;
-                Ok((idx, r.get(1), result))
+                Ok((
+                    idx,
+                    ItemResult {
+                        item_id: r.get(1),
+                        ok: r.get(2),
+                        result,
+                    },
+                ))
             })
             .collect()
     }
@@ -333,6 +357,90 @@ impl JobStore for PostgresStore {
         })?;
         Ok(n as usize)
     }
+
+    fn cancel(&self, job_id: &str, result: &Value) -> Result<usize> {
+        self.with(|c| {
+            let mut tx = c.transaction()?;
+            tx.execute(
+                "UPDATE quarry_jobs SET cancelled_ms = COALESCE(cancelled_ms, $1) WHERE id = $2",
+                &[&now_ms(), &job_id],
+            )?;
+            let ended = tx.query(
+                "UPDATE quarry_items SET state = $1, ok = false WHERE job_id = $2 AND state = $3 RETURNING idx, attempt",
+                &[&DONE, &job_id, &QUEUED],
+            )?;
+            for r in &ended {
+                write_result(&mut tx, job_id, r.get::<_, i32>(0) as usize, r.get::<_, i32>(1) as u32, result)?;
+            }
+            tx.commit()?;
+            Ok(ended.len())
+        })
+    }
+
+    fn put_file(&self, f: &StoredFile) -> Result<()> {
+        let n = self.with(|c| {
+            c.execute(
+                "INSERT INTO quarry_files (id, purpose, filename, bytes, created_ms) VALUES ($1, $2, $3, $4, $5)
+                 ON CONFLICT (id) DO NOTHING",
+                &[&f.id, &f.purpose, &f.filename, &f.bytes, &f.created_ms],
+            )
+        })?;
+        match n {
+            0 => Err(StoreError::Duplicate(f.id.clone())),
+            _ => Ok(()),
+        }
+    }
+
+    fn file(&self, id: &str) -> Result<Option<StoredFile>> {
+        let row = self.with(|c| {
+            c.query_opt(
+                "SELECT id, purpose, filename, bytes, created_ms FROM quarry_files WHERE id = $1",
+                &[&id],
+            )
+        })?;
+        Ok(row.map(|r| StoredFile {
+            id: r.get(0),
+            purpose: r.get(1),
+            filename: r.get(2),
+            bytes: r.get(3),
+            created_ms: r.get(4),
+        }))
+    }
+}
+
+fn write_result(
+    tx: &mut impl GenericClient,
+    job_id: &str,
+    idx: usize,
+    attempt: u32,
+    result: &Value,
+) -> std::result::Result<(), postgres::Error> {
+    tx.execute(
+        "INSERT INTO quarry_results (job_id, idx, attempt, result, done_ms) VALUES ($1, $2, $3, $4, $5)
+         ON CONFLICT (job_id, idx) DO UPDATE SET attempt = excluded.attempt, result = excluded.result,
+             done_ms = excluded.done_ms",
+        &[
+            &job_id,
+            &(idx as i32),
+            &(attempt as i32),
+            &result.to_string(),
+            &now_ms(),
+        ],
+    )?;
+    Ok(())
+}
+
+fn spec_row(r: &Row) -> Result<JobSpec> {
+    let id: String = r.get(0);
+    let settings: String = r.get(2);
+    let settings = serde_json::from_str(&settings).map_err(|e| StoreError::Backend(format!("job {id}: {e}")))?;
+    Ok(JobSpec {
+        id,
+        kind: r.get(1),
+        settings,
+        created_ms: r.get(3),
+        cancelled_ms: r.get(4),
+    })
 }
 
 #[cfg(test)]

@@ -8,8 +8,9 @@ use std::time::Duration;
 
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 
-use super::{now_ms, Attempt, Claim, Counts, JobSpec, JobStore, NewJob, Result, StoreError};
-use crate::extract::records::RecordResult;
+use serde_json::Value;
+
+use super::{now_ms, Attempt, Claim, Counts, ItemResult, JobSpec, JobStore, NewJob, Result, StoreError, StoredFile};
 
 /// Item states, as stored.
 const QUEUED: i64 = 0;
@@ -20,17 +21,18 @@ const DONE: i64 = 2;
 const MIGRATIONS: &[&str] = &[r#"
 CREATE TABLE jobs (
     id TEXT PRIMARY KEY,
-    schema_id TEXT NOT NULL,
-    schema TEXT NOT NULL,
-    max_tokens INTEGER,
-    created_ms INTEGER NOT NULL
+    kind TEXT NOT NULL,
+    settings TEXT NOT NULL,
+    created_ms INTEGER NOT NULL,
+    cancelled_ms INTEGER
 );
+CREATE INDEX jobs_by_kind ON jobs (kind, created_ms);
 -- rowid is the queue order: jobs in the order they came, items in input order.
 CREATE TABLE items (
     job_id TEXT NOT NULL REFERENCES jobs(id),
     idx INTEGER NOT NULL,
     item_id TEXT NOT NULL,
-    document TEXT NOT NULL,
+    payload TEXT NOT NULL,
     state INTEGER NOT NULL,
     ok INTEGER,
     lease_owner TEXT,
@@ -46,7 +48,15 @@ CREATE TABLE results (
     idx INTEGER NOT NULL,
     attempt INTEGER NOT NULL,
     result TEXT NOT NULL,
+    done_ms INTEGER NOT NULL,
     PRIMARY KEY (job_id, idx)
+);
+CREATE TABLE files (
+    id TEXT PRIMARY KEY,
+    purpose TEXT NOT NULL,
+    filename TEXT NOT NULL,
+    bytes BLOB NOT NULL,
+    created_ms INTEGER NOT NULL
 );
 "#];
 
@@ -103,27 +113,20 @@ impl JobStore for SqliteStore {
             .map_err(backend)?;
         let inserted = tx
             .execute(
-                "INSERT INTO jobs (id, schema_id, schema, max_tokens, created_ms) VALUES (?1, ?2, ?3, ?4, ?5)
-                 ON CONFLICT (id) DO NOTHING",
-                params![
-                    job.id,
-                    job.schema_id,
-                    job.schema.to_string(),
-                    to_i64(job.max_tokens),
-                    now_ms()
-                ],
+                "INSERT INTO jobs (id, kind, settings, created_ms) VALUES (?1, ?2, ?3, ?4) ON CONFLICT (id) DO NOTHING",
+                params![job.id, job.kind, job.settings.to_string(), now_ms()],
             )
             .map_err(backend)?;
         if inserted == 0 {
-            return Err(StoreError::DuplicateJob(job.id.clone()));
+            return Err(StoreError::Duplicate(job.id.clone()));
         }
         {
             let mut insert = tx
-                .prepare("INSERT INTO items (job_id, idx, item_id, document, state) VALUES (?1, ?2, ?3, ?4, ?5)")
+                .prepare("INSERT INTO items (job_id, idx, item_id, payload, state) VALUES (?1, ?2, ?3, ?4, ?5)")
                 .map_err(backend)?;
             for (i, item) in job.items.iter().enumerate() {
                 insert
-                    .execute(params![job.id, i as i64, item.id, item.document, QUEUED])
+                    .execute(params![job.id, i as i64, item.item_id, item.payload, QUEUED])
                     .map_err(backend)?;
             }
         }
@@ -132,30 +135,39 @@ impl JobStore for SqliteStore {
 
     fn spec(&self, job_id: &str) -> Result<Option<JobSpec>> {
         let conn = self.conn();
-        let row = conn
-            .query_row(
-                "SELECT schema_id, schema, max_tokens FROM jobs WHERE id = ?1",
-                params![job_id],
-                |r| {
-                    Ok((
-                        r.get::<_, String>(0)?,
-                        r.get::<_, String>(1)?,
-                        r.get::<_, Option<i64>>(2)?,
-                    ))
-                },
+        conn.query_row(
+            "SELECT id, kind, settings, created_ms, cancelled_ms FROM jobs WHERE id = ?1",
+            params![job_id],
+            spec_row,
+        )
+        .optional()
+        .map_err(backend)?
+        .transpose()
+    }
+
+    fn list(&self, kind: &str, limit: usize, after: Option<&str>) -> Result<Vec<JobSpec>> {
+        let conn = self.conn();
+        let mut stmt = conn
+            .prepare(
+                "SELECT id, kind, settings, created_ms, cancelled_ms FROM jobs
+                 WHERE kind = ?1 AND (?2 IS NULL OR (created_ms, id) < (SELECT created_ms, id FROM jobs WHERE id = ?2))
+                 ORDER BY created_ms DESC, id DESC LIMIT ?3",
             )
-            .optional()
             .map_err(backend)?;
-        let Some((schema_id, schema, max_tokens)) = row else {
-            return Ok(None);
-        };
-        let schema = serde_json::from_str(&schema).map_err(|e| StoreError::Backend(format!("job {job_id}: {e}")))?;
-        Ok(Some(JobSpec {
-            id: job_id.into(),
-            schema_id,
-            schema,
-            max_tokens: max_tokens.map(|n| n as usize),
-        }))
+        let rows = stmt
+            .query_map(params![kind, after, limit as i64], spec_row)
+            .map_err(backend)?;
+        rows.map(|r| r.map_err(backend).and_then(|spec| spec)).collect()
+    }
+
+    fn last_result_ms(&self, job_id: &str) -> Result<Option<i64>> {
+        self.conn()
+            .query_row(
+                "SELECT MAX(done_ms) FROM results WHERE job_id = ?1",
+                params![job_id],
+                |r| r.get(0),
+            )
+            .map_err(backend)
     }
 
     fn counts(&self, job_id: &str) -> Result<Option<Counts>> {
@@ -214,7 +226,7 @@ impl JobStore for SqliteStore {
                                  ORDER BY rowid LIMIT ?6)
                          ) ORDER BY k, r LIMIT ?6
                      )
-                     RETURNING job_id, idx, attempt, item_id, document, max_tokens",
+                     RETURNING job_id, idx, attempt, item_id, payload, max_tokens",
                 )
                 .map_err(backend)?;
             let rows = stmt
@@ -228,7 +240,7 @@ impl JobStore for SqliteStore {
                                 attempt: r.get::<_, i64>(2)? as u32,
                             },
                             item_id: r.get(3)?,
-                            document: r.get(4)?,
+                            payload: r.get(4)?,
                             max_tokens: r.get::<_, Option<i64>>(5)?.map(|n| n as usize),
                         })
                     },
@@ -250,8 +262,7 @@ impl JobStore for SqliteStore {
             .map_err(backend)
     }
 
-    fn complete(&self, owner: &str, a: &Attempt, result: &RecordResult) -> Result<bool> {
-        let json = serde_json::to_string(result).map_err(|e| StoreError::Backend(e.to_string()))?;
+    fn complete(&self, owner: &str, a: &Attempt, ok: bool, result: &Value) -> Result<bool> {
         let mut conn = self.conn();
         let tx = conn
             .transaction_with_behavior(TransactionBehavior::Immediate)
@@ -260,53 +271,44 @@ impl JobStore for SqliteStore {
             .execute(
                 "UPDATE items SET state = ?1, ok = ?2, lease_owner = NULL, lease_expiry = NULL
                  WHERE job_id = ?3 AND idx = ?4 AND attempt = ?5 AND lease_owner = ?6 AND state = ?7",
-                params![
-                    DONE,
-                    result.ok(),
-                    a.job_id,
-                    a.index as i64,
-                    a.attempt as i64,
-                    owner,
-                    RUNNING
-                ],
+                params![DONE, ok, a.job_id, a.index as i64, a.attempt as i64, owner, RUNNING],
             )
             .map_err(backend)?;
         if marked == 0 {
             return Ok(false);
         }
-        tx.execute(
-            "INSERT INTO results (job_id, idx, attempt, result) VALUES (?1, ?2, ?3, ?4)
-             ON CONFLICT (job_id, idx) DO UPDATE SET attempt = excluded.attempt, result = excluded.result",
-            params![a.job_id, a.index as i64, a.attempt as i64, json],
-        )
-        .map_err(backend)?;
+        write_result(&tx, &a.job_id, a.index, a.attempt, result)?;
         tx.commit().map_err(backend)?;
         Ok(true)
     }
 
-    fn results(&self, job_id: &str, from: usize, limit: usize) -> Result<Vec<(usize, String, RecordResult)>> {
+    fn results(&self, job_id: &str, from: usize, limit: usize) -> Result<Vec<(usize, ItemResult)>> {
         let conn = self.conn();
         let mut stmt = conn
             .prepare(
-                "SELECT i.idx, i.item_id, r.result FROM items i JOIN results r ON r.job_id = i.job_id AND r.idx = i.idx
+                "SELECT i.idx, i.item_id, i.ok, r.result FROM items i JOIN results r ON r.job_id = i.job_id AND r.idx = i.idx
                  WHERE i.job_id = ?1 AND i.state = ?2 AND i.idx >= ?3 ORDER BY i.idx LIMIT ?4",
             )
             .map_err(backend)?;
         let rows = stmt
-            .query_map(params![job_id, DONE, from as i64, limit as i64], |r| {
-                Ok((
-                    r.get::<_, i64>(0)? as usize,
-                    r.get::<_, String>(1)?,
-                    r.get::<_, String>(2)?,
-                ))
-            })
+            .query_map(
+                params![job_id, DONE, from as i64, limit.min(i64::MAX as usize) as i64],
+                |r| {
+                    Ok((
+                        r.get::<_, i64>(0)? as usize,
+                        r.get::<_, String>(1)?,
+                        r.get::<_, bool>(2)?,
+                        r.get::<_, String>(3)?,
+                    ))
+                },
+            )
             .map_err(backend)?;
         let mut out = Vec::new();
         for row in rows {
-            let (idx, id, json) = row.map_err(backend)?;
+            let (idx, item_id, ok, json) = row.map_err(backend)?;
             let result = serde_json::from_str(&json)
                 .map_err(|e| StoreError::Backend(format!("job {job_id} item {idx}: {e}")))?;
-            out.push((idx, id, result));
+            out.push((idx, ItemResult { item_id, ok, result }));
         }
         Ok(out)
     }
@@ -330,4 +332,96 @@ impl JobStore for SqliteStore {
             )
             .map_err(backend)
     }
+
+    fn cancel(&self, job_id: &str, result: &Value) -> Result<usize> {
+        let mut conn = self.conn();
+        let tx = conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(backend)?;
+        tx.execute(
+            "UPDATE jobs SET cancelled_ms = COALESCE(cancelled_ms, ?1) WHERE id = ?2",
+            params![now_ms(), job_id],
+        )
+        .map_err(backend)?;
+        let queued: Vec<(i64, i64)> = {
+            let mut stmt = tx
+                .prepare("SELECT idx, attempt FROM items WHERE job_id = ?1 AND state = ?2")
+                .map_err(backend)?;
+            let rows = stmt
+                .query_map(params![job_id, QUEUED], |r| Ok((r.get(0)?, r.get(1)?)))
+                .map_err(backend)?;
+            rows.collect::<rusqlite::Result<_>>().map_err(backend)?
+        };
+        tx.execute(
+            "UPDATE items SET state = ?1, ok = 0 WHERE job_id = ?2 AND state = ?3",
+            params![DONE, job_id, QUEUED],
+        )
+        .map_err(backend)?;
+        for &(idx, attempt) in &queued {
+            write_result(&tx, job_id, idx as usize, attempt as u32, result)?;
+        }
+        tx.commit().map_err(backend)?;
+        Ok(queued.len())
+    }
+
+    fn put_file(&self, f: &StoredFile) -> Result<()> {
+        let n = self
+            .conn()
+            .execute(
+                "INSERT INTO files (id, purpose, filename, bytes, created_ms) VALUES (?1, ?2, ?3, ?4, ?5)
+                 ON CONFLICT (id) DO NOTHING",
+                params![f.id, f.purpose, f.filename, f.bytes, f.created_ms],
+            )
+            .map_err(backend)?;
+        match n {
+            0 => Err(StoreError::Duplicate(f.id.clone())),
+            _ => Ok(()),
+        }
+    }
+
+    fn file(&self, id: &str) -> Result<Option<StoredFile>> {
+        self.conn()
+            .query_row(
+                "SELECT id, purpose, filename, bytes, created_ms FROM files WHERE id = ?1",
+                params![id],
+                |r| {
+                    Ok(StoredFile {
+                        id: r.get(0)?,
+                        purpose: r.get(1)?,
+                        filename: r.get(2)?,
+                        bytes: r.get(3)?,
+                        created_ms: r.get(4)?,
+                    })
+                },
+            )
+            .optional()
+            .map_err(backend)
+    }
+}
+
+fn write_result(tx: &rusqlite::Transaction<'_>, job_id: &str, idx: usize, attempt: u32, result: &Value) -> Result<()> {
+    tx.execute(
+        "INSERT INTO results (job_id, idx, attempt, result, done_ms) VALUES (?1, ?2, ?3, ?4, ?5)
+         ON CONFLICT (job_id, idx) DO UPDATE SET attempt = excluded.attempt, result = excluded.result,
+             done_ms = excluded.done_ms",
+        params![job_id, idx as i64, attempt as i64, result.to_string(), now_ms()],
+    )
+    .map_err(backend)?;
+    Ok(())
+}
+
+fn spec_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Result<JobSpec>> {
+    let id: String = r.get(0)?;
+    let settings: String = r.get(2)?;
+    let settings = match serde_json::from_str(&settings) {
+        Ok(v) => v,
+        Err(e) => return Ok(Err(StoreError::Backend(format!("job {id}: {e}")))),
+    };
+    Ok(Ok(JobSpec {
+        id,
+        kind: r.get(1)?,
+        settings,
+        created_ms: r.get(3)?,
+        cancelled_ms: r.get(4)?,
+    }))
 }

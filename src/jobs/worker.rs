@@ -11,8 +11,9 @@ use std::time::Duration;
 
 use tokio::sync::{Notify, Semaphore};
 
+use serde_json::Value;
+
 use super::{Attempt, Claim, JobSpec, JobStore, StoreError};
-use crate::extract::records::RecordResult;
 
 #[derive(Debug, Clone, Copy)]
 pub struct WorkerConfig {
@@ -39,9 +40,12 @@ impl Default for WorkerConfig {
 pub struct Work {
     pub job: Arc<JobSpec>,
     pub item_id: String,
-    pub document: String,
+    pub payload: String,
     pub max_tokens: Option<usize>,
 }
+
+/// What a runner makes of an item: whether it succeeded, and the result to store.
+pub type Done = (bool, Value);
 
 pub struct Worker {
     store: Arc<dyn JobStore>,
@@ -96,7 +100,7 @@ impl Worker {
     pub async fn run<F, Fut>(self: Arc<Self>, run_item: F)
     where
         F: Fn(Work) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = RecordResult> + Send + 'static,
+        Fut: Future<Output = Done> + Send + 'static,
     {
         let run_item = Arc::new(run_item);
         let slots = Arc::new(Semaphore::new(self.config.slots));
@@ -162,32 +166,32 @@ impl Worker {
     async fn work<F, Fut>(&self, claim: Claim, run_item: &F)
     where
         F: Fn(Work) -> Fut,
-        Fut: Future<Output = RecordResult>,
+        Fut: Future<Output = Done>,
     {
         let job = match self.spec(&claim.attempt.job_id).await {
             Some(job) => job,
             // The job row went away under its item: nothing to run it with.
             None => return,
         };
-        let result = run_item(Work {
+        let done = run_item(Work {
             job,
             item_id: claim.item_id,
-            document: claim.document,
+            payload: claim.payload,
             max_tokens: claim.max_tokens,
         })
         .await;
-        self.complete(claim.attempt, result).await;
+        self.complete(claim.attempt, done).await;
     }
 
     /// Writes the result, retrying while the store is away; gives up only when the store
     /// says the attempt is no longer ours.
-    async fn complete(&self, attempt: Attempt, result: RecordResult) {
+    async fn complete(&self, attempt: Attempt, (ok, result): Done) {
         let result = Arc::new(result);
         let attempt = Arc::new(attempt);
         let mut backoff = Duration::from_millis(100);
         loop {
             let (store, owner, a, r) = (self.store.clone(), self.owner.clone(), attempt.clone(), result.clone());
-            match blocking(move || store.complete(&owner, &a, &r)).await {
+            match blocking(move || store.complete(&owner, &a, ok, &r)).await {
                 Ok(_) => return,
                 Err(e) => {
                     eprintln!(

@@ -23,7 +23,23 @@ use super::error::{ApiError, ErrorBody};
 use super::{ApiBody, ApiQuery, AppState};
 use crate::extract::records::{self, Format, RecordResult};
 use crate::extract::table::Table;
-use crate::jobs::{self, Counts, JobStore, NewJob, StoreError};
+use crate::jobs::{self, Counts, JobSpec, JobStore, NewItem, NewJob, StoreError};
+
+/// The kind of the jobs this API makes (`crate::jobs` keeps others too: OpenAI batches).
+pub const KIND: &str = "extract";
+
+/// An extraction job's settings, as stored with it.
+#[derive(Debug, Serialize, Deserialize)]
+struct Settings {
+    schema_id: String,
+    /// The schema itself: an item can run in a process whose registry never saw it.
+    schema: serde_json::Value,
+    max_tokens: Option<usize>,
+}
+
+fn settings(spec: &JobSpec) -> Result<Settings, ApiError> {
+    serde_json::from_value(spec.settings.clone()).map_err(|e| ApiError::internal(format!("job {}: {e}", spec.id)))
+}
 
 /// Result rows per chunk of a streamed results body (and per read from the store).
 const ROWS_PER_CHUNK: usize = 256;
@@ -101,7 +117,7 @@ fn job_status(job_id: &str, schema_id: &str, c: Counts) -> JobStatus {
 }
 
 /// A store call off the async threads; a store that fails is a 503 naming it.
-async fn store_call<T: Send + 'static>(
+pub(super) async fn store_call<T: Send + 'static>(
     state: &AppState,
     f: impl FnOnce(&dyn JobStore) -> Result<T, StoreError> + Send + 'static,
 ) -> Result<T, ApiError> {
@@ -173,33 +189,52 @@ pub async fn create(
         .get(&schema_id)
         .ok_or_else(|| super::schemas::unknown(&schema_id))?;
     let job = NewJob {
-        id: jobs::new_job_id(),
-        schema_id,
-        schema,
-        max_tokens: params.max_tokens,
-        items,
+        id: jobs::new_id("job-"),
+        kind: KIND.into(),
+        settings: serde_json::to_value(Settings {
+            schema_id: schema_id.clone(),
+            schema,
+            max_tokens: params.max_tokens,
+        })
+        .map_err(|e| ApiError::internal(e.to_string()))?,
+        items: items
+            .into_iter()
+            .map(|r| NewItem {
+                item_id: r.id,
+                payload: r.document,
+            })
+            .collect(),
     };
     let counts = Counts {
         queued: job.items.len(),
         ..Default::default()
     };
-    let status = job_status(&job.id, &job.schema_id, counts);
+    let status = job_status(&job.id, &schema_id, counts);
     store_call(&state, move |s| s.create(&job)).await?;
     state.jobs.wake();
     Ok((StatusCode::ACCEPTED, Json(status)))
 }
 
-/// One item's result through the extraction path; a full queue (other traffic) is waited
-/// out, not reported.
-pub(super) async fn extract_item(state: &Arc<AppState>, work: jobs::worker::Work) -> RecordResult {
+/// One item's result through the extraction path, as the store keeps it.
+pub(super) async fn run_item(state: &Arc<AppState>, work: jobs::worker::Work) -> jobs::worker::Done {
+    let result = match settings(&work.job) {
+        Ok(s) => extract_item(state, &s, &work).await,
+        Err(e) => RecordResult::failed(&e.detail.kind, e.detail.message),
+    };
+    let ok = result.ok();
+    (ok, serde_json::to_value(result).unwrap_or_default())
+}
+
+/// A full queue (other traffic) is waited out, not reported.
+async fn extract_item(state: &Arc<AppState>, settings: &Settings, work: &jobs::worker::Work) -> RecordResult {
     loop {
         let req = ExtractRequest {
-            schema: Some(work.job.schema.clone()),
+            schema: Some(settings.schema.clone()),
             schema_id: None,
-            document: work.document.clone(),
+            document: work.payload.clone(),
             instructions: None,
             options: ExtractOptions {
-                max_tokens: work.max_tokens.or(work.job.max_tokens),
+                max_tokens: work.max_tokens.or(settings.max_tokens),
                 ..Default::default()
             },
             grounding: false,
@@ -225,14 +260,15 @@ fn unknown_job(id: &str) -> ApiError {
     ApiError::new(StatusCode::NOT_FOUND, "unknown_job", format!("no job `{id}`"))
 }
 
-/// A job's status, or 404.
-async fn find(state: &AppState, id: &str) -> Result<(jobs::JobSpec, JobStatus), ApiError> {
+/// An extraction job's settings and status, or 404.
+async fn find(state: &AppState, id: &str) -> Result<(Settings, JobStatus), ApiError> {
     let key = id.to_string();
     let (spec, counts) = store_call(state, move |s| Ok((s.spec(&key)?, s.counts(&key)?))).await?;
     match (spec, counts) {
-        (Some(spec), Some(c)) => {
-            let status = job_status(id, &spec.schema_id, c);
-            Ok((spec, status))
+        (Some(spec), Some(c)) if spec.kind == KIND => {
+            let settings = settings(&spec)?;
+            let status = job_status(id, &settings.schema_id, c);
+            Ok((settings, status))
         }
         _ => Err(unknown_job(id)),
     }
@@ -275,7 +311,11 @@ pub async fn results(
         let rows = store_call(&state, move |s| s.results(&key, from, page)).await?;
         let full = rows.len() == page;
         from = rows.last().map_or(from, |r| r.0 + 1);
-        done.extend(rows.into_iter().map(|(_, item, r)| (item, r)));
+        for (_, r) in rows {
+            let result = serde_json::from_value(r.result)
+                .map_err(|e| ApiError::internal(format!("job {id} item {}: {e}", r.item_id)))?;
+            done.push((r.item_id, result));
+        }
         if !full {
             break;
         }

@@ -99,7 +99,7 @@ pub async fn serve(state: Arc<AppState>, addr: SocketAddr) -> anyhow::Result<()>
         let st = state.clone();
         tokio::spawn(state.jobs.clone().run(move |work| {
             let st = st.clone();
-            async move { jobs::extract_item(&st, work).await }
+            async move { run_item(&st, work).await }
         }))
     };
     axum::serve(listener, router(state.clone()))
@@ -111,6 +111,17 @@ pub async fn serve(state: Arc<AppState>, addr: SocketAddr) -> anyhow::Result<()>
     let _ = worker.await;
     tokio::task::spawn_blocking(move || state.extractor.client.shutdown()).await?;
     Ok(())
+}
+
+/// One job item, by the kind of its job.
+async fn run_item(state: &Arc<AppState>, work: crate::jobs::worker::Work) -> crate::jobs::worker::Done {
+    match work.job.kind.as_str() {
+        jobs::KIND => jobs::run_item(state, work).await,
+        other => (
+            false,
+            serde_json::json!({"outcome": "internal", "error": format!("no runner for jobs of kind `{other}`")}),
+        ),
+    }
 }
 
 async fn shutdown_signal() {
