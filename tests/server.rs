@@ -723,6 +723,56 @@ fn the_official_openai_python_client_works_unchanged() {
     eprintln!("{stdout}");
 }
 
+/// The official OpenAI Python client runs a batch end to end: upload, create, poll, output
+/// and error files matched by custom_id, list, cancel, and a repeated custom_id refused
+/// (`tests/clients/openai_batch.py`).
+#[test]
+fn the_official_openai_python_client_runs_a_batch() {
+    let Some(python) = client_python() else { return };
+    let Some(server) = start(&[]) else { return };
+    let out = Command::new(python)
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/clients/openai_batch.py"))
+        .arg(format!("http://127.0.0.1:{}/v1", server.port))
+        .arg(KEY)
+        .output()
+        .expect("run the client");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    eprintln!("{stdout}");
+}
+
+/// A batch file over the size limit is a 413 with a JSON body.
+#[test]
+fn an_oversized_batch_file_is_a_413() {
+    let Some(server) = start(&[]) else { return };
+    let boundary = "quarry-boundary";
+    let mut body = format!(
+        "--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"big.jsonl\"\r\nContent-Type: application/jsonl\r\n\r\n"
+    )
+    .into_bytes();
+    body.extend(std::iter::repeat_n(b'x', (256 << 20) + 1024));
+    body.extend(format!("\r\n--{boundary}--\r\n").into_bytes());
+    let mut stream = TcpStream::connect(("127.0.0.1", server.port)).unwrap();
+    let head = format!(
+        "POST /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: multipart/form-data; boundary={boundary}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).unwrap();
+    // The server may answer and close before reading it all.
+    let _ = stream.write_all(&body);
+    let mut response = String::new();
+    let _ = stream.read_to_string(&mut response);
+    assert!(
+        response.starts_with("HTTP/1.1 413"),
+        "{}",
+        &response[..response.len().min(300)]
+    );
+    assert!(response.contains("\"type\":\"body_too_large\""), "{response}");
+}
+
 /// Polls `GET /jobs/{id}` until every item has a result.
 fn wait_for_job(port: u16, id: &str) -> Value {
     let started = Instant::now();

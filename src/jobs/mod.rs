@@ -190,7 +190,7 @@ pub fn new_id(prefix: &str) -> String {
 
 /// Milliseconds since the epoch: lease expiries are compared across processes (and machines,
 /// whose clocks are assumed to agree to well within a lease).
-pub(crate) fn now_ms() -> i64 {
+pub fn now_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as i64)

@@ -2,6 +2,7 @@
 //! and hands them to the engine through `EngineClient`; nothing here knows tensors.
 
 pub mod api;
+pub mod batches;
 pub mod error;
 mod extract;
 pub mod jobs;
@@ -77,6 +78,15 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/models", get(openai::models))
+        .route(
+            "/v1/files",
+            post(batches::upload).layer(DefaultBodyLimit::max(MAX_JOB_BYTES)),
+        )
+        .route("/v1/files/{id}", get(batches::file_info))
+        .route("/v1/files/{id}/content", get(batches::file_bytes))
+        .route("/v1/batches", post(batches::create).get(batches::list))
+        .route("/v1/batches/{id}", get(batches::retrieve))
+        .route("/v1/batches/{id}/cancel", post(batches::cancel))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
     Router::new()
         .route("/health", get(health))
@@ -117,6 +127,7 @@ pub async fn serve(state: Arc<AppState>, addr: SocketAddr) -> anyhow::Result<()>
 async fn run_item(state: &Arc<AppState>, work: crate::jobs::worker::Work) -> crate::jobs::worker::Done {
     match work.job.kind.as_str() {
         jobs::KIND => jobs::run_item(state, work).await,
+        batches::KIND => batches::run_item(state, work).await,
         other => (
             false,
             serde_json::json!({"outcome": "internal", "error": format!("no runner for jobs of kind `{other}`")}),

@@ -7,6 +7,7 @@ use super::api::{
     ExtractOptions, ExtractRequest, ExtractResponse, Grounding, Health, KeywordEntry, Outcome, ProposerUsage, Span,
     SpeculationUsage, Timings, Usage, WhitespaceOption,
 };
+use super::batches::{BatchList, BatchObject, CreateBatch, FileObject, RequestCounts};
 use super::error::{ErrorBody, ErrorDetail};
 use super::jobs::{BatchFormat, JobStatus, RetryRequest};
 use super::openai::{
@@ -33,7 +34,14 @@ use super::schemas::{RegisterSchema, SchemaInfo, SchemaList};
         super::jobs::retry,
         super::openai::chat_completions,
         super::openai::completions,
-        super::openai::models
+        super::openai::models,
+        super::batches::upload,
+        super::batches::file_info,
+        super::batches::file_bytes,
+        super::batches::create,
+        super::batches::retrieve,
+        super::batches::list,
+        super::batches::cancel
     ),
     components(schemas(
         ExtractRequest,
@@ -44,6 +52,11 @@ use super::schemas::{RegisterSchema, SchemaInfo, SchemaList};
         Usage,
         SpeculationUsage,
         ProposerUsage,
+        FileObject,
+        CreateBatch,
+        BatchObject,
+        BatchList,
+        RequestCounts,
         Timings,
         KeywordEntry,
         Health,
