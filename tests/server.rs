@@ -1270,3 +1270,33 @@ fn a_job_survives_its_server_being_killed() {
         .collect();
     assert_eq!(got, ids, "every item exactly once, in input order");
 }
+
+/// Scale-out on one store: a server that runs no job items itself (`--job-concurrency 0`)
+/// accepts a job, a `quarry worker` on the same store (serving no HTTP) runs every item, and
+/// the server serves the results.
+#[test]
+fn a_worker_process_runs_the_jobs_a_server_accepts() {
+    let state = StateDir::new();
+    let Some(server) = start_in(&state.0, &["--job-concurrency", "0"]) else {
+        return;
+    };
+    let model = common::model_path().unwrap();
+    let mut worker = Command::new(env!("CARGO_BIN_EXE_quarry"))
+        .args(["worker", "--kv-cache-tokens", "8192", "--state-dir"])
+        .arg(&state.0)
+        .arg("--model")
+        .arg(&model)
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start quarry worker");
+    let body: String = (0..12)
+        .map(|i| json!({"id": format!("w{i}"), "document": contact_document(i)}).to_string() + "\n")
+        .collect();
+    let job = submit_job(server.port, "schema_id=contact", body.as_bytes());
+    let st = wait_for_job(server.port, &job);
+    let _ = worker.kill();
+    let _ = worker.wait();
+    assert_eq!((st["ok"].as_u64(), st["total"].as_u64()), (Some(12), Some(12)), "{st}");
+    let (_, text) = http_text(server.port, "GET", &format!("/jobs/{job}/results"), Some(KEY), b"");
+    assert_eq!(text.lines().count(), 12);
+}

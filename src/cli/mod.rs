@@ -39,6 +39,9 @@ enum Command {
     Bench(bench::BenchCommand),
     /// Serve the HTTP API (POST /extract, GET /health, GET /openapi.json).
     Serve(serve::ServeArgs),
+    /// Work on the job store's jobs and batches, serving no HTTP (beside any number of
+    /// `serve` and `worker` processes sharing the store).
+    Worker(serve::WorkerArgs),
     /// Print the OpenAPI document of the HTTP API.
     Openapi(serve::OpenApiArgs),
     /// Write a GGUF model's tokenizer into a model directory as Hugging Face files
@@ -351,6 +354,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Extract(args) => extract::run(args),
         Command::Bench(cmd) => bench::run(cmd),
         Command::Serve(args) => serve::run(args),
+        Command::Worker(args) => serve::worker(args),
         Command::Openapi(args) => serve::openapi(args),
         Command::ExportTokenizer(args) => export_tokenizer(args),
     }

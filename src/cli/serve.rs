@@ -52,7 +52,8 @@ pub struct JobArgs {
     /// dies gives its items back after this long.
     #[arg(long, default_value_t = 30.0)]
     job_lease: f64,
-    /// Job items this process runs at once.
+    /// Job items this process runs at once (0: it runs none, and only accepts and serves
+    /// jobs that other processes on the same store run).
     #[arg(long, default_value_t = 32)]
     job_concurrency: usize,
 }
@@ -65,7 +66,6 @@ impl JobArgs {
             self.job_lease.is_finite() && self.job_lease >= 1.0,
             "--job-lease must be at least 1 second"
         );
-        anyhow::ensure!(self.job_concurrency > 0, "--job-concurrency must be at least 1");
         let dir = self.state_dir.clone().unwrap_or_else(jobs::default_state_dir);
         let store = jobs::open(self.job_store.as_deref(), &dir)?;
         let config = WorkerConfig {
@@ -82,26 +82,63 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
     // load. Backing the pool in the background instead slowed the first requests (under
     // `scripts/bench-server load`, p99 13 s against 5 s).
     args.model.prefault_kv = Prefault::AtLoad;
-    let schemas = server::schemas::SchemaRegistry::load(&args.schemas)?;
-    let jobs = args.jobs.worker()?;
-    let (engine, tokenizer) = args.model.engine()?;
-    let model = args.model.model_name();
+    let state = app_state(&args.model, &args.schemas, &args.jobs, args.api_key, args.max_pending)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    runtime.block_on(server::serve(state, SocketAddr::new(args.host, args.port)))
+}
+
+/// The server's state: the job store first (an unreachable one fails before the model
+/// loads), then the model and its engine.
+fn app_state(
+    model_args: &ModelArgs,
+    schemas: &std::path::Path,
+    job_args: &JobArgs,
+    api_keys: Vec<String>,
+    max_pending: usize,
+) -> anyhow::Result<Arc<AppState>> {
+    let schemas = server::schemas::SchemaRegistry::load(schemas)?;
+    let jobs = job_args.worker()?;
+    let (engine, tokenizer) = model_args.engine()?;
+    let model = model_args.model_name();
     let device = engine.backend().device_name();
     eprintln!("quarry: model {model} on {device}");
     let mut metrics = server::metrics::Metrics::default();
     metrics.register_device(&device);
-    let state = Arc::new(AppState {
+    Ok(Arc::new(AppState {
         extractor: Arc::new(Extractor::new(EngineClient::start(engine), tokenizer)),
         schemas,
         model,
         device,
-        api_keys: args.api_key,
+        api_keys,
         metrics,
-        max_pending: args.max_pending,
+        max_pending,
         jobs,
-    });
+    }))
+}
+
+#[derive(Args)]
+pub struct WorkerArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Folder of ready-made schemas, for batch lines that name one by `schema_id`.
+    #[arg(long, default_value = "schemas")]
+    schemas: PathBuf,
+    #[command(flatten)]
+    jobs: JobArgs,
+}
+
+/// `quarry worker`: works on the store's jobs (extraction jobs and batches) and serves no
+/// HTTP, until Ctrl-C or SIGTERM; then finishes the items it has and stops.
+pub fn worker(mut args: WorkerArgs) -> anyhow::Result<()> {
+    args.model.prefault_kv = Prefault::AtLoad;
+    anyhow::ensure!(
+        args.jobs.job_concurrency > 0,
+        "a worker needs --job-concurrency of at least 1"
+    );
+    let state = app_state(&args.model, &args.schemas, &args.jobs, Vec::new(), usize::MAX)?;
+    eprintln!("quarry: worker {} on the job store", state.jobs.owner());
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    runtime.block_on(server::serve(state, SocketAddr::new(args.host, args.port)))
+    runtime.block_on(server::work(state))
 }
 
 #[derive(Args)]

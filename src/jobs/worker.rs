@@ -17,7 +17,7 @@ use super::{Attempt, Claim, JobSpec, JobStore, StoreError};
 
 #[derive(Debug, Clone, Copy)]
 pub struct WorkerConfig {
-    /// Items in flight at once.
+    /// Items in flight at once (0: none; the process only accepts and serves jobs).
     pub slots: usize,
     /// How long a claim holds without a heartbeat; heartbeats come at a third of it.
     pub lease: Duration,
@@ -102,6 +102,11 @@ impl Worker {
         F: Fn(Work) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Done> + Send + 'static,
     {
+        if self.config.slots == 0 {
+            // Takes no items: other processes on the store run them.
+            self.stop.notified().await;
+            return;
+        }
         let run_item = Arc::new(run_item);
         let slots = Arc::new(Semaphore::new(self.config.slots));
         let heartbeat = tokio::spawn(self.clone().heartbeat());

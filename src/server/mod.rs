@@ -105,13 +105,7 @@ pub async fn serve(state: Arc<AppState>, addr: SocketAddr) -> anyhow::Result<()>
         .map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
     // Tests and scripts read this line to find the port (`--port 0` picks a free one).
     eprintln!("quarry: listening on http://{}", listener.local_addr()?);
-    let worker = {
-        let st = state.clone();
-        tokio::spawn(state.jobs.clone().run(move |work| {
-            let st = st.clone();
-            async move { run_item(&st, work).await }
-        }))
-    };
+    let worker = spawn_worker(&state);
     axum::serve(listener, router(state.clone()))
         .with_graceful_shutdown(shutdown_signal())
         .await?;
@@ -133,6 +127,26 @@ async fn run_item(state: &Arc<AppState>, work: crate::jobs::worker::Work) -> cra
             serde_json::json!({"outcome": "internal", "error": format!("no runner for jobs of kind `{other}`")}),
         ),
     }
+}
+
+/// Works on the job store until Ctrl-C or SIGTERM, serving nothing (`quarry worker`); then the
+/// items in flight finish and are written, and the rest stay queued for other processes.
+pub async fn work(state: Arc<AppState>) -> anyhow::Result<()> {
+    let worker = spawn_worker(&state);
+    shutdown_signal().await;
+    eprintln!("quarry: finishing the job items in flight");
+    state.jobs.stop();
+    let _ = worker.await;
+    tokio::task::spawn_blocking(move || state.extractor.client.shutdown()).await?;
+    Ok(())
+}
+
+fn spawn_worker(state: &Arc<AppState>) -> tokio::task::JoinHandle<()> {
+    let st = state.clone();
+    tokio::spawn(state.jobs.clone().run(move |work| {
+        let st = st.clone();
+        async move { run_item(&st, work).await }
+    }))
 }
 
 async fn shutdown_signal() {
