@@ -56,6 +56,20 @@ impl Cluster {
     }
 }
 
+impl Cluster {
+    /// `scripts/pg-throwaway down|up`: the server stops (as if the database went away), or
+    /// starts again on the same port.
+    fn set(&self, state: &str) {
+        let ok = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/pg-throwaway"))
+            .arg(state)
+            .arg(&self.dir.0)
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "pg-throwaway {state}");
+    }
+}
+
 impl Drop for Cluster {
     fn drop(&mut self) {
         let _ = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/pg-throwaway"))
@@ -261,6 +275,22 @@ fn postgres_store() {
     // Opening again migrates nothing and finds everything.
     let s = PostgresStore::open(&cluster.url).unwrap();
     assert_eq!(s.counts("j").unwrap().unwrap().ok, 3);
+
+    // The database goes away mid-job: calls fail (the worker retries them with backoff), and
+    // once it is back the same store reconnects and nothing is lost.
+    s.create(&job("m", 2)).unwrap();
+    let claimed = s.claim("w", 1, Duration::from_secs(60)).unwrap();
+    cluster.set("down");
+    assert!(matches!(s.counts("m"), Err(StoreError::Backend(_))));
+    assert!(s
+        .complete("w", &claimed[0].attempt, true, &json!({"outcome": "ok"}))
+        .is_err());
+    cluster.set("up");
+    assert!(s
+        .complete("w", &claimed[0].attempt, true, &json!({"outcome": "ok"}))
+        .unwrap());
+    let c = s.counts("m").unwrap().unwrap();
+    assert_eq!((c.ok, c.queued), (1, 1));
 }
 
 #[test]

@@ -1300,3 +1300,60 @@ fn a_worker_process_runs_the_jobs_a_server_accepts() {
     let (_, text) = http_text(server.port, "GET", &format!("/jobs/{job}/results"), Some(KEY), b"");
     assert_eq!(text.lines().count(), 12);
 }
+
+/// A load balancer can tell starting from ready: the port answers at once, `GET /health` is a
+/// 503 `{"status": "starting"}` (and the API a 503 `starting` with Retry-After) while the model
+/// loads, then 200 `{"status": "ok"}`.
+#[test]
+fn health_tells_starting_from_ready() {
+    let Some(model) = common::model_path() else { return };
+    let state = StateDir::new();
+    // A KV cache that takes a moment to back, so the starting state is seen.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_quarry"))
+        .args(["serve", "--port", "0", "--kv-cache-memory", "2GiB", "--state-dir"])
+        .arg(&state.0)
+        .arg("--model")
+        .arg(&model)
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start quarry serve");
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let port: u16 = loop {
+        let line = lines.next().expect("the server printed its address").unwrap();
+        if let Some(addr) = line.strip_prefix("quarry: starting on http://") {
+            break addr.rsplit(':').next().unwrap().parse().unwrap();
+        }
+    };
+    std::thread::spawn(move || for _ in lines {});
+    let mut server = Server {
+        child,
+        port,
+        state: Some(state),
+    };
+    let mut seen = Vec::new();
+    let started = Instant::now();
+    loop {
+        let (status, body) = http(port, "GET", "/health", None, b"");
+        if seen.last() != Some(&(status, body["status"].clone())) {
+            seen.push((status, body["status"].clone()));
+        }
+        if status == 200 {
+            break;
+        }
+        if seen.len() == 1 {
+            let (status, err) = post(port, &json!({"schema_id": "contact", "document": "x"}));
+            if status == 503 {
+                assert_eq!(err["error"]["type"], "starting", "{err}");
+            }
+        }
+        assert!(started.elapsed() < Duration::from_secs(120), "never ready: {seen:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(
+        seen,
+        vec![(503, json!("starting")), (200, json!("ok"))],
+        "what /health said, in order"
+    );
+    let _ = server.child.kill();
+    server.state.take();
+}

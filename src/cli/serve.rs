@@ -82,9 +82,11 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
     // load. Backing the pool in the background instead slowed the first requests (under
     // `scripts/bench-server load`, p99 13 s against 5 s).
     args.model.prefault_kv = Prefault::AtLoad;
-    let state = app_state(&args.model, &args.schemas, &args.jobs, args.api_key, args.max_pending)?;
+    let addr = SocketAddr::new(args.host, args.port);
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    runtime.block_on(server::serve(state, SocketAddr::new(args.host, args.port)))
+    runtime.block_on(server::serve_when_ready(addr, move || {
+        app_state(&args.model, &args.schemas, &args.jobs, args.api_key, args.max_pending)
+    }))
 }
 
 /// The server's state: the job store first (an unreachable one fails before the model

@@ -134,6 +134,7 @@ fn not_found(what: &str, id: &str) -> ApiError {
 
 #[utoipa::path(
     post,
+    operation_id = "create_file",
     path = "/v1/files",
     tag = "openai",
     request_body(content_type = "multipart/form-data", description = "`purpose` (`batch`) and `file` (JSONL of `{custom_id, method, url, body}` lines)"),
@@ -256,6 +257,7 @@ fn output_line(batch_id: &str, index: usize, custom_id: &str, result: &Value) ->
 
 #[utoipa::path(
     get,
+    operation_id = "retrieve_file",
     path = "/v1/files/{id}",
     tag = "openai",
     params(("id" = String, Path, description = "A file id")),
@@ -277,6 +279,7 @@ pub async fn file_info(
 
 #[utoipa::path(
     get,
+    operation_id = "file_content",
     path = "/v1/files/{id}/content",
     tag = "openai",
     params(("id" = String, Path, description = "A file id")),
@@ -357,6 +360,7 @@ fn request_of(line: &Value, endpoint: &str) -> Result<Value, String> {
 
 #[utoipa::path(
     post,
+    operation_id = "create_batch",
     path = "/v1/batches",
     tag = "openai",
     request_body = CreateBatch,
@@ -458,6 +462,7 @@ async fn batch_object(state: &AppState, id: &str) -> Result<BatchObject, ApiErro
 
 #[utoipa::path(
     get,
+    operation_id = "retrieve_batch",
     path = "/v1/batches/{id}",
     tag = "openai",
     params(("id" = String, Path, description = "A batch id")),
@@ -472,6 +477,7 @@ pub async fn retrieve(
 
 #[utoipa::path(
     get,
+    operation_id = "list_batches",
     path = "/v1/batches",
     tag = "openai",
     params(ListParams),
@@ -503,6 +509,7 @@ pub async fn list(
 
 #[utoipa::path(
     post,
+    operation_id = "cancel_batch",
     path = "/v1/batches/{id}/cancel",
     tag = "openai",
     params(("id" = String, Path, description = "A batch id")),

@@ -98,12 +98,54 @@ pub fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
+/// Listens on `addr` at once, answering 503 `starting` (and `GET /health` with `{"status":
+/// "starting"}`) while `load` builds the state (the model loads), then serves the API on the
+/// same socket: a load balancer can tell a replica that is starting from one that is down.
+pub async fn serve_when_ready(
+    addr: SocketAddr,
+    load: impl FnOnce() -> anyhow::Result<Arc<AppState>> + Send + 'static,
+) -> anyhow::Result<()> {
+    let socket = std::net::TcpListener::bind(addr).map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
+    socket.set_nonblocking(true)?;
+    let early = tokio::net::TcpListener::from_std(socket.try_clone()?)?;
+    eprintln!("quarry: starting on http://{}", early.local_addr()?);
+    let (ready, ready_rx) = tokio::sync::oneshot::channel::<()>();
+    let starting = tokio::spawn(async move {
+        let app = Router::new().route("/health", get(health_starting)).fallback(starting);
+        let _ = axum::serve(early, app)
+            .with_graceful_shutdown(async {
+                let _ = ready_rx.await;
+            })
+            .await;
+    });
+    let loaded = tokio::task::spawn_blocking(load).await;
+    let _ = ready.send(());
+    let _ = starting.await;
+    let state = loaded??;
+    serve(state, tokio::net::TcpListener::from_std(socket)?).await
+}
+
+async fn health_starting() -> (StatusCode, Json<serde_json::Value>) {
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        Json(serde_json::json!({"status": "starting"})),
+    )
+}
+
+async fn starting() -> ApiError {
+    let mut e = ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "starting",
+        "the server is loading its model; try again shortly",
+    );
+    e.retry_after = Some(1);
+    e
+}
+
 /// Serves until Ctrl-C or SIGTERM, then lets running requests finish.
-pub async fn serve(state: Arc<AppState>, addr: SocketAddr) -> anyhow::Result<()> {
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
-    // Tests and scripts read this line to find the port (`--port 0` picks a free one).
+pub async fn serve(state: Arc<AppState>, listener: tokio::net::TcpListener) -> anyhow::Result<()> {
+    // Tests and scripts read this line to find the port (`--port 0` picks a free one): from
+    // here on the API answers.
     eprintln!("quarry: listening on http://{}", listener.local_addr()?);
     let worker = spawn_worker(&state);
     axum::serve(listener, router(state.clone()))

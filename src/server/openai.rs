@@ -7,7 +7,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::extract::State;
 use axum::http::StatusCode;
-use axum::response::sse::{Event, Sse};
+use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use quarry_grammar::json::Whitespace;
@@ -355,7 +355,12 @@ async fn complete(state: &AppState, head: &Head, streams: Vec<RequestStream>) ->
     let mut done = Vec::new();
     for stream in streams {
         let c = stream.collect().await;
-        done.push(c.ok_or_else(|| ApiError::internal("the engine stopped before the request finished"))?);
+        let c = c.ok_or_else(|| ApiError::internal("the engine stopped before the request finished"))?;
+        // An answer the engine could not finish is an error, never a normal stop.
+        if let Some(e) = engine_failure(c.finish) {
+            return Err(e);
+        }
+        done.push(c);
     }
     let completion_tokens = done.iter().map(|c| c.tokens.len()).sum();
     let cached = done.iter().map(|c| c.metrics.cached_tokens).max().unwrap_or(0);
@@ -515,6 +520,13 @@ fn stream_response(state: Arc<AppState>, head: Head, streams: Vec<RequestStream>
                             let delta = json!([choice]);
                             p.pending.push_back(chunk(&p.head, delta, None));
                         }
+                        if let Some(e) = out.finished.and_then(engine_failure) {
+                            // OpenAI's way: an `error` object as the stream's last event.
+                            let body = json!({"error": {"type": e.detail.kind, "message": e.detail.message}});
+                            p.pending.push_back(Event::default().data(body.to_string()));
+                            p.done = true;
+                            continue;
+                        }
                         if let Some(f) = out.finished {
                             p.cached = p.cached.max(out.metrics.map_or(0, |m| m.cached_tokens));
                             let mut choice =
@@ -542,7 +554,22 @@ fn stream_response(state: Arc<AppState>, head: Head, streams: Vec<RequestStream>
             }
         }
     });
-    Sse::new(events).into_response()
+    // Comments every 15 s keep proxies from closing a long stream that is still thinking.
+    Sse::new(events).keep_alive(KeepAlive::default()).into_response()
+}
+
+/// The error a request that did not end on its own gets: the engine failed under it
+/// (`internal`), or it was cancelled (the server is shutting down, or it was aborted).
+fn engine_failure(f: FinishReason) -> Option<ApiError> {
+    match f {
+        FinishReason::Internal => Some(ApiError::internal("the engine failed on this request")),
+        FinishReason::Aborted => Some(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "cancelled",
+            "the request was cancelled before it finished",
+        )),
+        _ => None,
+    }
 }
 
 fn finish_reason(f: Option<FinishReason>) -> &'static str {
