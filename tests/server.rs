@@ -559,6 +559,19 @@ fn a_full_queue_answers_429_with_retry_after() {
     assert_eq!(status, 429, "{out}");
     assert!(head.contains("retry-after: 1"), "{head}");
     assert!(out.contains("\"queue_full\""), "{out}");
+    // The OpenAI endpoints go through the same door.
+    let (_, models) = http(server.port, "GET", "/v1/models", Some(KEY), b"");
+    let model = models["data"][0]["id"].clone();
+    let chat = json!({"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4});
+    let (status, _, out) = http_raw(
+        server.port,
+        "POST",
+        "/v1/chat/completions",
+        Some(KEY),
+        chat.to_string().as_bytes(),
+    );
+    assert_eq!(status, 429, "{out}");
+    assert!(out.contains("\"queue_full\""), "{out}");
     drop(busy);
 }
 

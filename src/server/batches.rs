@@ -541,31 +541,19 @@ pub(super) async fn run_item(state: &Arc<AppState>, work: jobs::worker::Work) ->
     let line = payload["line"].as_u64().unwrap_or(0);
     let body = payload["body"].clone();
     let (status, body) = match settings.endpoint.as_str() {
-        "/extract" => match serde_json::from_value::<super::api::ExtractRequest>(body) {
-            Ok(req) => match super::extract::extract_one(state, req).await {
-                Ok(out) => (StatusCode::OK, serde_json::to_value(out).unwrap_or_default()),
-                Err(e) => error_body(e),
-            },
+        "/extract" => match serde_json::from_value::<super::api::ExtractRequest>(body.clone()) {
+            Ok(_) => extract_line(state, &body).await,
             Err(e) => error_body(ApiError::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "invalid_field",
                 format!("line {line}: {e}"),
             )),
         },
-        _ => match serde_json::from_value::<super::openai::ChatCompletionRequest>(body) {
+        _ => match serde_json::from_value::<super::openai::ChatCompletionRequest>(body.clone()) {
             Ok(req) if req.stream => error_body(ApiError::bad_request(format!(
                 "line {line}: a batch request cannot stream"
             ))),
-            Ok(req) => match super::openai::chat_completions(State(state.clone()), ApiJson(req)).await {
-                Ok(response) => {
-                    let status = response.status();
-                    let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
-                        .await
-                        .unwrap_or_default();
-                    (status, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
-                }
-                Err(e) => error_body(e),
-            },
+            Ok(_) => chat_line(state, &body).await,
             Err(e) => error_body(ApiError::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "invalid_field",
@@ -577,6 +565,43 @@ pub(super) async fn run_item(state: &Arc<AppState>, work: jobs::worker::Work) ->
         status.is_success(),
         json!({"status_code": status.as_u16(), "body": body}),
     )
+}
+
+/// A batch's extraction request; a full queue is waited out.
+async fn extract_line(state: &Arc<AppState>, body: &Value) -> (StatusCode, Value) {
+    loop {
+        let req: super::api::ExtractRequest = match serde_json::from_value(body.clone()) {
+            Ok(r) => r,
+            Err(e) => return error_body(ApiError::internal(e.to_string())),
+        };
+        match super::extract::extract_one(state, req).await {
+            Ok(out) => return (StatusCode::OK, serde_json::to_value(out).unwrap_or_default()),
+            Err(e) if e.detail.kind == "queue_full" => tokio::time::sleep(std::time::Duration::from_millis(200)).await,
+            Err(e) => return error_body(e),
+        }
+    }
+}
+
+/// A batch's chat request, through the endpoint's handler; a full queue (other traffic) is
+/// waited out, not reported.
+async fn chat_line(state: &Arc<AppState>, body: &Value) -> (StatusCode, Value) {
+    loop {
+        let r: super::openai::ChatCompletionRequest = match serde_json::from_value(body.clone()) {
+            Ok(r) => r,
+            Err(e) => return error_body(ApiError::internal(e.to_string())),
+        };
+        match super::openai::chat_completions(State(state.clone()), ApiJson(r)).await {
+            Ok(response) => {
+                let status = response.status();
+                let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
+                    .await
+                    .unwrap_or_default();
+                return (status, serde_json::from_slice(&bytes).unwrap_or(Value::Null));
+            }
+            Err(e) if e.detail.kind == "queue_full" => tokio::time::sleep(std::time::Duration::from_millis(200)).await,
+            Err(e) => return error_body(e),
+        }
+    }
 }
 
 fn error_body(e: ApiError) -> (StatusCode, Value) {

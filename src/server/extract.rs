@@ -103,19 +103,7 @@ async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractRespon
         grounding: req.grounding,
         ..base
     };
-    let stats = state.extractor.client.stats();
-    if stats.waiting + stats.running >= state.max_pending {
-        let mut err = ApiError::new(
-            StatusCode::TOO_MANY_REQUESTS,
-            "queue_full",
-            format!(
-                "{} requests are pending already; retry later",
-                stats.waiting + stats.running
-            ),
-        );
-        err.retry_after = Some(1);
-        return Err(err);
-    }
+    super::admit(state, 1)?;
     let x = state.extractor.run(task).await.map_err(|e| match e {
         ExtractError::SchemaRejected(e) => ApiError::schema_rejected(e),
         ExtractError::Refused(e) => submit_error(e),

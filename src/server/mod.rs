@@ -159,6 +159,24 @@ pub async fn serve(state: Arc<AppState>, listener: tokio::net::TcpListener) -> a
     Ok(())
 }
 
+/// Admission, the same for every way into the engine (`/extract`, the OpenAI endpoints, job
+/// items and batch lines): `adding` more engine requests must keep those waiting or running
+/// under `--max-pending`, else a 429 `queue_full` with Retry-After.
+pub(super) fn admit(state: &AppState, adding: usize) -> Result<(), ApiError> {
+    let stats = state.extractor.client.stats();
+    let pending = stats.waiting + stats.running;
+    if pending + adding > state.max_pending {
+        let mut err = ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "queue_full",
+            format!("{pending} requests are pending already; retry later"),
+        );
+        err.retry_after = Some(1);
+        return Err(err);
+    }
+    Ok(())
+}
+
 /// One job item, by the kind of its job.
 async fn run_item(state: &Arc<AppState>, work: crate::jobs::worker::Work) -> crate::jobs::worker::Done {
     match work.job.kind.as_str() {

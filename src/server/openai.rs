@@ -187,6 +187,7 @@ async fn submit_n(
     params: &SamplingParams,
     constraint: Option<crate::engine::CompiledConstraint>,
 ) -> Result<Vec<RequestStream>, ApiError> {
+    super::admit(state, n)?;
     let mut streams = Vec::new();
     for i in 0..n {
         let request = EngineRequest {
