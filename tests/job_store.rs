@@ -306,3 +306,43 @@ fn an_unreachable_store_is_a_clear_error_at_open() {
         .unwrap();
     assert!(err.to_string().contains("/nonexistent-dir/jobs.sqlite3"), "{err}");
 }
+
+/// The worker runs every item once, and an item whose runner panics fails alone (its result
+/// says so) instead of staying leased to the process.
+#[test]
+fn the_worker_finishes_every_item_and_a_panicking_runner_fails_only_its_item() {
+    use quarry::jobs::{Worker, WorkerConfig};
+    let dir = TempDir::new("worker");
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let store: std::sync::Arc<dyn JobStore> =
+        std::sync::Arc::new(SqliteStore::open(&dir.0.join("jobs.sqlite3")).unwrap());
+    store.create(&job("w", 20)).unwrap();
+    let config = WorkerConfig {
+        slots: 4,
+        lease: Duration::from_secs(3),
+        poll: Duration::from_millis(20),
+    };
+    let worker = Worker::new(store.clone(), config);
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async {
+        let running = tokio::spawn(worker.clone().run(|work| async move {
+            if work.item_id == "item-7" {
+                panic!("a runner bug");
+            }
+            (true, json!({"echo": work.payload}))
+        }));
+        let started = std::time::Instant::now();
+        while store.counts("w").unwrap().unwrap().ok + store.counts("w").unwrap().unwrap().failed < 20 {
+            assert!(started.elapsed() < Duration::from_secs(30), "{:?}", store.counts("w"));
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        worker.stop();
+        running.await.unwrap();
+    });
+    let c = store.counts("w").unwrap().unwrap();
+    assert_eq!((c.ok, c.failed, c.running, c.queued), (19, 1, 0, 0));
+    let results = store.results("w", 0, 100).unwrap();
+    assert_eq!(results.len(), 20);
+    assert_eq!(results[3].1.result, json!({"echo": "document 3"}));
+    assert_eq!(results[7].1.result["outcome"], "internal");
+}

@@ -9,6 +9,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use futures_util::FutureExt;
 use tokio::sync::{Notify, Semaphore};
 
 use serde_json::Value;
@@ -178,13 +179,21 @@ impl Worker {
             // The job row went away under its item: nothing to run it with.
             None => return,
         };
-        let done = run_item(Work {
+        let running = run_item(Work {
             job,
             item_id: claim.item_id,
             payload: claim.payload,
             max_tokens: claim.max_tokens,
-        })
-        .await;
+        });
+        // A runner that panics fails its item alone: otherwise the heartbeat would keep the
+        // item leased to this process, unfinished, for as long as it lives.
+        let done = match std::panic::AssertUnwindSafe(running).catch_unwind().await {
+            Ok(done) => done,
+            Err(_) => (
+                false,
+                serde_json::json!({"outcome": "internal", "error": "the item's runner failed"}),
+            ),
+        };
         self.complete(claim.attempt, done).await;
     }
 
