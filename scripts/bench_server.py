@@ -2,13 +2,19 @@
 start one and call this). Needs httpx (in the clients venv of scripts/setup-clients).
 
   bench_server.py load  URL KEY PID [--clients 64] [--seconds 60] [--job-items 100]
+  bench_server.py store URL KEY PID [--clients 32] [--seconds 60] [--rounds 2]
   bench_server.py abuse URL KEY PID [--bad 1000]
 
 load: CLIENTS concurrent clients post /extract back to back for SECONDS while a batch job of
 JOB_ITEMS documents runs beside them; prints latency percentiles, throughput, status counts,
 the server's memory over time, and checks the job's results hold every item exactly once.
-abuse: BAD malformed, oversized or unauthorized requests interleaved with good extractions;
-every bad one must get a 4xx with a JSON error body, every good one an `ok` record.
+store: what the job store costs the extraction throughput. The same documents at the same
+concurrency, alternately posted to /extract by CLIENTS clients and run as a batch (endpoint
+/extract) by the server's worker (its --job-concurrency, 32 by default: keep CLIENTS equal to
+it), SECONDS each, ROUNDS times; engine output tokens/s from /metrics over each window.
+abuse: BAD malformed, oversized or unauthorized requests (to /extract, /jobs, the OpenAI and
+the Batch endpoints) interleaved with good extractions; every bad one must get a 4xx with a
+JSON error body (no transport error), every good one an `ok` record.
 Exits non-zero when a check fails."""
 import argparse
 import asyncio
@@ -137,10 +143,97 @@ async def load(args):
     return failures
 
 
+async def completion_tokens(http):
+    text = (await http.get("/metrics")).text
+    for line in text.splitlines():
+        if line.startswith("quarry_completion_tokens_total "):
+            return float(line.split()[1])
+    raise RuntimeError("no quarry_completion_tokens_total in /metrics")
+
+
+async def wait_idle(http):
+    while True:
+        h = (await http.get("/health")).json()
+        if not h["running"] and not h["waiting"]:
+            return
+        await asyncio.sleep(0.2)
+
+
+async def store(args):
+    headers = {"authorization": f"Bearer {args.key}"}
+    limits = httpx.Limits(max_connections=args.clients + 8, max_keepalive_connections=args.clients + 8)
+    failures, rows = [], []
+    counter = iter(range(10**9))
+    async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=600, limits=limits) as http:
+
+        async def direct():
+            deadline = time.monotonic() + args.seconds
+            done = 0
+
+            async def client():
+                nonlocal done
+                while time.monotonic() < deadline:
+                    r = await http.post("/extract", json={"schema_id": "contact", "document": contact_document(next(counter))})
+                    if r.status_code != 200 or r.json()["outcome"] != "ok":
+                        failures.append(f"/extract: {r.status_code} {r.text[:200]}")
+                    done += 1
+
+            await asyncio.gather(*(client() for _ in range(args.clients)))
+            return done
+
+        async def through_store():
+            # More lines than the window can run; the rest are cancelled after it.
+            lines = "".join(
+                json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/extract",
+                            "body": {"schema_id": "contact", "document": contact_document(next(counter))}}) + "\n"
+                for i in range(args.clients * int(args.seconds) * 4)
+            )
+            f = (await http.post("/v1/files", files={"file": ("in.jsonl", lines.encode())}, data={"purpose": "batch"})).json()
+            b = (await http.post("/v1/batches", json={"input_file_id": f["id"], "endpoint": "/extract", "completion_window": "24h"})).json()
+            await asyncio.sleep(args.seconds)
+            before = (await http.get(f"/v1/batches/{b['id']}")).json()["request_counts"]["completed"]
+            r = await http.post(f"/v1/batches/{b['id']}/cancel")
+            if r.status_code != 200:
+                failures.append(f"cancel: {r.status_code} {r.text[:200]}")
+            return before
+
+        for round_ in range(args.rounds):
+            for name, phase in (("POST /extract", direct), ("batch through the store", through_store)):
+                await wait_idle(http)
+                t0, c0 = time.monotonic(), await completion_tokens(http)
+                n = await phase()
+                t1, c1 = time.monotonic(), await completion_tokens(http)
+                rows.append((round_ + 1, name, n, (c1 - c0) / (t1 - t0)))
+        await wait_idle(http)
+
+    print(f"## store: {args.clients} at a time, {args.seconds} s windows, {args.rounds} rounds; engine output tok/s from /metrics")
+    print()
+    print("| round | path | requests finished | output tok/s |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.1f} |")
+    direct_tps = statistics.mean(r[3] for r in rows if r[1] == "POST /extract")
+    store_tps = statistics.mean(r[3] for r in rows if r[1] != "POST /extract")
+    print()
+    print(f"mean: direct {direct_tps:.1f} tok/s, through the store {store_tps:.1f} tok/s, "
+          f"ratio {store_tps / direct_tps:.3f} (store cost {100 * (1 - store_tps / direct_tps):.1f}%)")
+    return failures
+
+
+def multipart(fields, boundary="quarry-bench"):
+    body = b""
+    for name, value, filename in fields:
+        disposition = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename else "")
+        body += f"--{boundary}\r\nContent-Disposition: {disposition}\r\n\r\n".encode() + value + b"\r\n"
+    return body + f"--{boundary}--\r\n".encode(), f"multipart/form-data; boundary={boundary}"
+
+
 def bad_requests(rng, key):
     """(method, path, headers, body, expected status or None for any 4xx), varied."""
     auth = {"authorization": f"Bearer {key}", "content-type": "application/json"}
     big = "x" * (5 << 20)
+    files_wrong_purpose, files_type = multipart([("purpose", b"fine-tune", None), ("file", b"{}\n", "a.jsonl")])
+    files_no_file, _ = multipart([("purpose", b"batch", None)])
     deep = {"type": "object", "properties": {}}
     node = deep
     for _ in range(200):
@@ -183,6 +276,28 @@ def bad_requests(rng, key):
         ("POST", "/v1/chat/completions", auth, json.dumps({"messages": "hi"}), 422),
         ("POST", "/v1/chat/completions", auth, json.dumps({"model": "x", "messages": [], "n": 1000}), None),
         ("POST", "/v1/completions", auth, json.dumps({"model": "x", "prompt": "hi", "max_tokens": -1}), 422),
+        ("POST", "/v1/completions", auth, json.dumps({"model": "x", "prompt": "hi", "stream": "yes"}), 422),
+        ("POST", "/v1/chat/completions", auth, json.dumps({"model": "x", "messages": [{"role": "user", "content": big}]}), 413),
+        ("POST", "/v1/chat/completions", auth, json.dumps({"model": "x", "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "strnig"}}}}), 400),
+        ("POST", "/v1/chat/completions", {"content-type": "application/json"}, json.dumps({"model": "x", "messages": []}), 401),
+        # The Batch and Files API.
+        ("POST", "/v1/files", auth, json.dumps({"purpose": "batch"}), None),
+        ("POST", "/v1/files", {**auth, "content-type": files_type}, files_wrong_purpose, 400),
+        ("POST", "/v1/files", {**auth, "content-type": files_type}, files_no_file, 400),
+        ("POST", "/v1/files", {**auth, "content-type": files_type}, b"--quarry-bench\r\nnot a part", None),
+        ("GET", "/v1/files/file-nope", auth, b"", 404),
+        ("GET", "/v1/files/file-nope/content", auth, b"", 404),
+        ("GET", "/v1/files/batch_output_nope/content", auth, b"", 404),
+        ("POST", "/v1/batches", auth, json.dumps({"input_file_id": "file-nope", "endpoint": "/v1/chat/completions", "completion_window": "24h"}), 404),
+        ("POST", "/v1/batches", auth, json.dumps({"input_file_id": "file-nope", "endpoint": "/v1/embeddings", "completion_window": "24h"}), 400),
+        ("POST", "/v1/batches", auth, json.dumps({"input_file_id": "file-nope", "endpoint": "/extract", "completion_window": "1h"}), 400),
+        ("POST", "/v1/batches", auth, json.dumps({"endpoint": "/extract"}), 422),
+        ("POST", "/v1/batches", auth, b"[", 400),
+        ("GET", "/v1/batches/batch_nope", auth, b"", 404),
+        ("POST", "/v1/batches/batch_nope/cancel", auth, b"", 404),
+        ("GET", "/v1/batches?limit=0", auth, b"", 400),
+        ("GET", "/v1/batches?limit=many", auth, b"", 400),
+        ("GET", "/v1/batches", {}, b"", 401),
     ]
     while True:
         yield rng.choice(cases)
@@ -250,16 +365,19 @@ async def abuse(args):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["load", "abuse"])
+    p.add_argument("mode", choices=["load", "store", "abuse"])
     p.add_argument("url")
     p.add_argument("key")
     p.add_argument("pid", type=int)
-    p.add_argument("--clients", type=int, default=64)
+    p.add_argument("--clients", type=int, default=None)
+    p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seconds", type=float, default=60)
     p.add_argument("--job-items", type=int, default=100)
     p.add_argument("--bad", type=int, default=1000)
     args = p.parse_args()
-    failures = asyncio.run(load(args) if args.mode == "load" else abuse(args))
+    if args.clients is None:
+        args.clients = 32 if args.mode == "store" else 64
+    failures = asyncio.run({"load": load, "store": store, "abuse": abuse}[args.mode](args))
     print()
     if failures:
         print(f"FAILED: {len(failures)} problems")

@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use quarry::jobs::{Counts, JobStore, NewItem, NewJob, PostgresStore, SqliteStore, StoreError, StoredFile};
+use quarry::jobs::{
+    now_ms, Counts, Deleted, JobStore, NewItem, NewJob, PostgresStore, SqliteStore, StoreError, StoredFile,
+};
 
 struct TempDir(PathBuf);
 
@@ -145,9 +147,14 @@ fn conformance(s: &dyn JobStore) {
     assert!(s
         .complete("a", &a0[0].attempt, result(true).0, &result(true).1)
         .unwrap());
-    // Heartbeats count what an owner holds.
-    assert_eq!(s.heartbeat("a", long).unwrap(), 0);
-    assert_eq!(s.heartbeat("b", long).unwrap(), 1);
+    // Heartbeats renew the attempts named, where their owner still holds them: a's are
+    // done or taken; b's item 2 is renewed, and so nothing b did not name.
+    let a_all: Vec<_> = a0.iter().chain(&a1).map(|c| c.attempt.clone()).collect();
+    assert_eq!(s.heartbeat("a", &a_all, long).unwrap(), 0);
+    let b_all: Vec<_> = b.iter().map(|c| c.attempt.clone()).collect();
+    assert_eq!(s.heartbeat("b", &b_all, long).unwrap(), 1);
+    assert_eq!(s.heartbeat("b", &[], long).unwrap(), 0);
+    assert_eq!(s.heartbeat("c", &b_all, long).unwrap(), 0, "not c's leases");
 
     let c = s.counts("j").unwrap().unwrap();
     assert_eq!((c.ok, c.failed, c.running, c.queued), (1, 1, 1, 0));
@@ -187,23 +194,47 @@ fn conformance(s: &dyn JobStore) {
     assert!(spec.cancelled_ms.is_none());
     assert!(s.last_result_ms("j").unwrap().unwrap() >= spec.created_ms);
 
-    // Cancelling ends the queued items with the given result; a running one finishes.
-    s.create(&job("k", 3)).unwrap();
+    // Cancelling ends the queued items with the given result; a running one finishes, and
+    // one whose worker died (its lease ran out) comes back marked cancelled, not to be run.
+    s.create(&job("k", 4)).unwrap();
     let running = s.claim("d", 1, long).unwrap();
+    let dead = s.claim("d2", 1, Duration::from_millis(1)).unwrap();
+    assert!(!dead[0].cancelled);
     let cancelled = json!({"outcome": "cancelled"});
-    assert_eq!(s.cancel("k", &cancelled).unwrap(), 2);
+    assert_eq!(s.cancel("k", &cancelled).unwrap(), Some(2));
     assert!(s.spec("k").unwrap().unwrap().cancelled_ms.is_some());
-    assert!(s.claim("e", 5, long).unwrap().is_empty());
+    std::thread::sleep(Duration::from_millis(20));
+    let again = s.claim("e", 5, long).unwrap();
+    assert_eq!(indices(&again), vec![dead[0].attempt.index]);
+    assert!(again[0].cancelled, "claimed after its job was cancelled");
+    assert!(s.complete("e", &again[0].attempt, false, &cancelled).unwrap());
     assert!(s
         .complete("d", &running[0].attempt, true, &json!({"outcome": "ok"}))
         .unwrap());
     let c = s.counts("k").unwrap().unwrap();
-    assert_eq!((c.ok, c.failed), (1, 2));
-    assert_eq!(s.results("k", 1, 10).unwrap()[0].1.result, cancelled);
+    assert_eq!((c.ok, c.failed), (1, 3));
+    assert_eq!(s.results("k", 2, 10).unwrap()[0].1.result, cancelled);
+    // A job with nothing left to run is not cancelled (a finished one stays finished).
+    assert_eq!(s.cancel("k", &cancelled).unwrap(), None);
+    assert_eq!(s.cancel("nope", &cancelled).unwrap(), None);
+    s.create(&job("done", 1)).unwrap();
+    let only = s.claim("f", 1, long).unwrap();
+    assert!(s.complete("f", &only[0].attempt, true, &json!({})).unwrap());
+    assert_eq!(s.cancel("done", &cancelled).unwrap(), None);
+    assert!(s.spec("done").unwrap().unwrap().cancelled_ms.is_none());
+
+    // Text no store can keep is the caller's error, named, and nothing is created.
+    let mut nul = job("nul", 2);
+    nul.items[1].payload = "a\0b".into();
+    match s.create(&nul) {
+        Err(StoreError::Invalid(m)) => assert!(m.contains("item 1") && m.contains("NUL"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(s.spec("nul").unwrap().is_none());
 
     // Listing: newest first, paged by the last id seen, one kind at a time.
     let listed: Vec<String> = s.list("test", 10, None).unwrap().into_iter().map(|j| j.id).collect();
-    assert_eq!(listed.len(), 2);
+    assert_eq!(listed.len(), 3);
     assert_eq!(s.list("test", 1, Some(&listed[0])).unwrap()[0].id, listed[1]);
     assert!(s.list("other", 10, None).unwrap().is_empty());
 
@@ -223,6 +254,55 @@ fn conformance(s: &dyn JobStore) {
         (f.bytes, f.filename, f.purpose)
     );
     assert!(s.file("file-2").unwrap().is_none());
+}
+
+/// Deleting a job, by hand or past the retention: only finished ones, with their results;
+/// old files go too.
+fn deletion(s: &dyn JobStore) {
+    let long = Duration::from_secs(60);
+    assert_eq!(s.delete("del-nope").unwrap(), Deleted::Missing);
+    s.create(&job("del", 2)).unwrap();
+    let out = s.claim("g", 2, long).unwrap();
+    assert_eq!(out.len(), 2);
+    assert_eq!(s.delete("del").unwrap(), Deleted::Busy, "items still running");
+    assert!(s.spec("del").unwrap().is_some());
+    for c in &out {
+        assert!(s.complete("g", &c.attempt, true, &json!({"n": 1})).unwrap());
+    }
+    assert_eq!(s.delete("del").unwrap(), Deleted::Deleted);
+    assert!(s.spec("del").unwrap().is_none() && s.counts("del").unwrap().is_none());
+    assert!(s.results("del", 0, 10).unwrap().is_empty());
+    assert_eq!(s.delete("del").unwrap(), Deleted::Missing);
+
+    // Past the retention: the job finished before the cutoff goes; one with an item still
+    // running stays, and so does one finished after the cutoff.
+    s.create(&job("old", 1)).unwrap();
+    let c = s.claim("g", 1, long).unwrap();
+    assert!(s.complete("g", &c[0].attempt, true, &json!({})).unwrap());
+    s.create(&job("running", 1)).unwrap();
+    assert_eq!(s.claim("h", 1, long).unwrap().len(), 1);
+    let file = |id: &str, created_ms| StoredFile {
+        id: id.into(),
+        purpose: "batch".into(),
+        filename: "f.jsonl".into(),
+        bytes: b"{}".to_vec(),
+        created_ms,
+    };
+    s.put_file(&file("old-file", 5)).unwrap();
+    s.put_file(&file("new-file", now_ms() + 60_000)).unwrap();
+    std::thread::sleep(Duration::from_millis(5));
+    let cutoff = now_ms();
+    std::thread::sleep(Duration::from_millis(5));
+    s.create(&job("late", 1)).unwrap();
+    let c = s.claim("g", 1, long).unwrap();
+    assert!(s.complete("g", &c[0].attempt, true, &json!({})).unwrap());
+    let (jobs, files) = s.expire(cutoff).unwrap();
+    assert!(jobs >= 1 && files >= 1, "{jobs} {files}");
+    assert!(s.spec("old").unwrap().is_none(), "finished before the cutoff");
+    assert!(s.spec("running").unwrap().is_some() && s.spec("late").unwrap().is_some());
+    assert!(s.file("old-file").unwrap().is_none() && s.file("new-file").unwrap().is_some());
+    assert!(s.delete_file("new-file").unwrap());
+    assert!(!s.delete_file("new-file").unwrap());
 }
 
 /// Claimers racing for the same items: each item goes to exactly one of them.
@@ -265,6 +345,7 @@ fn sqlite_store() {
     let s = SqliteStore::open(&path).unwrap();
     assert_eq!(s.counts("j").unwrap().unwrap().ok, 3);
     assert_eq!(s.results("j", 0, 10).unwrap().len(), 3);
+    deletion(&SqliteStore::open(&dir.0.join("deletion.sqlite3")).unwrap());
 }
 
 #[test]
@@ -291,6 +372,67 @@ fn postgres_store() {
         .unwrap());
     let c = s.counts("m").unwrap().unwrap();
     assert_eq!((c.ok, c.queued), (1, 1));
+
+    // A worker told to stop while the store is away waits for it about a lease, then gives
+    // up: it does not hang, and its items come back to the queue when their leases run out.
+    use quarry::jobs::{Worker, WorkerConfig};
+    use std::sync::Arc;
+    s.create(&job("n", 2)).unwrap();
+    let store: Arc<dyn JobStore> = Arc::new(PostgresStore::open(&cluster.url).unwrap());
+    let lease = Duration::from_secs(1);
+    let worker = Worker::new(
+        store.clone(),
+        WorkerConfig {
+            slots: 2,
+            lease,
+            poll: Duration::from_millis(20),
+            retention: None,
+        },
+    );
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let g = gate.clone();
+    let running = runtime.spawn(worker.clone().run(
+        move |_| {
+            let g = g.clone();
+            async move {
+                let _ = g.acquire().await;
+                (true, json!({"outcome": "ok"}))
+            }
+        },
+        |_, m| json!({"failed": m}),
+    ));
+    let started = std::time::Instant::now();
+    while s.counts("n").unwrap().unwrap().running + s.counts("m").unwrap().unwrap().running < 2 {
+        assert!(started.elapsed() < Duration::from_secs(30));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    cluster.set("down");
+    let stopping = std::time::Instant::now();
+    worker.stop();
+    gate.add_permits(10);
+    runtime.block_on(async {
+        tokio::time::timeout(Duration::from_secs(30), running)
+            .await
+            .expect("the worker stops")
+            .unwrap()
+    });
+    let stopped_in = stopping.elapsed();
+    assert!(stopped_in < lease * 6, "stopped in {stopped_in:?}");
+    cluster.set("up");
+    std::thread::sleep(lease);
+    // The first call finds the connection the restart broke, and drops it; the next reconnects.
+    let _ = s.counts("n");
+    let redo = s.claim("x", 10, Duration::from_secs(60)).unwrap();
+    assert_eq!(
+        redo.len(),
+        3,
+        "the two in flight (leases run out) and the one still queued"
+    );
+    for c in &redo {
+        assert!(s.complete("x", &c.attempt, true, &json!({})).unwrap());
+    }
+    deletion(&s);
 }
 
 #[test]
@@ -321,16 +463,20 @@ fn the_worker_finishes_every_item_and_a_panicking_runner_fails_only_its_item() {
         slots: 4,
         lease: Duration::from_secs(3),
         poll: Duration::from_millis(20),
+        retention: None,
     };
     let worker = Worker::new(store.clone(), config);
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {
-        let running = tokio::spawn(worker.clone().run(|work| async move {
-            if work.item_id == "item-7" {
-                panic!("a runner bug");
-            }
-            (true, json!({"echo": work.payload}))
-        }));
+        let running = tokio::spawn(worker.clone().run(
+            |work| async move {
+                if work.item_id == "item-7" {
+                    panic!("a runner bug");
+                }
+                (true, json!({"echo": work.payload}))
+            },
+            |job, message| json!({"job": job.id, "failed": message}),
+        ));
         let started = std::time::Instant::now();
         while store.counts("w").unwrap().unwrap().ok + store.counts("w").unwrap().unwrap().failed < 20 {
             assert!(started.elapsed() < Duration::from_secs(30), "{:?}", store.counts("w"));
@@ -344,5 +490,30 @@ fn the_worker_finishes_every_item_and_a_panicking_runner_fails_only_its_item() {
     let results = store.results("w", 0, 100).unwrap();
     assert_eq!(results.len(), 20);
     assert_eq!(results[3].1.result, json!({"echo": "document 3"}));
-    assert_eq!(results[7].1.result["outcome"], "internal");
+    assert_eq!(
+        results[7].1.result,
+        json!({"job": "w", "failed": "the item's runner failed"}),
+        "the caller's shape for a failed item"
+    );
+}
+
+/// Processes opening a new state file at the same moment: each migration runs once, and every
+/// one of them opens it.
+#[test]
+fn sqlite_files_opened_at_once_by_many_are_migrated_once() {
+    let dir = TempDir::new("migrate");
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let path = dir.0.join("jobs.sqlite3");
+    let barrier = std::sync::Barrier::new(6);
+    std::thread::scope(|scope| {
+        for _ in 0..6 {
+            scope.spawn(|| {
+                barrier.wait();
+                SqliteStore::open(&path).unwrap();
+            });
+        }
+    });
+    let s = SqliteStore::open(&path).unwrap();
+    s.create(&job("after", 1)).unwrap();
+    assert_eq!(s.counts("after").unwrap().unwrap().queued, 1);
 }

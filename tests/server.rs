@@ -295,11 +295,21 @@ fn extract_over_http_with_typed_errors() {
         (&json!("schema_rejected"), &json!("$ref"), &json!("/properties/a")),
         "{out}"
     );
-    // Refused before its body is read: the connection is closed, and the client told so.
-    let big = json!({"schema_id": "invoice", "document": "x".repeat(5 << 20)}).to_string();
-    let (status, head, _) = http_raw(port, "POST", "/extract", Some(KEY), big.as_bytes());
-    assert_eq!(status, 413);
-    assert!(head.contains("connection: close"), "{head}");
+    // Refused by its Content-Length, and its body read off before the refusal goes out: the
+    // client sends all of it and gets the 413, not a connection reset mid-send.
+    let big = json!({"schema_id": "invoice", "document": "x".repeat(20 << 20)}).to_string();
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(
+        s,
+        "POST /extract HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        big.len()
+    )
+    .unwrap();
+    s.write_all(big.as_bytes()).expect("the whole body is taken, not reset");
+    let mut reply = String::new();
+    s.read_to_string(&mut reply).expect("the reply, not a reset");
+    assert!(reply.starts_with("HTTP/1.1 413"), "{reply}");
+    assert!(reply.contains("\"body_too_large\""), "{reply}");
     let (status, out) = http(port, "POST", "/extract", None, b"{}");
     assert_eq!((status, out["error"]["type"].as_str()), (401, Some("unauthorized")));
     let (status, out) = http(port, "POST", "/extract", Some("wrong"), b"{}");
@@ -411,13 +421,13 @@ fn extract_over_http_with_typed_errors() {
     let (status, text) = http_text(port, "GET", "/metrics", None, b"");
     assert_eq!(status, 200);
     for line in [
-        "quarry_extractions_total{outcome=\"ok\"}",
-        "quarry_extractions_total{outcome=\"max_tokens_too_small\"} 1",
-        "quarry_extractions_total{outcome=\"schema_violation\"} 1",
+        "quarry_requests_total{endpoint=\"extract\",outcome=\"ok\"}",
+        "quarry_requests_total{endpoint=\"extract\",outcome=\"max_tokens_too_small\"} 1",
+        "quarry_requests_total{endpoint=\"extract\",outcome=\"schema_violation\"} 1",
         "quarry_budget_closed_total",
         "quarry_grammar_failures_total 0",
-        "quarry_extractions_total{outcome=\"unknown_schema_id\"} 1",
-        "quarry_extractions_total{outcome=\"schema_rejected\"} 1",
+        "quarry_requests_total{endpoint=\"extract\",outcome=\"unknown_schema_id\"} 1",
+        "quarry_requests_total{endpoint=\"extract\",outcome=\"schema_rejected\"} 1",
         "quarry_time_to_first_token_seconds_count",
         "quarry_completion_tokens_total",
         "quarry_kv_cache_usage_ratio",
@@ -572,6 +582,23 @@ fn a_full_queue_answers_429_with_retry_after() {
     );
     assert_eq!(status, 429, "{out}");
     assert!(out.contains("\"queue_full\""), "{out}");
+    // More choices than the whole queue holds could never be admitted: a 400, not a 429 to
+    // retry forever.
+    let mut many = chat.clone();
+    many["n"] = json!(2);
+    let (status, head, out) = http_raw(
+        server.port,
+        "POST",
+        "/v1/chat/completions",
+        Some(KEY),
+        many.to_string().as_bytes(),
+    );
+    assert_eq!(status, 400, "{out}");
+    assert!(
+        out.contains("\"too_many_choices\"") && out.contains("--max-pending"),
+        "{out}"
+    );
+    assert!(!head.contains("retry-after"), "{head}");
     drop(busy);
 }
 
@@ -714,6 +741,19 @@ fn openai_chat_completions_with_json_schema_and_streaming() {
     let wrong = json!({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}).to_string();
     let (status, out) = http(port, "POST", "/v1/chat/completions", Some(KEY), wrong.as_bytes());
     assert_eq!((status, out["error"]["type"].as_str()), (404, Some("model_not_found")));
+
+    // Through the same door as /extract: every request counted by its outcome or error, and
+    // every choice's tokens and times (2 + 1 + 1 + 1 choices).
+    let (_, text) = http_text(port, "GET", "/metrics", None, b"");
+    for line in [
+        "quarry_requests_total{endpoint=\"chat_completions\",outcome=\"ok\"} 1",
+        "quarry_requests_total{endpoint=\"chat_completions\",outcome=\"schema_violation\"} 2",
+        "quarry_requests_total{endpoint=\"chat_completions\",outcome=\"truncated\"} 1",
+        "quarry_requests_total{endpoint=\"chat_completions\",outcome=\"model_not_found\"} 1",
+        "quarry_request_seconds_count 5",
+    ] {
+        assert!(text.contains(line), "{line} missing from:\n{text}");
+    }
 }
 
 /// The official OpenAI Python client, from the venv scripts/test sets up
@@ -878,7 +918,7 @@ fn batch_jobs_over_jsonl_and_csv_run_every_item_once_and_retry_the_failed() {
     // A retry runs the failed item only: the ok count stays, one more input_too_long.
     let count = |outcome: &str| -> u64 {
         let (_, m) = http_text(port, "GET", "/metrics", None, b"");
-        let key = format!("quarry_extractions_total{{outcome=\"{outcome}\"}} ");
+        let key = format!("quarry_requests_total{{endpoint=\"extract\",outcome=\"{outcome}\"}} ");
         m.lines()
             .find_map(|l| l.strip_prefix(&key))
             .map_or(0, |v| v.trim().parse().unwrap())
@@ -1108,6 +1148,33 @@ fn batch_jobs_over_jsonl_and_csv_run_every_item_once_and_retry_the_failed() {
     }
     let (status, out) = http(port, "GET", "/jobs/job-999", Some(KEY), b"");
     assert_eq!((status, out["error"]["type"].as_str()), (404, Some("unknown_job")));
+
+    // Deleting: a job with items out is refused (409); a finished one goes with its results.
+    let body: String = (0..20)
+        .map(|i| json!({"document": contact_document(i)}).to_string() + "\n")
+        .collect();
+    let busy = submit_job(port, "schema_id=contact", body.as_bytes());
+    let (status, out) = http(port, "DELETE", &format!("/jobs/{busy}"), Some(KEY), b"");
+    assert_eq!(
+        (status, out["error"]["type"].as_str()),
+        (409, Some("job_running")),
+        "{out}"
+    );
+    wait_for_job(port, &busy);
+    let (status, out) = http(port, "DELETE", &format!("/jobs/{busy}"), Some(KEY), b"");
+    assert_eq!((status, &out), (200, &json!({"job_id": busy, "deleted": true})));
+    for (method, path) in [
+        ("GET", format!("/jobs/{busy}")),
+        ("GET", format!("/jobs/{busy}/results")),
+        ("DELETE", format!("/jobs/{busy}")),
+    ] {
+        let (status, out) = http(port, method, &path, Some(KEY), b"");
+        assert_eq!(
+            (status, out["error"]["type"].as_str()),
+            (404, Some("unknown_job")),
+            "{path}"
+        );
+    }
 }
 
 /// The contact schema's email pattern, checked by hand (no regex crate in the tests).

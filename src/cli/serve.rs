@@ -26,10 +26,10 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on the API (repeatable; also $QUARRY_API_KEY).
     #[arg(long, env = "QUARRY_API_KEY")]
     api_key: Vec<String>,
-    /// Most requests waiting or running at once; past it, /extract answers 429 with
-    /// Retry-After.
-    #[arg(long, default_value_t = 1024)]
-    max_pending: usize,
+    /// Most engine requests waiting or running at once (at least 1); past it, /extract and
+    /// the OpenAI endpoints answer 429 with Retry-After and job items wait.
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..))]
+    max_pending: u64,
     /// Folder of ready-made schemas, addressed by file name without `.json`.
     #[arg(long, default_value = "schemas")]
     schemas: PathBuf,
@@ -56,6 +56,10 @@ pub struct JobArgs {
     /// jobs that other processes on the same store run).
     #[arg(long, default_value_t = 32)]
     job_concurrency: usize,
+    /// Hours a finished job (its results) and an uploaded file are kept before they are
+    /// deleted; 0 keeps them until deleted (`DELETE /jobs/{id}`, `DELETE /v1/files/{id}`).
+    #[arg(long, default_value_t = 168.0)]
+    job_retention: f64,
 }
 
 impl JobArgs {
@@ -68,9 +72,14 @@ impl JobArgs {
         );
         let dir = self.state_dir.clone().unwrap_or_else(jobs::default_state_dir);
         let store = jobs::open(self.job_store.as_deref(), &dir)?;
+        anyhow::ensure!(
+            self.job_retention.is_finite() && self.job_retention >= 0.0,
+            "--job-retention must be a number of hours, 0 or more"
+        );
         let config = WorkerConfig {
             slots: self.job_concurrency,
             lease: Duration::from_secs_f64(self.job_lease),
+            retention: (self.job_retention > 0.0).then(|| Duration::from_secs_f64(self.job_retention * 3600.0)),
             ..WorkerConfig::default()
         };
         Ok(Worker::new(store, config))
@@ -85,7 +94,13 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
     let addr = SocketAddr::new(args.host, args.port);
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(server::serve_when_ready(addr, move || {
-        app_state(&args.model, &args.schemas, &args.jobs, args.api_key, args.max_pending)
+        app_state(
+            &args.model,
+            &args.schemas,
+            &args.jobs,
+            args.api_key,
+            args.max_pending as usize,
+        )
     }))
 }
 

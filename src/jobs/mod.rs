@@ -34,6 +34,26 @@ pub struct NewJob {
     pub items: Vec<NewItem>,
 }
 
+impl NewJob {
+    /// What no store may be handed: text with a NUL character (Postgres cannot keep one in
+    /// `TEXT`; SQLite refuses it too, so a job means the same on either).
+    pub fn check(&self) -> Result<()> {
+        let nul = |what: &str, text: &str| match text.find('\0') {
+            Some(at) => Err(StoreError::Invalid(format!(
+                "{what} has a NUL character at byte {at}: remove it or escape it"
+            ))),
+            None => Ok(()),
+        };
+        nul("the job id", &self.id)?;
+        nul("the job kind", &self.kind)?;
+        for (i, item) in self.items.iter().enumerate() {
+            nul(&format!("item {i}'s id"), &item.item_id)?;
+            nul(&format!("item {i} ({:?})", item.item_id), &item.payload)?;
+        }
+        Ok(())
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct NewItem {
     /// The caller's name for the item (a record id, a batch line's `custom_id`).
@@ -93,6 +113,20 @@ pub struct Claim {
     pub payload: String,
     /// A retry's budget, over the job's.
     pub max_tokens: Option<usize>,
+    /// The job was cancelled after this item was first claimed (its first worker died): the
+    /// runner ends it as cancelled instead of running it.
+    pub cancelled: bool,
+}
+
+/// What `delete` did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Deleted {
+    /// The job, its items and their results are gone.
+    Deleted,
+    /// Items are still queued or running: nothing was deleted.
+    Busy,
+    /// No such job.
+    Missing,
 }
 
 /// An item's result as stored: whether it succeeded (for counts and retries), and what the
@@ -112,6 +146,9 @@ pub enum StoreError {
     Open { location: String, message: String },
     #[error("`{0}` exists already")]
     Duplicate(String),
+    /// The caller's data cannot be stored as given (not the store's fault: a 400, not a 503).
+    #[error("{0}")]
+    Invalid(String),
 }
 
 pub type Result<T> = std::result::Result<T, StoreError>;
@@ -130,8 +167,10 @@ pub trait JobStore: Send + Sync {
     /// Up to `n` items for `owner`, leased until `lease` from now: queued ones first, in the
     /// order they were queued, then ones whose lease ran out.
     fn claim(&self, owner: &str, n: usize, lease: Duration) -> Result<Vec<Claim>>;
-    /// Extends every lease `owner` holds to `lease` from now; how many it holds.
-    fn heartbeat(&self, owner: &str, lease: Duration) -> Result<usize>;
+    /// Extends the leases of `attempts`, where `owner` still holds them, to `lease` from now;
+    /// how many it still holds. Only the attempts named: an item claimed by a call whose
+    /// answer was lost is not renewed, so it goes back to the queue when its lease runs out.
+    fn heartbeat(&self, owner: &str, attempts: &[Attempt], lease: Duration) -> Result<usize>;
     /// The attempt's result, with the item marked done, if `owner` still holds that attempt;
     /// false (nothing written) where it does not.
     fn complete(&self, owner: &str, attempt: &Attempt, ok: bool, result: &Value) -> Result<bool>;
@@ -141,12 +180,20 @@ pub trait JobStore: Send + Sync {
     /// Queues the job's failed items again (with a new budget where given); how many.
     fn retry_failed(&self, job_id: &str, max_tokens: Option<usize>) -> Result<usize>;
     /// Marks the job cancelled and ends its queued items with `result` (not ok); items
-    /// running finish as they would. How many were ended.
-    fn cancel(&self, job_id: &str, result: &Value) -> Result<usize>;
+    /// running finish as they would. How many were ended; `None` where the job had nothing
+    /// left to run (it is finished, and stays as it was) or does not exist.
+    fn cancel(&self, job_id: &str, result: &Value) -> Result<Option<usize>>;
     /// Queues again every item `owner` holds (it is shutting down).
     fn release(&self, owner: &str) -> Result<usize>;
+    /// Deletes a finished job (none of its items queued or running) with its results.
+    fn delete(&self, job_id: &str) -> Result<Deleted>;
+    /// Deletes the finished jobs whose last result (or, with none, whose creation) came
+    /// before `before_ms`, and the files created before it; how many jobs and files.
+    fn expire(&self, before_ms: i64) -> Result<(usize, usize)>;
     fn put_file(&self, file: &StoredFile) -> Result<()>;
     fn file(&self, id: &str) -> Result<Option<StoredFile>>;
+    /// Whether there was such a file.
+    fn delete_file(&self, id: &str) -> Result<bool>;
 }
 
 /// Opens the store `location` names: a `postgres://` URL, `sqlite:PATH`, or nothing for

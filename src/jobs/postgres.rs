@@ -12,7 +12,9 @@ use postgres::{Client, NoTls};
 use postgres::{GenericClient, Row};
 use serde_json::Value;
 
-use super::{now_ms, Attempt, Claim, Counts, ItemResult, JobSpec, JobStore, NewJob, Result, StoreError, StoredFile};
+use super::{
+    now_ms, Attempt, Claim, Counts, Deleted, ItemResult, JobSpec, JobStore, NewJob, Result, StoreError, StoredFile,
+};
 
 const QUEUED: i16 = 0;
 const RUNNING: i16 = 1;
@@ -148,6 +150,7 @@ fn int(n: Option<usize>) -> Option<i32> {
 
 impl JobStore for PostgresStore {
     fn create(&self, job: &NewJob) -> Result<()> {
+        job.check()?;
         let inserted = self.with(|c| {
             let mut tx = c.transaction()?;
             let n = tx.execute(
@@ -247,7 +250,8 @@ impl JobStore for PostgresStore {
                  UPDATE quarry_items i
                  SET state = $2, lease_owner = $5, lease_expiry = $6, attempt = i.attempt + 1
                  FROM picked WHERE i.seq = picked.seq
-                 RETURNING i.seq, i.job_id, i.idx, i.attempt, i.item_id, i.payload, i.max_tokens",
+                 RETURNING i.seq, i.job_id, i.idx, i.attempt, i.item_id, i.payload, i.max_tokens,
+                     (SELECT j.cancelled_ms IS NOT NULL FROM quarry_jobs j WHERE j.id = i.job_id)",
                 &[&QUEUED, &RUNNING, &now, &(n as i64), &owner, &expiry],
             )
         })?;
@@ -265,6 +269,7 @@ impl JobStore for PostgresStore {
                         item_id: r.get(4),
                         payload: r.get(5),
                         max_tokens: r.get::<_, Option<i32>>(6).map(|n| n as usize),
+                        cancelled: r.get::<_, Option<bool>>(7).unwrap_or(false),
                     },
                 )
             })
@@ -273,12 +278,21 @@ impl JobStore for PostgresStore {
         Ok(claims.into_iter().map(|c| c.1).collect())
     }
 
-    fn heartbeat(&self, owner: &str, lease: Duration) -> Result<usize> {
+    fn heartbeat(&self, owner: &str, attempts: &[Attempt], lease: Duration) -> Result<usize> {
+        if attempts.is_empty() {
+            return Ok(0);
+        }
         let expiry = now_ms() + lease.as_millis() as i64;
+        let jobs: Vec<&str> = attempts.iter().map(|a| a.job_id.as_str()).collect();
+        let indices: Vec<i32> = attempts.iter().map(|a| a.index as i32).collect();
+        let numbers: Vec<i32> = attempts.iter().map(|a| a.attempt as i32).collect();
         let n = self.with(|c| {
             c.execute(
-                "UPDATE quarry_items SET lease_expiry = $1 WHERE lease_owner = $2 AND state = $3",
-                &[&expiry, &owner, &RUNNING],
+                "UPDATE quarry_items i SET lease_expiry = $1
+                 FROM unnest($2::text[], $3::int[], $4::int[]) AS a(job_id, idx, attempt)
+                 WHERE i.job_id = a.job_id AND i.idx = a.idx AND i.attempt = a.attempt
+                     AND i.lease_owner = $5 AND i.state = $6",
+                &[&expiry, &jobs, &indices, &numbers, &owner, &RUNNING],
             )
         })?;
         Ok(n as usize)
@@ -358,13 +372,18 @@ impl JobStore for PostgresStore {
         Ok(n as usize)
     }
 
-    fn cancel(&self, job_id: &str, result: &Value) -> Result<usize> {
+    fn cancel(&self, job_id: &str, result: &Value) -> Result<Option<usize>> {
         self.with(|c| {
             let mut tx = c.transaction()?;
-            tx.execute(
-                "UPDATE quarry_jobs SET cancelled_ms = COALESCE(cancelled_ms, $1) WHERE id = $2",
-                &[&now_ms(), &job_id],
+            let marked = tx.execute(
+                "UPDATE quarry_jobs SET cancelled_ms = COALESCE(cancelled_ms, $1)
+                 WHERE id = $2 AND EXISTS (
+                     SELECT 1 FROM quarry_items WHERE job_id = $2 AND state IN ($3, $4))",
+                &[&now_ms(), &job_id, &QUEUED, &RUNNING],
             )?;
+            if marked == 0 {
+                return Ok(None);
+            }
             let ended = tx.query(
                 "UPDATE quarry_items SET state = $1, ok = false WHERE job_id = $2 AND state = $3 RETURNING idx, attempt",
                 &[&DONE, &job_id, &QUEUED],
@@ -373,8 +392,63 @@ impl JobStore for PostgresStore {
                 write_result(&mut tx, job_id, r.get::<_, i32>(0) as usize, r.get::<_, i32>(1) as u32, result)?;
             }
             tx.commit()?;
-            Ok(ended.len())
+            Ok(Some(ended.len()))
         })
+    }
+
+    fn delete(&self, job_id: &str) -> Result<Deleted> {
+        self.with(|c| {
+            let mut tx = c.transaction()?;
+            // Locks the job row: an item cannot be queued again (retry) meanwhile.
+            if tx
+                .query_opt("SELECT 1 FROM quarry_jobs WHERE id = $1 FOR UPDATE", &[&job_id])?
+                .is_none()
+            {
+                return Ok(Deleted::Missing);
+            }
+            let open: i64 = tx
+                .query_one(
+                    "SELECT COUNT(*) FROM quarry_items WHERE job_id = $1 AND state IN ($2, $3)",
+                    &[&job_id, &QUEUED, &RUNNING],
+                )?
+                .get(0);
+            if open > 0 {
+                return Ok(Deleted::Busy);
+            }
+            delete_job(&mut tx, job_id)?;
+            tx.commit()?;
+            Ok(Deleted::Deleted)
+        })
+    }
+
+    fn expire(&self, before_ms: i64) -> Result<(usize, usize)> {
+        self.with(|c| {
+            let mut tx = c.transaction()?;
+            let ids: Vec<String> = tx
+                .query(
+                    "SELECT j.id FROM quarry_jobs j
+                     WHERE NOT EXISTS (
+                         SELECT 1 FROM quarry_items i WHERE i.job_id = j.id AND i.state IN ($1, $2))
+                       AND COALESCE(
+                         (SELECT MAX(r.done_ms) FROM quarry_results r WHERE r.job_id = j.id), j.created_ms) < $3
+                     FOR UPDATE SKIP LOCKED",
+                    &[&QUEUED, &RUNNING, &before_ms],
+                )?
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+            for id in &ids {
+                delete_job(&mut tx, id)?;
+            }
+            let files = tx.execute("DELETE FROM quarry_files WHERE created_ms < $1", &[&before_ms])?;
+            tx.commit()?;
+            Ok((ids.len(), files as usize))
+        })
+    }
+
+    fn delete_file(&self, id: &str) -> Result<bool> {
+        let n = self.with(|c| c.execute("DELETE FROM quarry_files WHERE id = $1", &[&id]))?;
+        Ok(n > 0)
     }
 
     fn put_file(&self, f: &StoredFile) -> Result<()> {
@@ -406,6 +480,17 @@ impl JobStore for PostgresStore {
             created_ms: r.get(4),
         }))
     }
+}
+
+fn delete_job(tx: &mut postgres::Transaction<'_>, job_id: &str) -> std::result::Result<(), postgres::Error> {
+    for sql in [
+        "DELETE FROM quarry_results WHERE job_id = $1",
+        "DELETE FROM quarry_items WHERE job_id = $1",
+        "DELETE FROM quarry_jobs WHERE id = $1",
+    ] {
+        tx.execute(sql, &[&job_id])?;
+    }
+    Ok(())
 }
 
 fn write_result(

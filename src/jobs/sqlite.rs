@@ -10,7 +10,9 @@ use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 
 use serde_json::Value;
 
-use super::{now_ms, Attempt, Claim, Counts, ItemResult, JobSpec, JobStore, NewJob, Result, StoreError, StoredFile};
+use super::{
+    now_ms, Attempt, Claim, Counts, Deleted, ItemResult, JobSpec, JobStore, NewJob, Result, StoreError, StoredFile,
+};
 
 /// Item states, as stored.
 const QUEUED: i64 = 0;
@@ -89,16 +91,25 @@ impl SqliteStore {
     }
 }
 
-/// Brings the file's schema up to date, each step in its own transaction.
+/// Brings the file's schema up to date, each step in its own transaction. The version is read
+/// inside the write transaction, so two processes opening a new file at once cannot both run
+/// the same step.
 fn migrate(conn: &Connection) -> rusqlite::Result<()> {
-    let version: usize = conn.query_row("PRAGMA user_version", [], |r| r.get::<_, i64>(0))? as usize;
-    for (i, sql) in MIGRATIONS.iter().enumerate().skip(version) {
-        conn.execute_batch(&format!(
-            "BEGIN IMMEDIATE; {sql}; PRAGMA user_version = {}; COMMIT;",
-            i + 1
-        ))?;
+    loop {
+        conn.execute_batch("BEGIN IMMEDIATE")?;
+        let version = conn.query_row("PRAGMA user_version", [], |r| r.get::<_, i64>(0))? as usize;
+        let Some(sql) = MIGRATIONS.get(version) else {
+            return conn.execute_batch("COMMIT");
+        };
+        let step = conn.execute_batch(&format!("{sql}; PRAGMA user_version = {};", version + 1));
+        match step {
+            Ok(()) => conn.execute_batch("COMMIT")?,
+            Err(e) => {
+                let _ = conn.execute_batch("ROLLBACK");
+                return Err(e);
+            }
+        }
     }
-    Ok(())
 }
 
 fn to_i64(n: Option<usize>) -> Option<i64> {
@@ -107,6 +118,7 @@ fn to_i64(n: Option<usize>) -> Option<i64> {
 
 impl JobStore for SqliteStore {
     fn create(&self, job: &NewJob) -> Result<()> {
+        job.check()?;
         let mut conn = self.conn();
         let tx = conn
             .transaction_with_behavior(TransactionBehavior::Immediate)
@@ -226,40 +238,69 @@ impl JobStore for SqliteStore {
                                  ORDER BY rowid LIMIT ?6)
                          ) ORDER BY k, r LIMIT ?6
                      )
-                     RETURNING job_id, idx, attempt, item_id, payload, max_tokens",
+                     RETURNING rowid, job_id, idx, attempt, item_id, payload, max_tokens,
+                         (SELECT cancelled_ms IS NOT NULL FROM jobs WHERE jobs.id = items.job_id)",
                 )
                 .map_err(backend)?;
             let rows = stmt
                 .query_map(
                     params![RUNNING, owner, now + lease.as_millis() as i64, QUEUED, now, n as i64],
                     |r| {
-                        Ok(Claim {
-                            attempt: Attempt {
-                                job_id: r.get(0)?,
-                                index: r.get::<_, i64>(1)? as usize,
-                                attempt: r.get::<_, i64>(2)? as u32,
+                        Ok((
+                            r.get::<_, i64>(0)?,
+                            Claim {
+                                attempt: Attempt {
+                                    job_id: r.get(1)?,
+                                    index: r.get::<_, i64>(2)? as usize,
+                                    attempt: r.get::<_, i64>(3)? as u32,
+                                },
+                                item_id: r.get(4)?,
+                                payload: r.get(5)?,
+                                max_tokens: r.get::<_, Option<i64>>(6)?.map(|n| n as usize),
+                                cancelled: r.get::<_, Option<bool>>(7)?.unwrap_or(false),
                             },
-                            item_id: r.get(3)?,
-                            payload: r.get(4)?,
-                            max_tokens: r.get::<_, Option<i64>>(5)?.map(|n| n as usize),
-                        })
+                        ))
                     },
                 )
                 .map_err(backend)?;
-            rows.collect::<rusqlite::Result<Vec<Claim>>>().map_err(backend)?
+            rows.collect::<rusqlite::Result<Vec<(i64, Claim)>>>().map_err(backend)?
         };
         tx.commit().map_err(backend)?;
-        Ok(claims)
+        // RETURNING's order is not guaranteed: hand them out in queue order.
+        let mut claims = claims;
+        claims.sort_by_key(|c| c.0);
+        Ok(claims.into_iter().map(|c| c.1).collect())
     }
 
-    fn heartbeat(&self, owner: &str, lease: Duration) -> Result<usize> {
+    fn heartbeat(&self, owner: &str, attempts: &[Attempt], lease: Duration) -> Result<usize> {
         let expiry = now_ms() + lease.as_millis() as i64;
-        self.conn()
-            .execute(
-                "UPDATE items SET lease_expiry = ?1 WHERE lease_owner = ?2 AND state = ?3",
-                params![expiry, owner, RUNNING],
-            )
-            .map_err(backend)
+        let mut conn = self.conn();
+        let tx = conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(backend)?;
+        let mut held = 0;
+        {
+            let mut renew = tx
+                .prepare(
+                    "UPDATE items SET lease_expiry = ?1
+                     WHERE job_id = ?2 AND idx = ?3 AND attempt = ?4 AND lease_owner = ?5 AND state = ?6",
+                )
+                .map_err(backend)?;
+            for a in attempts {
+                held += renew
+                    .execute(params![
+                        expiry,
+                        a.job_id,
+                        a.index as i64,
+                        a.attempt as i64,
+                        owner,
+                        RUNNING
+                    ])
+                    .map_err(backend)?;
+            }
+        }
+        tx.commit().map_err(backend)?;
+        Ok(held)
     }
 
     fn complete(&self, owner: &str, a: &Attempt, ok: bool, result: &Value) -> Result<bool> {
@@ -333,16 +374,21 @@ impl JobStore for SqliteStore {
             .map_err(backend)
     }
 
-    fn cancel(&self, job_id: &str, result: &Value) -> Result<usize> {
+    fn cancel(&self, job_id: &str, result: &Value) -> Result<Option<usize>> {
         let mut conn = self.conn();
         let tx = conn
             .transaction_with_behavior(TransactionBehavior::Immediate)
             .map_err(backend)?;
-        tx.execute(
-            "UPDATE jobs SET cancelled_ms = COALESCE(cancelled_ms, ?1) WHERE id = ?2",
-            params![now_ms(), job_id],
-        )
-        .map_err(backend)?;
+        let marked = tx
+            .execute(
+                "UPDATE jobs SET cancelled_ms = COALESCE(cancelled_ms, ?1)
+                 WHERE id = ?2 AND EXISTS (SELECT 1 FROM items WHERE job_id = ?2 AND state IN (?3, ?4))",
+                params![now_ms(), job_id, QUEUED, RUNNING],
+            )
+            .map_err(backend)?;
+        if marked == 0 {
+            return Ok(None);
+        }
         let queued: Vec<(i64, i64)> = {
             let mut stmt = tx
                 .prepare("SELECT idx, attempt FROM items WHERE job_id = ?1 AND state = ?2")
@@ -361,7 +407,71 @@ impl JobStore for SqliteStore {
             write_result(&tx, job_id, idx as usize, attempt as u32, result)?;
         }
         tx.commit().map_err(backend)?;
-        Ok(queued.len())
+        Ok(Some(queued.len()))
+    }
+
+    fn delete(&self, job_id: &str) -> Result<Deleted> {
+        let mut conn = self.conn();
+        let tx = conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(backend)?;
+        let exists = tx
+            .query_row("SELECT 1 FROM jobs WHERE id = ?1", params![job_id], |_| Ok(()))
+            .optional()
+            .map_err(backend)?
+            .is_some();
+        if !exists {
+            return Ok(Deleted::Missing);
+        }
+        let open: i64 = tx
+            .query_row(
+                "SELECT COUNT(*) FROM items WHERE job_id = ?1 AND state IN (?2, ?3)",
+                params![job_id, QUEUED, RUNNING],
+                |r| r.get(0),
+            )
+            .map_err(backend)?;
+        if open > 0 {
+            return Ok(Deleted::Busy);
+        }
+        delete_job(&tx, job_id)?;
+        tx.commit().map_err(backend)?;
+        Ok(Deleted::Deleted)
+    }
+
+    fn expire(&self, before_ms: i64) -> Result<(usize, usize)> {
+        let mut conn = self.conn();
+        let tx = conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(backend)?;
+        let ids: Vec<String> = {
+            let mut stmt = tx
+                .prepare(
+                    "SELECT j.id FROM jobs j
+                     WHERE NOT EXISTS (SELECT 1 FROM items i WHERE i.job_id = j.id AND i.state IN (?1, ?2))
+                       AND COALESCE((SELECT MAX(r.done_ms) FROM results r WHERE r.job_id = j.id), j.created_ms) < ?3",
+                )
+                .map_err(backend)?;
+            let rows = stmt
+                .query_map(params![QUEUED, RUNNING, before_ms], |r| r.get(0))
+                .map_err(backend)?;
+            rows.collect::<rusqlite::Result<_>>().map_err(backend)?
+        };
+        for id in &ids {
+            delete_job(&tx, id)?;
+        }
+        let files = tx
+            .execute("DELETE FROM files WHERE created_ms < ?1", params![before_ms])
+            .map_err(backend)?;
+        tx.commit().map_err(backend)?;
+        Ok((ids.len(), files))
+    }
+
+    fn delete_file(&self, id: &str) -> Result<bool> {
+        let n = self
+            .conn()
+            .execute("DELETE FROM files WHERE id = ?1", params![id])
+            .map_err(backend)?;
+        Ok(n > 0)
     }
 
     fn put_file(&self, f: &StoredFile) -> Result<()> {
@@ -397,6 +507,17 @@ impl JobStore for SqliteStore {
             .optional()
             .map_err(backend)
     }
+}
+
+fn delete_job(tx: &rusqlite::Transaction<'_>, job_id: &str) -> Result<()> {
+    for sql in [
+        "DELETE FROM results WHERE job_id = ?1",
+        "DELETE FROM items WHERE job_id = ?1",
+        "DELETE FROM jobs WHERE id = ?1",
+    ] {
+        tx.execute(sql, params![job_id]).map_err(backend)?;
+    }
+    Ok(())
 }
 
 fn write_result(tx: &rusqlite::Transaction<'_>, job_id: &str, idx: usize, attempt: u32, result: &Value) -> Result<()> {

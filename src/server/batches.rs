@@ -46,6 +46,15 @@ pub struct FileObject {
     pub status: String,
 }
 
+/// What `DELETE /v1/files/{id}` answers.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct FileDeleted {
+    pub id: String,
+    /// Always `file`.
+    pub object: String,
+    pub deleted: bool,
+}
+
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateBatch {
@@ -244,6 +253,8 @@ async fn file_content(state: &AppState, id: &str) -> Result<StoredFile, ApiError
 /// one, else the error.
 fn output_line(batch_id: &str, index: usize, custom_id: &str, result: &Value) -> Value {
     let id = format!("batch_req_{batch_id}_{index}");
+    // A line without a `custom_id` is stored with an empty one: null here, as it came.
+    let custom_id = (!custom_id.is_empty()).then_some(custom_id);
     match result.get("status_code") {
         Some(status) => json!({
             "id": id,
@@ -253,6 +264,29 @@ fn output_line(batch_id: &str, index: usize, custom_id: &str, result: &Value) ->
         }),
         None => json!({"id": id, "custom_id": custom_id, "response": null, "error": result["error"]}),
     }
+}
+
+#[utoipa::path(
+    delete,
+    operation_id = "delete_file",
+    path = "/v1/files/{id}",
+    tag = "openai",
+    params(("id" = String, Path, description = "An uploaded file's id (a batch's output and error files go with the batch)")),
+    responses((status = 200, body = FileDeleted), (status = 404, body = ErrorBody))
+)]
+pub async fn delete_file(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> Result<Json<FileDeleted>, ApiError> {
+    let key = id.clone();
+    if !store_call(&state, move |s| s.delete_file(&key)).await? {
+        return Err(not_found("file", &id));
+    }
+    Ok(Json(FileDeleted {
+        id,
+        object: "file".into(),
+        deleted: true,
+    }))
 }
 
 #[utoipa::path(
@@ -322,7 +356,9 @@ fn batch_items(text: &str, endpoint: &str) -> Result<Vec<NewItem>, ApiError> {
             Err(message) => json!({"line": number, "error": format!("line {number}: {message}")}),
         };
         items.push(NewItem {
-            item_id: custom_id.unwrap_or_else(|| format!("line-{number}")),
+            // A line without a `custom_id` has none (the output's `custom_id` is null, its
+            // error names the line): no made-up name that a real one could collide with.
+            item_id: custom_id.unwrap_or_default(),
             payload: payload.to_string(),
         });
     }
@@ -337,8 +373,10 @@ fn batch_items(text: &str, endpoint: &str) -> Result<Vec<NewItem>, ApiError> {
 
 /// A line's request body, where the line is a POST to `endpoint`.
 fn request_of(line: &Value, endpoint: &str) -> Result<Value, String> {
-    if line.get("custom_id").and_then(Value::as_str).is_none() {
-        return Err("no `custom_id` string".into());
+    match line.get("custom_id").and_then(Value::as_str) {
+        None => return Err("no `custom_id` string".into()),
+        Some("") => return Err("`custom_id` is empty".into()),
+        Some(_) => {}
     }
     match line.get("method").and_then(Value::as_str) {
         Some("POST") => {}
@@ -513,20 +551,43 @@ pub async fn list(
     path = "/v1/batches/{id}/cancel",
     tag = "openai",
     params(("id" = String, Path, description = "A batch id")),
-    responses((status = 200, description = "`cancelling` while requests run, then `cancelled`", body = BatchObject), (status = 404, body = ErrorBody))
+    responses(
+        (status = 200, description = "`cancelling` while requests run, then `cancelled`", body = BatchObject),
+        (status = 404, body = ErrorBody),
+        (status = 409, description = "The batch has finished: `batch_not_cancellable`", body = ErrorBody),
+    )
 )]
 pub async fn cancel(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Json<BatchObject>, ApiError> {
-    find(&state, &id).await?;
+    let (spec, _) = find(&state, &id).await?;
     let key = id.clone();
-    let ended =
-        json!({"error": {"code": "batch_cancelled", "message": "the batch was cancelled before this request ran"}});
-    store_call(&state, move |s| s.cancel(&key, &ended)).await?;
+    let ended = store_call(&state, move |s| s.cancel(&key, &cancelled_item())).await?;
+    // Cancelling a cancelled batch again is a no-op; a completed one stays completed.
+    if ended.is_none() && spec.cancelled_ms.is_none() {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "batch_not_cancellable",
+            format!("batch `{id}` has finished: there is nothing left to cancel"),
+        ));
+    }
     Ok(Json(batch_object(&state, &id).await?))
+}
+
+/// The result of a line the batch's cancelling ended before it ran.
+fn cancelled_item() -> Value {
+    failed_item("batch_cancelled", "the batch was cancelled before this request ran")
+}
+
+/// A line that failed without a response (malformed, cancelled, or an internal failure).
+pub(super) fn failed_item(code: &str, message: &str) -> Value {
+    json!({"error": {"code": code, "message": message}})
 }
 
 /// Runs one batch line against its endpoint, as the server would answer it over HTTP.
 pub(super) async fn run_item(state: &Arc<AppState>, work: jobs::worker::Work) -> Done {
-    let failed = |message: String| (false, json!({"error": {"code": "invalid_request", "message": message}}));
+    let failed = |message: String| (false, failed_item("invalid_request", &message));
+    if work.cancelled {
+        return (false, cancelled_item());
+    }
     let settings: Settings = match serde_json::from_value(work.job.settings.clone()) {
         Ok(s) => s,
         Err(e) => return failed(format!("batch {}: {e}", work.job.id)),
@@ -631,7 +692,7 @@ mod tests {
         );
         let items = batch_items(&text, url).unwrap();
         let ids: Vec<&str> = items.iter().map(|i| i.item_id.as_str()).collect();
-        assert_eq!(ids, ["a", "line-3", "b", "c", "d"]);
+        assert_eq!(ids, ["a", "", "b", "c", "d"]);
         let payload = |i: usize| serde_json::from_str::<Value>(&items[i].payload).unwrap();
         assert_eq!(payload(0)["body"]["model"], "m");
         assert!(

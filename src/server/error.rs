@@ -16,7 +16,7 @@ pub struct ErrorBody {
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ErrorDetail {
     /// A stable machine-readable kind: `bad_request`, `invalid_json`, `unknown_field`,
-    /// `invalid_field`, `invalid_query`, `body_too_large`, `queue_full`, `unknown_job`, `schema_rejected`, `unknown_schema_id`, `input_too_long`,
+    /// `invalid_field`, `invalid_query`, `body_too_large`, `queue_full`, `too_many_choices`, `unknown_job`, `schema_rejected`, `unknown_schema_id`, `input_too_long`,
     /// `max_tokens_too_small`, `unauthorized`, `internal`.
     #[serde(rename = "type")]
     pub kind: String,

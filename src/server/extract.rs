@@ -9,9 +9,9 @@ use axum::Json;
 use quarry_grammar::json::Whitespace;
 
 use super::api::{ExtractRequest, ExtractResponse, KeywordEntry, SpeculationUsage, Timings, Usage, WhitespaceOption};
+use super::door::{self, Endpoint};
 use super::error::{ApiError, ErrorBody};
 use super::{ApiJson, AppState};
-use crate::engine::{AddError, AdmitError, SubmitError};
 use crate::extract::{ExtractError, Outcome, Task, PRETTY};
 use crate::sampling::DryParams;
 
@@ -40,12 +40,13 @@ pub async fn extract(
     extract_one(&state, req).await.map(Json)
 }
 
-/// One extraction, counted in the metrics by its outcome or error type (also for batch jobs).
+/// One extraction, counted in the metrics by its outcome or error type (also for job items
+/// and batch lines).
 pub(super) async fn extract_one(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractResponse, ApiError> {
     let result = run(state, req).await;
     match &result {
-        Ok(out) => state.metrics.outcome(out.outcome.name()),
-        Err(e) => state.metrics.outcome(&e.detail.kind),
+        Ok(out) => door::count(state, Endpoint::Extract, out.outcome.name()),
+        Err(e) => door::count(state, Endpoint::Extract, &e.detail.kind),
     }
     result
 }
@@ -103,15 +104,17 @@ async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractRespon
         grounding: req.grounding,
         ..base
     };
-    super::admit(state, 1)?;
+    // The extractor submits its own engine requests (one, or one per retry, in turn): they
+    // pass this door's admission once, as one request.
+    door::admit(state, 1)?;
     let x = state.extractor.run(task).await.map_err(|e| match e {
         ExtractError::SchemaRejected(e) => ApiError::schema_rejected(e),
-        ExtractError::Refused(e) => submit_error(e),
+        ExtractError::Refused(e) => door::submit_error(e),
         e @ ExtractError::DocumentTooLong => ApiError::new(StatusCode::BAD_REQUEST, "input_too_long", e.to_string()),
         ExtractError::Internal(m) => ApiError::internal(m),
     })?;
     let m = &x.metrics;
-    state.metrics.observe(m, x.completion_tokens);
+    door::observe(state, m, x.completion_tokens);
     let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
     let mut notes = x.compiled.report().map(KeywordEntry::from_report).unwrap_or_default();
     notes.retain(KeywordEntry::is_caveat);
@@ -138,36 +141,4 @@ async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractRespon
         notes,
         grounding: x.grounding,
     })
-}
-
-pub(super) fn submit_error(e: SubmitError) -> ApiError {
-    match e {
-        SubmitError::Refused(AddError::Admit(AdmitError::InputTooLong { tokens, limit })) => ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "input_too_long",
-            format!("the prompt is {tokens} tokens; this model and cache take at most {limit}"),
-        ),
-        SubmitError::Refused(AddError::MaxTokensTooSmall { max_tokens, minimum }) => {
-            let mut err = ApiError::new(
-                StatusCode::BAD_REQUEST,
-                "max_tokens_too_small",
-                format!(
-                    "at most {max_tokens} tokens fit (max_tokens, and the context after the prompt), but the schema's shortest record is {minimum} bytes; ask for at least {minimum} tokens"
-                ),
-            );
-            err.detail.minimum = Some(minimum.min(u32::MAX as usize) as u32);
-            err
-        }
-        SubmitError::Refused(e @ AddError::NoValidOutput) => ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "schema_rejected",
-            format!("{e}: no value satisfies the schema"),
-        ),
-        SubmitError::Refused(e) => ApiError::bad_request(e.to_string()),
-        SubmitError::Stopped => ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "unavailable",
-            "the engine is shutting down",
-        ),
-    }
 }

@@ -23,7 +23,7 @@ use super::error::{ApiError, ErrorBody};
 use super::{ApiBody, ApiQuery, AppState};
 use crate::extract::records::{self, Format, RecordResult};
 use crate::extract::table::Table;
-use crate::jobs::{self, Counts, JobSpec, JobStore, NewItem, NewJob, StoreError};
+use crate::jobs::{self, Counts, Deleted, JobSpec, JobStore, NewItem, NewJob, StoreError};
 
 /// The kind of the jobs this API makes (`crate::jobs` keeps others too: OpenAI batches).
 pub const KIND: &str = "extract";
@@ -125,7 +125,10 @@ pub(super) async fn store_call<T: Send + 'static>(
     tokio::task::spawn_blocking(move || f(store.as_ref()))
         .await
         .map_err(|e| ApiError::internal(e.to_string()))?
-        .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "job_store_unavailable", e.to_string()))
+        .map_err(|e| match e {
+            StoreError::Invalid(message) => ApiError::bad_request(message),
+            e => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "job_store_unavailable", e.to_string()),
+        })
 }
 
 fn max_tokens_ok(n: Option<usize>) -> Result<(), ApiError> {
@@ -215,8 +218,19 @@ pub async fn create(
     Ok((StatusCode::ACCEPTED, Json(status)))
 }
 
+/// An item that failed before or outside its extraction, as the store keeps it.
+pub(super) fn failed_item(kind: &str, message: &str) -> serde_json::Value {
+    serde_json::to_value(RecordResult::failed(kind, message.to_string())).unwrap_or_default()
+}
+
 /// One item's result through the extraction path, as the store keeps it.
 pub(super) async fn run_item(state: &Arc<AppState>, work: jobs::worker::Work) -> jobs::worker::Done {
+    if work.cancelled {
+        return (
+            false,
+            failed_item("cancelled", "the job was cancelled before this item ran"),
+        );
+    }
     let result = match settings(&work.job) {
         Ok(s) => extract_item(state, &s, &work).await,
         Err(e) => RecordResult::failed(&e.detail.kind, e.detail.message),
@@ -283,6 +297,41 @@ async fn find(state: &AppState, id: &str) -> Result<(Settings, JobStatus), ApiEr
 )]
 pub async fn status(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Json<JobStatus>, ApiError> {
     Ok(Json(find(&state, &id).await?.1))
+}
+
+/// What `DELETE /jobs/{id}` answers.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct JobDeleted {
+    pub job_id: String,
+    pub deleted: bool,
+}
+
+#[utoipa::path(
+    delete,
+    path = "/jobs/{id}",
+    tag = "jobs",
+    params(("id" = String, Path, description = "A job id")),
+    responses(
+        (status = 200, description = "The job and its results are gone", body = JobDeleted),
+        (status = 404, body = ErrorBody),
+        (status = 409, description = "Items are still queued or running (`job_running`)", body = ErrorBody),
+    )
+)]
+pub async fn delete(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Json<JobDeleted>, ApiError> {
+    find(&state, &id).await?;
+    let key = id.clone();
+    match store_call(&state, move |s| s.delete(&key)).await? {
+        Deleted::Deleted => Ok(Json(JobDeleted {
+            job_id: id,
+            deleted: true,
+        })),
+        Deleted::Busy => Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "job_running",
+            format!("job `{id}` has items queued or running; delete it once it is done"),
+        )),
+        Deleted::Missing => Err(unknown_job(&id)),
+    }
 }
 
 #[utoipa::path(

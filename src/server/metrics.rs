@@ -1,6 +1,6 @@
 //! `GET /metrics` in the Prometheus text format (prometheus-client): latency histograms
-//! (queue, TTFT, ITL, end to end), tokens (rate() gives tokens/s), extraction outcomes by
-//! type, and gauges read from the engine at scrape time (queue depth, running requests, KV
+//! (queue, TTFT, ITL, end to end), tokens (rate() gives tokens/s), request outcomes by
+//! endpoint and type, and gauges read from the engine at scrape time (queue depth, running requests, KV
 //! usage, prefix-cache hit rate, preemptions).
 
 use std::sync::atomic::AtomicU64;
@@ -22,6 +22,9 @@ use crate::engine::RequestMetrics;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabel {
+    /// `extract`, `chat_completions` or `completions` (job items and batch lines count under
+    /// the endpoint they run).
+    pub endpoint: &'static str,
     pub outcome: String,
 }
 
@@ -112,8 +115,8 @@ impl Default for Metrics {
         );
         r.register("completion_tokens", "Output tokens", m.completion_tokens.clone());
         r.register(
-            "extractions",
-            "Extraction requests by outcome or error type",
+            "requests",
+            "API requests by endpoint and outcome (`ok`, `truncated`, `schema_violation`, ...) or error type",
             m.outcomes.clone(),
         );
         r.register(
@@ -194,9 +197,10 @@ impl Metrics {
         self.draft_checks.inc_by(d.checks as u64);
     }
 
-    pub fn outcome(&self, outcome: &str) {
+    pub fn outcome(&self, endpoint: &'static str, outcome: &str) {
         self.outcomes
             .get_or_create(&OutcomeLabel {
+                endpoint,
                 outcome: outcome.to_string(),
             })
             .inc();

@@ -3,9 +3,11 @@
 
 pub mod api;
 pub mod batches;
+mod door;
 pub mod error;
 mod extract;
 pub mod jobs;
+mod linger;
 pub mod metrics;
 pub mod openai;
 pub mod openapi;
@@ -72,7 +74,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/schemas", post(schemas::register).get(schemas::list))
         .route("/schemas/{id}", get(schemas::get_one))
         .route("/jobs", post(jobs::create).layer(DefaultBodyLimit::max(MAX_JOB_BYTES)))
-        .route("/jobs/{id}", get(jobs::status))
+        .route("/jobs/{id}", get(jobs::status).delete(jobs::delete))
         .route("/jobs/{id}/results", get(jobs::results))
         .route("/jobs/{id}/retry", post(jobs::retry))
         .route("/v1/chat/completions", post(openai::chat_completions))
@@ -82,7 +84,7 @@ pub fn router(state: Arc<AppState>) -> Router {
             "/v1/files",
             post(batches::upload).layer(DefaultBodyLimit::max(MAX_JOB_BYTES)),
         )
-        .route("/v1/files/{id}", get(batches::file_info))
+        .route("/v1/files/{id}", get(batches::file_info).delete(batches::delete_file))
         .route("/v1/files/{id}/content", get(batches::file_bytes))
         .route("/v1/batches", post(batches::create).get(batches::list))
         .route("/v1/batches/{id}", get(batches::retrieve))
@@ -95,6 +97,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .merge(protected)
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(middleware::from_fn(linger::linger))
         .with_state(state)
 }
 
@@ -111,7 +114,10 @@ pub async fn serve_when_ready(
     eprintln!("quarry: starting on http://{}", early.local_addr()?);
     let (ready, ready_rx) = tokio::sync::oneshot::channel::<()>();
     let starting = tokio::spawn(async move {
-        let app = Router::new().route("/health", get(health_starting)).fallback(starting);
+        let app = Router::new()
+            .route("/health", get(health_starting))
+            .fallback(starting)
+            .layer(middleware::from_fn(linger::linger));
         let _ = axum::serve(early, app)
             .with_graceful_shutdown(async {
                 let _ = ready_rx.await;
@@ -148,32 +154,18 @@ pub async fn serve(state: Arc<AppState>, listener: tokio::net::TcpListener) -> a
     // here on the API answers.
     eprintln!("quarry: listening on http://{}", listener.local_addr()?);
     let worker = spawn_worker(&state);
+    let jobs = state.jobs.clone();
     axum::serve(listener, router(state.clone()))
-        .with_graceful_shutdown(shutdown_signal())
+        .with_graceful_shutdown(async move {
+            shutdown_signal().await;
+            eprintln!("quarry: draining running requests");
+            // No new job items from the signal on (open streams may keep the server up a
+            // while): those in flight finish and are written, the rest stay queued.
+            jobs.stop();
+        })
         .await?;
-    eprintln!("quarry: draining running requests");
-    // Job items in flight finish and are written; the rest stay queued for the next process.
-    state.jobs.stop();
     let _ = worker.await;
     tokio::task::spawn_blocking(move || state.extractor.client.shutdown()).await?;
-    Ok(())
-}
-
-/// Admission, the same for every way into the engine (`/extract`, the OpenAI endpoints, job
-/// items and batch lines): `adding` more engine requests must keep those waiting or running
-/// under `--max-pending`, else a 429 `queue_full` with Retry-After.
-pub(super) fn admit(state: &AppState, adding: usize) -> Result<(), ApiError> {
-    let stats = state.extractor.client.stats();
-    let pending = stats.waiting + stats.running;
-    if pending + adding > state.max_pending {
-        let mut err = ApiError::new(
-            StatusCode::TOO_MANY_REQUESTS,
-            "queue_full",
-            format!("{pending} requests are pending already; retry later"),
-        );
-        err.retry_after = Some(1);
-        return Err(err);
-    }
     Ok(())
 }
 
@@ -182,10 +174,18 @@ async fn run_item(state: &Arc<AppState>, work: crate::jobs::worker::Work) -> cra
     match work.job.kind.as_str() {
         jobs::KIND => jobs::run_item(state, work).await,
         batches::KIND => batches::run_item(state, work).await,
-        other => (
-            false,
-            serde_json::json!({"outcome": "internal", "error": format!("no runner for jobs of kind `{other}`")}),
-        ),
+        other => {
+            let message = format!("this Quarry has no runner for jobs of kind `{other}`");
+            (false, failed_item(&work.job, &message))
+        }
+    }
+}
+
+/// An item that failed inside Quarry (`internal`), in its job's result shape.
+fn failed_item(job: &crate::jobs::JobSpec, message: &str) -> serde_json::Value {
+    match job.kind.as_str() {
+        jobs::KIND => jobs::failed_item("internal", message),
+        _ => batches::failed_item("internal", message),
     }
 }
 
@@ -203,10 +203,13 @@ pub async fn work(state: Arc<AppState>) -> anyhow::Result<()> {
 
 fn spawn_worker(state: &Arc<AppState>) -> tokio::task::JoinHandle<()> {
     let st = state.clone();
-    tokio::spawn(state.jobs.clone().run(move |work| {
-        let st = st.clone();
-        async move { run_item(&st, work).await }
-    }))
+    tokio::spawn(state.jobs.clone().run(
+        move |work| {
+            let st = st.clone();
+            async move { run_item(&st, work).await }
+        },
+        failed_item,
+    ))
 }
 
 async fn shutdown_signal() {

@@ -7,9 +7,13 @@ use super::api::{
     ExtractOptions, ExtractRequest, ExtractResponse, Grounding, Health, KeywordEntry, Outcome, ProposerUsage, Span,
     SpeculationUsage, Timings, Usage, WhitespaceOption,
 };
-use super::batches::{BatchList, BatchObject, CreateBatch, FileObject, RequestCounts};
+use super::batches::{BatchList, BatchObject, CreateBatch, FileDeleted, FileObject, RequestCounts};
 use super::error::{ErrorBody, ErrorDetail};
-use super::jobs::{BatchFormat, JobStatus, RetryRequest};
+use super::jobs::{BatchFormat, JobDeleted, JobStatus, RetryRequest};
+use super::openai::types::{
+    AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatLogprobs, CompletionUsage,
+    Delta, Model, ModelList, PromptTokensDetails, TextChoice, TextCompletion, TextLogprobs, TokenLogprob, TopLogprob,
+};
 use super::openai::{
     ChatCompletionRequest, ChatMessageIn, CompletionRequest, JsonSchemaFormat, ResponseFormat, StreamOptions,
 };
@@ -30,6 +34,7 @@ use super::schemas::{RegisterSchema, SchemaInfo, SchemaList};
         super::metrics::metrics,
         super::jobs::create,
         super::jobs::status,
+        super::jobs::delete,
         super::jobs::results,
         super::jobs::retry,
         super::openai::chat_completions,
@@ -37,6 +42,7 @@ use super::schemas::{RegisterSchema, SchemaInfo, SchemaList};
         super::openai::models,
         super::batches::upload,
         super::batches::file_info,
+        super::batches::delete_file,
         super::batches::file_bytes,
         super::batches::create,
         super::batches::retrieve,
@@ -71,7 +77,25 @@ use super::schemas::{RegisterSchema, SchemaInfo, SchemaList};
         ResponseFormat,
         JsonSchemaFormat,
         CompletionRequest,
+        ChatCompletion,
+        ChatChoice,
+        AssistantMessage,
+        ChatCompletionChunk,
+        ChatChunkChoice,
+        Delta,
+        TextCompletion,
+        TextChoice,
+        CompletionUsage,
+        PromptTokensDetails,
+        ChatLogprobs,
+        TokenLogprob,
+        TopLogprob,
+        TextLogprobs,
+        ModelList,
+        Model,
         JobStatus,
+        JobDeleted,
+        FileDeleted,
         BatchFormat,
         RetryRequest,
         Grounding,

@@ -63,9 +63,28 @@ for o in output:
     assert set(answer) == {"city", "country"}, answer
 errors = [json.loads(l) for l in client.files.content(batch.error_file_id).text.splitlines()]
 errors_by_id = {e["custom_id"]: e for e in errors}
-assert sorted(errors_by_id) == ["line-8", "wrong-url"], errors
+# The line that is not JSON has no custom_id: null, its error naming the line.
+assert set(errors_by_id) == {None, "wrong-url"}, errors
 assert "line 7" in errors_by_id["wrong-url"]["error"]["message"], errors_by_id["wrong-url"]
-assert errors_by_id["line-8"]["error"]["message"].startswith("line 8:"), errors_by_id["line-8"]
+assert errors_by_id[None]["error"]["message"].startswith("line 8:"), errors_by_id[None]
+
+# A finished batch cannot be cancelled: a 409, and it stays completed.
+try:
+    client.batches.cancel(batch.id)
+    raise AssertionError("a completed batch was cancelled")
+except openai.ConflictError as e:
+    assert "batch_not_cancellable" in str(e), str(e)
+assert client.batches.retrieve(batch.id).status == "completed"
+
+# The input file can be deleted once the batch has it; then it is gone.
+gone = client.files.delete(uploaded.id)
+assert gone.deleted and gone.id == uploaded.id, gone
+try:
+    client.files.retrieve(uploaded.id)
+    raise AssertionError("a deleted file is still there")
+except openai.NotFoundError:
+    pass
+assert client.batches.retrieve(batch.id).status == "completed"
 
 listed = client.batches.list(limit=10)
 assert batch.id in [b.id for b in listed.data], listed
@@ -83,6 +102,7 @@ while cancelled.status == "cancelling":
     cancelled = client.batches.retrieve(running.id)
 assert cancelled.status == "cancelled", cancelled
 assert cancelled.request_counts.failed > 0, cancelled.request_counts
+assert client.batches.cancel(running.id).status == "cancelled", "cancelling again changes nothing"
 
 # A custom_id twice is refused, naming both lines.
 twice = "\n".join(json.dumps(line) for line in [lines[0], lines[1], lines[0]]) + "\n"

@@ -5,23 +5,29 @@
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+mod stream;
+pub mod types;
+
 use axum::extract::State;
 use axum::http::StatusCode;
-use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use quarry_grammar::json::Whitespace;
 use serde::Deserialize;
 use serde_json::{json, Value};
-use tokio::sync::mpsc;
 use utoipa::ToSchema;
 
+use super::door::{self, Endpoint};
 use super::error::{ApiError, ErrorBody};
 use super::{ApiJson, AppState};
-use crate::engine::{Constraint, EngineRequest, FinishReason, RequestOutput, RequestStream};
-use crate::extract::validate::violations;
+use crate::engine::{Constraint, EngineRequest, FinishReason, RequestStream};
+use crate::extract::validate::{violations, Violation};
 use crate::sampling::{SampledToken, SamplingParams};
 use crate::tokenizer::{ChatMessage, Tokenizer};
+use types::{
+    AssistantMessage, ChatChoice, ChatCompletion, ChatLogprobs, CompletionUsage, Model, ModelList, TextChoice,
+    TextCompletion, TextLogprobs, TokenLogprob, TopLogprob,
+};
 
 const MAX_N: usize = 8;
 
@@ -96,15 +102,24 @@ pub struct JsonSchemaFormat {
     tag = "openai",
     request_body = ChatCompletionRequest,
     responses(
-        (status = 200, description = "A chat.completion object, or with `stream` a text/event-stream of chat.completion.chunk objects ending with `data: [DONE]`", body = Object),
-        (status = 400, description = "Bad request or schema", body = ErrorBody),
+        (status = 200, description = "A chat.completion object, or with `stream` a text/event-stream of `ChatCompletionChunk` objects ending with `data: [DONE]` (an `ErrorBody` event where the engine fails)", body = ChatCompletion),
+        (status = 400, description = "Bad request or schema, or more choices than the server admits (`too_many_choices`)", body = ErrorBody),
         (status = 404, description = "Unknown model", body = ErrorBody),
+        (status = 429, description = "Too many pending requests; see `Retry-After`", body = ErrorBody),
+        (status = 500, description = "The engine failed on the request (`internal`)", body = ErrorBody),
+        (status = 503, description = "The request was cancelled (`cancelled`: the server is shutting down)", body = ErrorBody),
     )
 )]
 pub async fn chat_completions(
     State(state): State<Arc<AppState>>,
     ApiJson(req): ApiJson<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
+    let result = chat(state.clone(), req).await;
+    door::count_error(&state, Endpoint::ChatCompletions, &result);
+    result
+}
+
+async fn chat(state: Arc<AppState>, req: ChatCompletionRequest) -> Result<Response, ApiError> {
     check_model(&state, &req.model)?;
     let n = check_n(req.n)?;
     let messages = req
@@ -174,12 +189,12 @@ pub async fn chat_completions(
     };
     if req.stream {
         let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
-        return Ok(stream_response(state, head, streams, include_usage));
+        return Ok(stream::respond(state, head, streams, include_usage));
     }
-    Ok(Json(complete(&state, &head, streams).await?).into_response())
+    complete(&state, &head, streams).await
 }
 
-/// `n` requests of the same prompt, the i-th with seed `seed + i`.
+/// `n` requests of the same prompt, the i-th with seed `seed + i`, through the door together.
 async fn submit_n(
     state: &AppState,
     prompt: &[u32],
@@ -187,10 +202,8 @@ async fn submit_n(
     params: &SamplingParams,
     constraint: Option<crate::engine::CompiledConstraint>,
 ) -> Result<Vec<RequestStream>, ApiError> {
-    super::admit(state, n)?;
-    let mut streams = Vec::new();
-    for i in 0..n {
-        let request = EngineRequest {
+    let requests = (0..n)
+        .map(|i| EngineRequest {
             id: 0,
             prompt: prompt.to_vec(),
             params: SamplingParams {
@@ -199,17 +212,9 @@ async fn submit_n(
             },
             priority: 0,
             constraint: constraint.clone(),
-        };
-        streams.push(
-            state
-                .extractor
-                .client
-                .submit(request)
-                .await
-                .map_err(super::extract::submit_error)?,
-        );
-    }
-    Ok(streams)
+        })
+        .collect();
+    door::submit(state, requests).await
 }
 
 /// The sampling fields both endpoints share, with the OpenAI API's defaults (temperature 1).
@@ -295,15 +300,24 @@ pub struct CompletionRequest {
     tag = "openai",
     request_body = CompletionRequest,
     responses(
-        (status = 200, description = "A text_completion object, or with `stream` a text/event-stream of them ending with `data: [DONE]`", body = Object),
-        (status = 400, description = "Bad request", body = ErrorBody),
+        (status = 200, description = "A text_completion object, or with `stream` a text/event-stream of them ending with `data: [DONE]` (an `ErrorBody` event where the engine fails)", body = TextCompletion),
+        (status = 400, description = "Bad request, or more choices than the server admits (`too_many_choices`)", body = ErrorBody),
         (status = 404, description = "Unknown model", body = ErrorBody),
+        (status = 429, description = "Too many pending requests; see `Retry-After`", body = ErrorBody),
+        (status = 500, description = "The engine failed on the request (`internal`)", body = ErrorBody),
+        (status = 503, description = "The request was cancelled (`cancelled`: the server is shutting down)", body = ErrorBody),
     )
 )]
 pub async fn completions(
     State(state): State<Arc<AppState>>,
     ApiJson(req): ApiJson<CompletionRequest>,
 ) -> Result<Response, ApiError> {
+    let result = text(state.clone(), req).await;
+    door::count_error(&state, Endpoint::Completions, &result);
+    result
+}
+
+async fn text(state: Arc<AppState>, req: CompletionRequest) -> Result<Response, ApiError> {
     check_model(&state, &req.model)?;
     let n = check_n(req.n)?;
     if req.echo {
@@ -340,9 +354,9 @@ pub async fn completions(
     let head = Head::new(Api::Text, &streams, &state.model, prompt.len(), req.logprobs.is_some());
     if req.stream {
         let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
-        return Ok(stream_response(state, head, streams, include_usage));
+        return Ok(stream::respond(state, head, streams, include_usage));
     }
-    Ok(Json(complete(&state, &head, streams).await?).into_response())
+    complete(&state, &head, streams).await
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -351,44 +365,98 @@ enum Api {
     Text,
 }
 
-/// Every choice to its end; the whole response object.
-async fn complete(state: &AppState, head: &Head, streams: Vec<RequestStream>) -> Result<Value, ApiError> {
+impl Api {
+    fn endpoint(self) -> Endpoint {
+        match self {
+            Api::Chat => Endpoint::ChatCompletions,
+            Api::Text => Endpoint::Completions,
+        }
+    }
+}
+
+/// What a request whose choices all ended on their own ended as, for the metrics, as
+/// `/extract` names it: `schema_violation` where an answer fails its schema, else `truncated`
+/// where one ran out of tokens, else `ok`. (One the engine failed is counted by its error.)
+fn outcome_of(ends: impl IntoIterator<Item = (FinishReason, bool)>) -> &'static str {
+    let (mut truncated, mut violated) = (false, false);
+    for (finish, violation) in ends {
+        truncated |= finish == FinishReason::Length;
+        violated |= violation;
+    }
+    match (violated, truncated) {
+        (true, _) => "schema_violation",
+        (false, true) => "truncated",
+        (false, false) => "ok",
+    }
+}
+
+/// Every choice to its end, each observed in the metrics as it ends; the whole response.
+async fn complete(state: &AppState, head: &Head, streams: Vec<RequestStream>) -> Result<Response, ApiError> {
     let mut done = Vec::new();
     for stream in streams {
         let c = stream.collect().await;
         let c = c.ok_or_else(|| ApiError::internal("the engine stopped before the request finished"))?;
-        // An answer the engine could not finish is an error, never a normal stop.
-        if let Some(e) = engine_failure(c.finish) {
-            return Err(e);
-        }
+        door::observe(state, &c.metrics, c.tokens.len());
         done.push(c);
     }
+    // An answer the engine could not finish is an error, never a normal stop.
+    if let Some(e) = done.iter().find_map(|c| engine_failure(c.finish)) {
+        return Err(e);
+    }
+    let found: Vec<Option<Vec<Violation>>> = done
+        .iter()
+        .map(|c| violations_of(head.validator.as_deref(), &c.text, c.finish))
+        .collect();
+    let ends = done.iter().zip(&found).map(|(c, v)| (c.finish, v.is_some()));
+    door::count(state, head.api.endpoint(), outcome_of(ends));
     let completion_tokens = done.iter().map(|c| c.tokens.len()).sum();
     let cached = done.iter().map(|c| c.metrics.cached_tokens).max().unwrap_or(0);
-    let choices: Vec<Value> = done
-        .into_iter()
-        .enumerate()
-        .map(|(index, c)| {
-            let logprobs = head
-                .logprobs
-                .then(|| logprobs_json(head.api, &state.extractor.tokenizer, &c.sampled));
-            let mut choice =
-                json!({"index": index, "logprobs": logprobs, "finish_reason": finish_reason(Some(c.finish))});
-            if let Some(v) = violations_of(head.validator.as_deref(), &c.text, c.finish) {
-                choice["violations"] = v;
-            }
-            match head.api {
-                Api::Chat => choice["message"] = json!({"role": "assistant", "content": c.text}),
-                Api::Text => choice["text"] = json!(c.text),
-            }
-            choice
+    let usage = CompletionUsage::new(head.prompt_tokens, completion_tokens, cached);
+    let tokenizer = &state.extractor.tokenizer;
+    let response = match head.api {
+        Api::Chat => Json(ChatCompletion {
+            id: head.id.clone(),
+            object: "chat.completion".into(),
+            created: head.created,
+            model: head.model.clone(),
+            choices: done
+                .into_iter()
+                .zip(found)
+                .enumerate()
+                .map(|(index, (c, violations))| ChatChoice {
+                    index,
+                    logprobs: head.logprobs.then(|| chat_logprobs(tokenizer, &c.sampled)),
+                    finish_reason: finish_reason(c.finish).into(),
+                    violations,
+                    message: AssistantMessage {
+                        role: "assistant".into(),
+                        content: c.text,
+                    },
+                })
+                .collect(),
+            usage,
         })
-        .collect();
-    Ok(json!({
-        "id": head.id, "object": head.object(false), "created": head.created, "model": head.model,
-        "choices": choices,
-        "usage": usage(head.prompt_tokens, completion_tokens, cached),
-    }))
+        .into_response(),
+        Api::Text => Json(TextCompletion {
+            id: head.id.clone(),
+            object: "text_completion".into(),
+            created: head.created,
+            model: head.model.clone(),
+            choices: done
+                .into_iter()
+                .enumerate()
+                .map(|(index, c)| TextChoice {
+                    index,
+                    logprobs: head.logprobs.then(|| text_logprobs(tokenizer, &c.sampled)),
+                    finish_reason: Some(finish_reason(c.finish).into()),
+                    text: c.text,
+                })
+                .collect(),
+            usage: Some(usage),
+        })
+        .into_response(),
+    };
+    Ok(response)
 }
 
 /// What every chunk of one completion repeats.
@@ -406,13 +474,17 @@ struct Head {
 }
 
 /// The choice field that reports an answer failing its schema, when it does.
-fn violations_of(validator: Option<&jsonschema::Validator>, text: &str, finish: FinishReason) -> Option<Value> {
+fn violations_of(
+    validator: Option<&jsonschema::Validator>,
+    text: &str,
+    finish: FinishReason,
+) -> Option<Vec<Violation>> {
     let v = validator.filter(|_| finish == FinishReason::Stop)?;
     let found = match serde_json::from_str::<Value>(text) {
         Ok(record) => violations(v, &record),
         Err(_) => return None,
     };
-    (!found.is_empty()).then(|| json!(found))
+    (!found.is_empty()).then_some(found)
 }
 
 impl Head {
@@ -428,135 +500,6 @@ impl Head {
             validator: None,
         }
     }
-
-    fn object(&self, chunk: bool) -> &'static str {
-        match (self.api, chunk) {
-            (Api::Chat, false) => "chat.completion",
-            (Api::Chat, true) => "chat.completion.chunk",
-            (Api::Text, _) => "text_completion",
-        }
-    }
-}
-
-/// Server-sent events: a role delta per choice, content deltas as they come, a finish chunk
-/// per choice, the usage chunk when asked for, then `[DONE]`. Dropping the response (the
-/// client left) drops the streams, which aborts the requests.
-fn stream_response(state: Arc<AppState>, head: Head, streams: Vec<RequestStream>, include_usage: bool) -> Response {
-    let (tx, rx) = mpsc::channel::<(usize, RequestOutput)>(64);
-    let n = streams.len();
-    for (index, mut stream) in streams.into_iter().enumerate() {
-        let tx = tx.clone();
-        tokio::spawn(async move {
-            while let Some(out) = stream.next().await {
-                if tx.send((index, out)).await.is_err() {
-                    return; // the client left: dropping `stream` aborts the request
-                }
-            }
-        });
-    }
-    drop(tx);
-    let chunk = move |head: &Head, choices: Value, usage: Option<Value>| -> Event {
-        let mut c = json!({
-            "id": head.id, "object": head.object(true), "created": head.created,
-            "model": head.model, "choices": choices,
-        });
-        if let Some(u) = usage {
-            c["usage"] = u;
-        }
-        Event::default().data(c.to_string())
-    };
-    struct Progress {
-        rx: mpsc::Receiver<(usize, RequestOutput)>,
-        head: Head,
-        started: Vec<bool>,
-        /// Each choice's text so far, for its validation when it ends.
-        texts: Vec<String>,
-        completion_tokens: usize,
-        cached: usize,
-        pending: std::collections::VecDeque<Event>,
-        done: bool,
-    }
-    let progress = Progress {
-        rx,
-        head,
-        started: vec![false; n],
-        texts: vec![String::new(); n],
-        completion_tokens: 0,
-        cached: 0,
-        pending: Default::default(),
-        done: false,
-    };
-    let events = futures_util::stream::unfold(progress, move |mut p| {
-        let state = state.clone();
-        async move {
-            loop {
-                if let Some(e) = p.pending.pop_front() {
-                    return Some((Ok::<_, std::convert::Infallible>(e), p));
-                }
-                if p.done {
-                    return None;
-                }
-                match p.rx.recv().await {
-                    Some((index, out)) => {
-                        let chat = p.head.api == Api::Chat;
-                        if chat && !p.started[index] {
-                            p.started[index] = true;
-                            let role = json!([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]);
-                            p.pending.push_back(chunk(&p.head, role, None));
-                        }
-                        p.completion_tokens += out.tokens.len();
-                        if p.head.validator.is_some() {
-                            p.texts[index].push_str(&out.text);
-                        }
-                        if !out.text.is_empty() || (p.head.logprobs && !out.tokens.is_empty()) {
-                            let logprobs = p
-                                .head
-                                .logprobs
-                                .then(|| logprobs_json(p.head.api, &state.extractor.tokenizer, &out.tokens));
-                            let mut choice = json!({"index": index, "logprobs": logprobs, "finish_reason": null});
-                            match chat {
-                                true => choice["delta"] = json!({"content": out.text}),
-                                false => choice["text"] = json!(out.text),
-                            }
-                            let delta = json!([choice]);
-                            p.pending.push_back(chunk(&p.head, delta, None));
-                        }
-                        if let Some(e) = out.finished.and_then(engine_failure) {
-                            // OpenAI's way: an `error` object as the stream's last event.
-                            let body = json!({"error": {"type": e.detail.kind, "message": e.detail.message}});
-                            p.pending.push_back(Event::default().data(body.to_string()));
-                            p.done = true;
-                            continue;
-                        }
-                        if let Some(f) = out.finished {
-                            p.cached = p.cached.max(out.metrics.map_or(0, |m| m.cached_tokens));
-                            let mut choice =
-                                json!({"index": index, "logprobs": null, "finish_reason": finish_reason(Some(f))});
-                            if let Some(v) = violations_of(p.head.validator.as_deref(), &p.texts[index], f) {
-                                choice["violations"] = v;
-                            }
-                            match chat {
-                                true => choice["delta"] = json!({}),
-                                false => choice["text"] = json!(""),
-                            }
-                            let fin = json!([choice]);
-                            p.pending.push_back(chunk(&p.head, fin, None));
-                        }
-                    }
-                    None => {
-                        if include_usage {
-                            let u = usage(p.head.prompt_tokens, p.completion_tokens, p.cached);
-                            p.pending.push_back(chunk(&p.head, json!([]), Some(u)));
-                        }
-                        p.pending.push_back(Event::default().data("[DONE]"));
-                        p.done = true;
-                    }
-                }
-            }
-        }
-    });
-    // Comments every 15 s keep proxies from closing a long stream that is still thinking.
-    Sse::new(events).keep_alive(KeepAlive::default()).into_response()
 }
 
 /// The error a request that did not end on its own gets: the engine failed under it
@@ -573,56 +516,64 @@ fn engine_failure(f: FinishReason) -> Option<ApiError> {
     }
 }
 
-fn finish_reason(f: Option<FinishReason>) -> &'static str {
+fn finish_reason(f: FinishReason) -> &'static str {
     match f {
-        Some(FinishReason::Length) => "length",
+        FinishReason::Length => "length",
         _ => "stop",
     }
 }
 
-fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
-    json!({
-        "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    })
-}
-
-/// Chat: `{"content": [{token, logprob, bytes, top_logprobs}]}`; completions: the legacy
-/// `{tokens, token_logprobs, top_logprobs, text_offset}`.
-fn logprobs_json(api: Api, tokenizer: &Tokenizer, tokens: &[SampledToken]) -> Value {
-    if api == Api::Chat {
-        return json!({"content": token_logprobs(tokenizer, tokens)});
-    }
+/// Chat log-probabilities: each token with its bytes and its alternatives.
+fn chat_logprobs(tokenizer: &Tokenizer, tokens: &[SampledToken]) -> ChatLogprobs {
     let text = |id: u32| tokenizer.decode(&[id], false).unwrap_or_default();
-    let mut offset = 0;
-    let mut offsets = Vec::new();
-    for t in tokens {
-        offsets.push(offset);
-        offset += text(t.token).len();
+    ChatLogprobs {
+        content: tokens
+            .iter()
+            .map(|t| {
+                let token = text(t.token);
+                TokenLogprob {
+                    bytes: token.as_bytes().to_vec(),
+                    token,
+                    logprob: t.logprob.unwrap_or(0.0),
+                    top_logprobs: t
+                        .top
+                        .iter()
+                        .map(|a| {
+                            let token = text(a.token);
+                            TopLogprob {
+                                bytes: token.as_bytes().to_vec(),
+                                token,
+                                logprob: a.logprob,
+                            }
+                        })
+                        .collect(),
+                }
+            })
+            .collect(),
     }
-    json!({
-        "tokens": tokens.iter().map(|t| text(t.token)).collect::<Vec<_>>(),
-        "token_logprobs": tokens.iter().map(|t| t.logprob.unwrap_or(0.0)).collect::<Vec<_>>(),
-        "top_logprobs": tokens.iter().map(|t| {
-            t.top.iter().map(|a| (text(a.token), json!(a.logprob))).collect::<serde_json::Map<_, _>>()
-        }).collect::<Vec<_>>(),
-        "text_offset": offsets,
-    })
 }
 
-fn token_logprobs(tokenizer: &Tokenizer, tokens: &[SampledToken]) -> Vec<Value> {
-    let entry = |id: u32, logprob: f32| {
-        let text = tokenizer.decode(&[id], false).unwrap_or_default();
-        json!({"token": text, "logprob": logprob, "bytes": text.as_bytes()})
-    };
-    tokens
+/// Completions' legacy log-probabilities: parallel lists and each token's text offset.
+fn text_logprobs(tokenizer: &Tokenizer, tokens: &[SampledToken]) -> TextLogprobs {
+    let text = |id: u32| tokenizer.decode(&[id], false).unwrap_or_default();
+    let texts: Vec<String> = tokens.iter().map(|t| text(t.token)).collect();
+    let text_offset = texts
         .iter()
-        .map(|t| {
-            let mut e = entry(t.token, t.logprob.unwrap_or(0.0));
-            e["top_logprobs"] = t.top.iter().map(|a| entry(a.token, a.logprob)).collect();
-            e
+        .scan(0, |offset, t| {
+            let at = *offset;
+            *offset += t.len();
+            Some(at)
         })
-        .collect()
+        .collect();
+    TextLogprobs {
+        token_logprobs: tokens.iter().map(|t| t.logprob.unwrap_or(0.0)).collect(),
+        top_logprobs: tokens
+            .iter()
+            .map(|t| t.top.iter().map(|a| (text(a.token), Value::from(a.logprob))).collect())
+            .collect(),
+        tokens: texts,
+        text_offset,
+    }
 }
 
 /// A message's text: a string, or the text parts of a list.
@@ -643,10 +594,15 @@ fn text_of(content: &Value) -> Result<String, ApiError> {
     }
 }
 
-#[utoipa::path(get, path = "/v1/models", tag = "openai", responses((status = 200, body = Object)))]
-pub async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
-    Json(json!({
-        "object": "list",
-        "data": [{"id": state.model, "object": "model", "created": 0, "owned_by": "quarry"}],
-    }))
+#[utoipa::path(get, path = "/v1/models", tag = "openai", responses((status = 200, body = ModelList)))]
+pub async fn models(State(state): State<Arc<AppState>>) -> Json<ModelList> {
+    Json(ModelList {
+        object: "list".into(),
+        data: vec![Model {
+            id: state.model.clone(),
+            object: "model".into(),
+            created: 0,
+            owned_by: "quarry".into(),
+        }],
+    })
 }

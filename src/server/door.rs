@@ -1,0 +1,117 @@
+//! The one way into the engine, for every endpoint and every job item or batch line:
+//! admission against `--max-pending`, the engine's refusals as API errors, and each request's
+//! outcome and times in the metrics when it ends. Handlers decide what to ask; only this
+//! module submits and counts.
+
+use axum::http::StatusCode;
+
+use super::error::ApiError;
+use super::AppState;
+use crate::engine::{AddError, AdmitError, EngineRequest, RequestMetrics, RequestStream, SubmitError};
+
+/// Which API a request came through, as the metrics label it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Endpoint {
+    Extract,
+    ChatCompletions,
+    Completions,
+}
+
+impl Endpoint {
+    pub fn label(self) -> &'static str {
+        match self {
+            Endpoint::Extract => "extract",
+            Endpoint::ChatCompletions => "chat_completions",
+            Endpoint::Completions => "completions",
+        }
+    }
+}
+
+/// `adding` more engine requests must keep those waiting or running under `--max-pending`,
+/// else a 429 `queue_full` with Retry-After. A request that needs more than the whole queue
+/// could never be admitted: a 400 `too_many_choices`, since retrying it is pointless (and job
+/// items retry `queue_full` until it passes).
+pub(super) fn admit(state: &AppState, adding: usize) -> Result<(), ApiError> {
+    if adding > state.max_pending {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "too_many_choices",
+            format!(
+                "this request needs {adding} engine requests at once and the server admits at most {} (--max-pending); ask for fewer choices (`n`)",
+                state.max_pending
+            ),
+        ));
+    }
+    let stats = state.extractor.client.stats();
+    let pending = stats.waiting + stats.running;
+    if pending + adding > state.max_pending {
+        let mut err = ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "queue_full",
+            format!("{pending} requests are pending already; retry later"),
+        );
+        err.retry_after = Some(1);
+        return Err(err);
+    }
+    Ok(())
+}
+
+/// Admits the requests together (all or none), then hands them to the engine.
+pub(super) async fn submit(state: &AppState, requests: Vec<EngineRequest>) -> Result<Vec<RequestStream>, ApiError> {
+    admit(state, requests.len())?;
+    let mut streams = Vec::with_capacity(requests.len());
+    for request in requests {
+        streams.push(state.extractor.client.submit(request).await.map_err(submit_error)?);
+    }
+    Ok(streams)
+}
+
+/// One engine request that ended: its times and tokens.
+pub(super) fn observe(state: &AppState, metrics: &RequestMetrics, completion_tokens: usize) {
+    state.metrics.observe(metrics, completion_tokens);
+}
+
+/// One API request that ended: `ok`, another outcome, or the error kind it was refused with.
+pub(super) fn count(state: &AppState, endpoint: Endpoint, outcome: &str) {
+    state.metrics.outcome(endpoint.label(), outcome);
+}
+
+/// Counts a handler's result: its error kind where it failed (a success counts itself, when
+/// its outcome is known).
+pub(super) fn count_error<T>(state: &AppState, endpoint: Endpoint, result: &Result<T, ApiError>) {
+    if let Err(e) = result {
+        count(state, endpoint, &e.detail.kind);
+    }
+}
+
+pub(super) fn submit_error(e: SubmitError) -> ApiError {
+    match e {
+        SubmitError::Refused(AddError::Admit(AdmitError::InputTooLong { tokens, limit })) => ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "input_too_long",
+            format!("the prompt is {tokens} tokens; this model and cache take at most {limit}"),
+        ),
+        SubmitError::Refused(AddError::MaxTokensTooSmall { max_tokens, minimum }) => {
+            let mut err = ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "max_tokens_too_small",
+                format!(
+                    "at most {max_tokens} tokens fit (max_tokens, and the context after the prompt), but the schema's shortest record is {minimum} bytes; ask for at least {minimum} tokens"
+                ),
+            );
+            err.detail.minimum = Some(minimum.min(u32::MAX as usize) as u32);
+            err
+        }
+        SubmitError::Refused(e @ AddError::NoValidOutput) => ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "schema_rejected",
+            format!("{e}: no value satisfies the schema"),
+        ),
+        SubmitError::Refused(e) => ApiError::bad_request(e.to_string()),
+        SubmitError::Stopped => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable",
+            "the engine is shutting down",
+        ),
+    }
+}
