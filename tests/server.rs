@@ -797,10 +797,17 @@ fn the_official_openai_python_client_runs_a_batch() {
     eprintln!("{stdout}");
 }
 
-/// A batch file over the size limit is a 413 with a JSON body.
+/// A batch file over the size limit is a 413 with a JSON body, and a body that is not a
+/// multipart form a 400 with one.
 #[test]
 fn an_oversized_batch_file_is_a_413() {
     let Some(server) = start(&[]) else { return };
+    let (status, out) = http(server.port, "POST", "/v1/files", Some(KEY), br#"{"purpose": "batch"}"#);
+    assert_eq!(
+        (status, out["error"]["type"].as_str()),
+        (400, Some("bad_request")),
+        "{out}"
+    );
     let boundary = "quarry-boundary";
     let mut body = format!(
         "--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"big.jsonl\"\r\nContent-Type: application/jsonl\r\n\r\n"

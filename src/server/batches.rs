@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use axum::body::Body;
-use axum::extract::{Multipart, Path, State};
+use axum::extract::{Path, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -20,7 +20,7 @@ use utoipa::{IntoParams, ToSchema};
 
 use super::error::{ApiError, ErrorBody};
 use super::jobs::store_call;
-use super::{ApiJson, ApiQuery, AppState};
+use super::{ApiJson, ApiMultipart, ApiQuery, AppState};
 use crate::jobs::{self, worker::Done, Counts, JobSpec, NewItem, NewJob, StoredFile};
 
 /// The kind of the jobs batches are.
@@ -153,7 +153,10 @@ fn not_found(what: &str, id: &str) -> ApiError {
         (status = 413, description = "Over the size limit", body = ErrorBody),
     )
 )]
-pub async fn upload(State(state): State<Arc<AppState>>, mut form: Multipart) -> Result<Json<FileObject>, ApiError> {
+pub async fn upload(
+    State(state): State<Arc<AppState>>,
+    ApiMultipart(mut form): ApiMultipart,
+) -> Result<Json<FileObject>, ApiError> {
     let (mut purpose, mut file) = (None, None);
     while let Some(field) = form.next_field().await.map_err(multipart_error)? {
         match field.name() {

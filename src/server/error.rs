@@ -1,6 +1,7 @@
 //! Every failure the API reports: an HTTP status and a JSON body naming the problem, the
 //! field or schema keyword and its JSON pointer where there is one.
 
+use axum::extract::multipart::MultipartRejection;
 use axum::extract::rejection::{BytesRejection, JsonRejection, QueryRejection};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -108,6 +109,13 @@ impl IntoResponse for ApiError {
 impl From<QueryRejection> for ApiError {
     fn from(r: QueryRejection) -> Self {
         Self::new(StatusCode::BAD_REQUEST, "invalid_query", r.body_text())
+    }
+}
+
+/// A body that is not a multipart form (no boundary, another content type).
+impl From<MultipartRejection> for ApiError {
+    fn from(r: MultipartRejection) -> Self {
+        Self::new(r.status(), "bad_request", r.body_text())
     }
 }
 

@@ -57,6 +57,17 @@ pub struct ApiJson<T>(pub T);
 #[from_request(via(Query), rejection(ApiError))]
 pub struct ApiQuery<T>(pub T);
 
+/// `axum::extract::Multipart` whose rejections (not a multipart form) are JSON errors.
+pub struct ApiMultipart(pub axum::extract::Multipart);
+
+impl<S: Send + Sync> FromRequest<S> for ApiMultipart {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        Ok(ApiMultipart(axum::extract::Multipart::from_request(req, state).await?))
+    }
+}
+
 /// A raw body whose rejections (over the size limit) are JSON errors.
 pub struct ApiBody(pub Bytes);
 
