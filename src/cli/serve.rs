@@ -57,8 +57,9 @@ pub struct JobArgs {
     #[arg(long, default_value_t = 32)]
     job_concurrency: usize,
     /// Hours a finished job (its results) and an uploaded file are kept before they are
-    /// deleted; 0 keeps them until deleted (`DELETE /jobs/{id}`, `DELETE /v1/files/{id}`).
-    #[arg(long, default_value_t = 168.0)]
+    /// deleted (e.g. 168 for a week); 0, the default, keeps them until deleted (`DELETE
+    /// /jobs/{id}`, `DELETE /v1/files/{id}`).
+    #[arg(long, default_value_t = 0.0)]
     job_retention: f64,
 }
 
@@ -72,14 +73,12 @@ impl JobArgs {
         );
         let dir = self.state_dir.clone().unwrap_or_else(jobs::default_state_dir);
         let store = jobs::open(self.job_store.as_deref(), &dir)?;
-        anyhow::ensure!(
-            self.job_retention.is_finite() && self.job_retention >= 0.0,
-            "--job-retention must be a number of hours, 0 or more"
-        );
+        let retention = Duration::try_from_secs_f64(self.job_retention * 3600.0)
+            .map_err(|_| anyhow::anyhow!("--job-retention must be a number of hours, 0 or more"))?;
         let config = WorkerConfig {
             slots: self.job_concurrency,
             lease: Duration::from_secs_f64(self.job_lease),
-            retention: (self.job_retention > 0.0).then(|| Duration::from_secs_f64(self.job_retention * 3600.0)),
+            retention: (!retention.is_zero()).then_some(retention),
             ..WorkerConfig::default()
         };
         Ok(Worker::new(store, config))

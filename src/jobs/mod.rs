@@ -187,8 +187,9 @@ pub trait JobStore: Send + Sync {
     fn release(&self, owner: &str) -> Result<usize>;
     /// Deletes a finished job (none of its items queued or running) with its results.
     fn delete(&self, job_id: &str) -> Result<Deleted>;
-    /// Deletes the finished jobs whose last result (or, with none, whose creation) came
-    /// before `before_ms`, and the files created before it; how many jobs and files.
+    /// Deletes up to 100 of the finished jobs whose last result (or, with none, whose
+    /// creation) came before `before_ms`, and the files created before it; how many jobs and
+    /// files. Bounded, so no pass holds the store for long: call again while it deletes 100.
     fn expire(&self, before_ms: i64) -> Result<(usize, usize)>;
     fn put_file(&self, file: &StoredFile) -> Result<()>;
     fn file(&self, id: &str) -> Result<Option<StoredFile>>;

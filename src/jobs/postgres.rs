@@ -352,11 +352,17 @@ impl JobStore for PostgresStore {
 
     fn retry_failed(&self, job_id: &str, max_tokens: Option<usize>) -> Result<usize> {
         let n = self.with(|c| {
-            c.execute(
+            let mut tx = c.transaction()?;
+            // Shares the job row's lock with `delete` and `expire` (which take it FOR UPDATE):
+            // a job is not deleted under items being queued again.
+            tx.query_opt("SELECT 1 FROM quarry_jobs WHERE id = $1 FOR SHARE", &[&job_id])?;
+            let n = tx.execute(
                 "UPDATE quarry_items SET state = $1, ok = NULL, max_tokens = COALESCE($2, max_tokens)
                  WHERE job_id = $3 AND state = $4 AND ok = false",
                 &[&QUEUED, &int(max_tokens), &job_id, &DONE],
-            )
+            )?;
+            tx.commit()?;
+            Ok(n)
         })?;
         Ok(n as usize)
     }
@@ -399,7 +405,8 @@ impl JobStore for PostgresStore {
     fn delete(&self, job_id: &str) -> Result<Deleted> {
         self.with(|c| {
             let mut tx = c.transaction()?;
-            // Locks the job row: an item cannot be queued again (retry) meanwhile.
+            // Locks the job row: `retry_failed` waits for it (FOR SHARE), so no item is
+            // queued again meanwhile.
             if tx
                 .query_opt("SELECT 1 FROM quarry_jobs WHERE id = $1 FOR UPDATE", &[&job_id])?
                 .is_none()
@@ -431,6 +438,7 @@ impl JobStore for PostgresStore {
                          SELECT 1 FROM quarry_items i WHERE i.job_id = j.id AND i.state IN ($1, $2))
                        AND COALESCE(
                          (SELECT MAX(r.done_ms) FROM quarry_results r WHERE r.job_id = j.id), j.created_ms) < $3
+                     LIMIT 100
                      FOR UPDATE SKIP LOCKED",
                     &[&QUEUED, &RUNNING, &before_ms],
                 )?

@@ -448,7 +448,8 @@ impl JobStore for SqliteStore {
                 .prepare(
                     "SELECT j.id FROM jobs j
                      WHERE NOT EXISTS (SELECT 1 FROM items i WHERE i.job_id = j.id AND i.state IN (?1, ?2))
-                       AND COALESCE((SELECT MAX(r.done_ms) FROM results r WHERE r.job_id = j.id), j.created_ms) < ?3",
+                       AND COALESCE((SELECT MAX(r.done_ms) FROM results r WHERE r.job_id = j.id), j.created_ms) < ?3
+                     LIMIT 100",
                 )
                 .map_err(backend)?;
             let rows = stmt

@@ -34,7 +34,7 @@ impl Default for WorkerConfig {
             slots: 32,
             lease: Duration::from_secs(30),
             poll: Duration::from_millis(500),
-            retention: Some(Duration::from_secs(7 * 24 * 3600)),
+            retention: None,
         }
     }
 }
@@ -298,9 +298,14 @@ impl Worker {
             let store = self.store.clone();
             match blocking(move || store.expire(before)).await {
                 Ok((0, 0)) => {}
-                Ok((jobs, files)) => eprintln!(
-                    "quarry: job store: deleted {jobs} finished job(s) and {files} file(s) past the retention"
-                ),
+                Ok((jobs, files)) => {
+                    eprintln!(
+                        "quarry: job store: deleted {jobs} finished job(s) and {files} file(s) past the retention"
+                    );
+                    if jobs == 100 {
+                        continue; // more are due: the next pass at once
+                    }
+                }
                 Err(e) => eprintln!("quarry: job store: {e}; expired jobs not deleted"),
             }
             tokio::time::sleep(every).await;

@@ -9,7 +9,7 @@ pub use crate::extract::grounding::{Grounding, Span};
 pub use crate::extract::validate::Violation;
 pub use crate::extract::Outcome;
 
-#[derive(Debug, Deserialize, ToSchema)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ExtractRequest {
     /// A JSON Schema the output must validate against (or `schema_id`).
@@ -28,7 +28,7 @@ pub struct ExtractRequest {
     pub grounding: bool,
 }
 
-#[derive(Debug, Default, Serialize, Deserialize, ToSchema)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct ExtractOptions {
     /// Most output tokens (default 512, at most 4096).

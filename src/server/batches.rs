@@ -344,6 +344,7 @@ fn batch_items(text: &str, endpoint: &str) -> Result<Vec<NewItem>, ApiError> {
             .ok()
             .and_then(|v| v.get("custom_id"))
             .and_then(Value::as_str)
+            .filter(|id| !id.is_empty())
             .map(str::to_string);
         if let Some(id) = &custom_id {
             if let Some(first) = seen.insert(id.clone(), number) {
@@ -564,8 +565,13 @@ pub async fn cancel(State(state): State<Arc<AppState>>, Path(id): Path<String>) 
     let (spec, _) = find(&state, &id).await?;
     let key = id.clone();
     let ended = store_call(&state, move |s| s.cancel(&key, &cancelled_item())).await?;
-    // Cancelling a cancelled batch again is a no-op; a completed one stays completed.
-    if ended.is_none() && spec.cancelled_ms.is_none() {
+    // Cancelling a cancelled batch again is a no-op (another request may have just done it);
+    // a completed one stays completed.
+    let cancelled = match (ended, spec.cancelled_ms) {
+        (None, None) => find(&state, &id).await?.0.cancelled_ms.is_some(),
+        _ => true,
+    };
+    if !cancelled {
         return Err(ApiError::new(
             StatusCode::CONFLICT,
             "batch_not_cancellable",
@@ -633,38 +639,40 @@ pub(super) async fn run_item(state: &Arc<AppState>, work: jobs::worker::Work) ->
 
 /// A batch's extraction request; a full queue is waited out.
 async fn extract_line(state: &Arc<AppState>, body: &Value) -> (StatusCode, Value) {
-    loop {
-        let req: super::api::ExtractRequest = match serde_json::from_value(body.clone()) {
-            Ok(r) => r,
-            Err(e) => return error_body(ApiError::internal(e.to_string())),
-        };
-        match super::extract::extract_one(state, req).await {
-            Ok(out) => return (StatusCode::OK, serde_json::to_value(out).unwrap_or_default()),
-            Err(e) if e.detail.kind == "queue_full" => tokio::time::sleep(std::time::Duration::from_millis(200)).await,
-            Err(e) => return error_body(e),
-        }
+    let req: super::api::ExtractRequest = match serde_json::from_value(body.clone()) {
+        Ok(r) => r,
+        Err(e) => return error_body(ApiError::internal(e.to_string())),
+    };
+    match super::extract::extract_waiting(state, req).await {
+        Ok(out) => (StatusCode::OK, serde_json::to_value(out).unwrap_or_default()),
+        Err(e) => error_body(e),
     }
 }
 
-/// A batch's chat request, through the endpoint's handler; a full queue (other traffic) is
-/// waited out, not reported.
+/// A batch's chat request, as the endpoint answers it; a full queue (other traffic) is waited
+/// out, not reported, and the request counted once.
 async fn chat_line(state: &Arc<AppState>, body: &Value) -> (StatusCode, Value) {
     loop {
         let r: super::openai::ChatCompletionRequest = match serde_json::from_value(body.clone()) {
             Ok(r) => r,
             Err(e) => return error_body(ApiError::internal(e.to_string())),
         };
-        match super::openai::chat_completions(State(state.clone()), ApiJson(r)).await {
+        let result = super::openai::chat(state.clone(), r).await;
+        if matches!(&result, Err(e) if e.detail.kind == "queue_full") {
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            continue;
+        }
+        super::door::count_error(state, super::door::Endpoint::ChatCompletions, &result);
+        return match result {
             Ok(response) => {
                 let status = response.status();
                 let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
                     .await
                     .unwrap_or_default();
-                return (status, serde_json::from_slice(&bytes).unwrap_or(Value::Null));
+                (status, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
             }
-            Err(e) if e.detail.kind == "queue_full" => tokio::time::sleep(std::time::Duration::from_millis(200)).await,
-            Err(e) => return error_body(e),
-        }
+            Err(e) => error_body(e),
+        };
     }
 }
 
@@ -724,5 +732,11 @@ mod tests {
             err.detail.message
         );
         assert!(batch_items("\n\n", url).is_err());
+        // Empty ids are no ids: each such line fails alone, and they are not duplicates.
+        let blank = r#"{"custom_id": "", "method": "POST", "url": "/v1/chat/completions", "body": {}}"#;
+        let items = batch_items(&format!("{blank}\n{blank}\n{}\n", ok("z")), url).unwrap();
+        assert_eq!(items.len(), 3);
+        let error = |i: usize| serde_json::from_str::<Value>(&items[i].payload).unwrap()["error"].clone();
+        assert!(error(0).as_str().unwrap().contains("empty") && error(1).as_str().unwrap().contains("empty"));
     }
 }

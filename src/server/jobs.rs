@@ -8,7 +8,6 @@
 //! Jobs outlive the process: a restarted server finds its jobs, and goes on with their items.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
@@ -239,34 +238,31 @@ pub(super) async fn run_item(state: &Arc<AppState>, work: jobs::worker::Work) ->
     (ok, serde_json::to_value(result).unwrap_or_default())
 }
 
-/// A full queue (other traffic) is waited out, not reported.
+/// The item's extraction (a full queue is waited out).
 async fn extract_item(state: &Arc<AppState>, settings: &Settings, work: &jobs::worker::Work) -> RecordResult {
-    loop {
-        let req = ExtractRequest {
-            schema: Some(settings.schema.clone()),
-            schema_id: None,
-            document: work.payload.clone(),
-            instructions: None,
-            options: ExtractOptions {
-                max_tokens: work.max_tokens.or(settings.max_tokens),
-                ..Default::default()
-            },
-            grounding: false,
-        };
-        match super::extract::extract_one(state, req).await {
-            Ok(out) => {
-                let text = out.partial.unwrap_or_default();
-                return RecordResult::finished(
-                    out.outcome,
-                    out.data,
-                    text,
-                    out.usage.completion_tokens,
-                    &out.violations,
-                );
-            }
-            Err(e) if e.detail.kind == "queue_full" => tokio::time::sleep(Duration::from_millis(200)).await,
-            Err(e) => return RecordResult::failed(&e.detail.kind, e.detail.message),
+    let req = ExtractRequest {
+        schema: Some(settings.schema.clone()),
+        schema_id: None,
+        document: work.payload.clone(),
+        instructions: None,
+        options: ExtractOptions {
+            max_tokens: work.max_tokens.or(settings.max_tokens),
+            ..Default::default()
+        },
+        grounding: false,
+    };
+    match super::extract::extract_waiting(state, req).await {
+        Ok(out) => {
+            let text = out.partial.unwrap_or_default();
+            RecordResult::finished(
+                out.outcome,
+                out.data,
+                text,
+                out.usage.completion_tokens,
+                &out.violations,
+            )
         }
+        Err(e) => RecordResult::failed(&e.detail.kind, e.detail.message),
     }
 }
 

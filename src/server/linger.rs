@@ -2,7 +2,8 @@
 //! refusal goes out. hyper closes a connection whose request body was left unread, and a
 //! socket closed with unread bytes in it is reset: a client still sending a body too large for
 //! its route would get a connection reset instead of its 413 (a lingering close, done here
-//! because hyper does not do one).
+//! because hyper does not do one). Past the bound (64 MiB over the route's limit) the
+//! connection is closed as before.
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -29,6 +30,7 @@ pub async fn linger(request: Request, next: Next) -> Response {
         Body::new(Lent {
             body: Some(body),
             back: Some(back),
+            read: false,
         })
     });
     let response = next.run(request).await;
@@ -57,6 +59,10 @@ async fn drain(body: Body) {
 struct Lent {
     body: Option<Body>,
     back: Option<oneshot::Sender<Body>>,
+    /// Whether the handler started reading. A body refused unread (401, 404, 415, ...) is
+    /// not drained: hyper has not sent `100 Continue` for it, so a client that waits for one
+    /// never sends it, and nobody is made to upload what was refused at its headers.
+    read: bool,
 }
 
 impl HttpBody for Lent {
@@ -64,6 +70,7 @@ impl HttpBody for Lent {
     type Error = axum::Error;
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        self.read = true;
         match self.body.as_mut() {
             Some(body) => Pin::new(body).poll_frame(cx),
             None => Poll::Ready(None),
@@ -84,7 +91,7 @@ impl HttpBody for Lent {
 impl Drop for Lent {
     fn drop(&mut self) {
         if let (Some(body), Some(back)) = (self.body.take(), self.back.take()) {
-            if !body.is_end_stream() {
+            if self.read && !body.is_end_stream() {
                 let _ = back.send(body);
             }
         }

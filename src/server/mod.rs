@@ -13,6 +13,7 @@ pub mod openai;
 pub mod openapi;
 pub mod schemas;
 
+use std::future::IntoFuture;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -114,32 +115,72 @@ pub fn router(state: Arc<AppState>) -> Router {
 
 /// Listens on `addr` at once, answering 503 `starting` (and `GET /health` with `{"status":
 /// "starting"}`) while `load` builds the state (the model loads), then serves the API on the
-/// same socket: a load balancer can tell a replica that is starting from one that is down.
+/// same server: a load balancer can tell a replica that is starting from one that is down.
+/// One server from start to end, because handing the socket from a "starting" server to the
+/// real one closed connections that were accepted but not yet read at the hand-over.
+/// Serves until Ctrl-C or SIGTERM, then lets running requests finish.
 pub async fn serve_when_ready(
     addr: SocketAddr,
     load: impl FnOnce() -> anyhow::Result<Arc<AppState>> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let socket = std::net::TcpListener::bind(addr).map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
-    socket.set_nonblocking(true)?;
-    let early = tokio::net::TcpListener::from_std(socket.try_clone()?)?;
-    eprintln!("quarry: starting on http://{}", early.local_addr()?);
-    let (ready, ready_rx) = tokio::sync::oneshot::channel::<()>();
-    let starting = tokio::spawn(async move {
-        let app = Router::new()
-            .route("/health", get(health_starting))
-            .fallback(starting)
-            .layer(middleware::from_fn(linger::linger));
-        let _ = axum::serve(early, app)
-            .with_graceful_shutdown(async {
-                let _ = ready_rx.await;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
+    let local = listener.local_addr()?;
+    eprintln!("quarry: starting on http://{local}");
+    let api: Arc<std::sync::OnceLock<Router>> = Arc::default();
+    let front = Router::new().fallback(until_ready).with_state(api.clone());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let mut serving = tokio::spawn(
+        axum::serve(listener, front)
+            .with_graceful_shutdown(async move {
+                let _ = stopped.await;
             })
-            .await;
-    });
-    let loaded = tokio::task::spawn_blocking(load).await;
-    let _ = ready.send(());
-    let _ = starting.await;
-    let state = loaded??;
-    serve(state, tokio::net::TcpListener::from_std(socket)?).await
+            .into_future(),
+    );
+    let state = match tokio::task::spawn_blocking(load).await {
+        Ok(Ok(state)) => state,
+        failed => {
+            let _ = stop.send(());
+            let _ = serving.await;
+            return Err(failed
+                .map_err(anyhow::Error::from)
+                .and_then(|r| r)
+                .err()
+                .expect("a failure"));
+        }
+    };
+    let _ = api.set(router(state.clone()));
+    // Tests and scripts read this line to find the port (`--port 0` picks a free one): from
+    // here on the API answers.
+    eprintln!("quarry: listening on http://{local}");
+    let worker = spawn_worker(&state);
+    tokio::select! {
+        _ = shutdown_signal() => {}
+        ended = &mut serving => return Ok(ended??),
+    }
+    eprintln!("quarry: draining running requests");
+    // No new job items from the signal on (open streams may keep the server up a while):
+    // those in flight finish and are written, the rest stay queued.
+    state.jobs.stop();
+    let _ = stop.send(());
+    serving.await??;
+    let _ = worker.await;
+    tokio::task::spawn_blocking(move || state.extractor.client.shutdown()).await?;
+    Ok(())
+}
+
+/// Every request goes to the API once it is loaded; before that, the starting answers.
+async fn until_ready(State(api): State<Arc<std::sync::OnceLock<Router>>>, request: Request) -> Response {
+    use tower::ServiceExt;
+    match api.get() {
+        Some(router) => match router.clone().oneshot(request).await {
+            Ok(response) => response,
+            Err(never) => match never {},
+        },
+        None if request.uri().path() == "/health" => health_starting().await.into_response(),
+        None => starting().await.into_response(),
+    }
 }
 
 async fn health_starting() -> (StatusCode, Json<serde_json::Value>) {
@@ -157,27 +198,6 @@ async fn starting() -> ApiError {
     );
     e.retry_after = Some(1);
     e
-}
-
-/// Serves until Ctrl-C or SIGTERM, then lets running requests finish.
-pub async fn serve(state: Arc<AppState>, listener: tokio::net::TcpListener) -> anyhow::Result<()> {
-    // Tests and scripts read this line to find the port (`--port 0` picks a free one): from
-    // here on the API answers.
-    eprintln!("quarry: listening on http://{}", listener.local_addr()?);
-    let worker = spawn_worker(&state);
-    let jobs = state.jobs.clone();
-    axum::serve(listener, router(state.clone()))
-        .with_graceful_shutdown(async move {
-            shutdown_signal().await;
-            eprintln!("quarry: draining running requests");
-            // No new job items from the signal on (open streams may keep the server up a
-            // while): those in flight finish and are written, the rest stay queued.
-            jobs.stop();
-        })
-        .await?;
-    let _ = worker.await;
-    tokio::task::spawn_blocking(move || state.extractor.client.shutdown()).await?;
-    Ok(())
 }
 
 /// One job item, by the kind of its job.

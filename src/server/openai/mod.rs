@@ -119,7 +119,8 @@ pub async fn chat_completions(
     result
 }
 
-async fn chat(state: Arc<AppState>, req: ChatCompletionRequest) -> Result<Response, ApiError> {
+/// A chat completion, uncounted: the handler (or a batch line) counts it.
+pub(in crate::server) async fn chat(state: Arc<AppState>, req: ChatCompletionRequest) -> Result<Response, ApiError> {
     check_model(&state, &req.model)?;
     let n = check_n(req.n)?;
     let messages = req
@@ -397,11 +398,12 @@ async fn complete(state: &AppState, head: &Head, streams: Vec<RequestStream>) ->
         let c = stream.collect().await;
         let c = c.ok_or_else(|| ApiError::internal("the engine stopped before the request finished"))?;
         door::observe(state, &c.metrics, c.tokens.len());
+        // An answer the engine could not finish is an error, never a normal stop; returning
+        // drops the other choices' streams, which aborts them.
+        if let Some(e) = engine_failure(c.finish) {
+            return Err(e);
+        }
         done.push(c);
-    }
-    // An answer the engine could not finish is an error, never a normal stop.
-    if let Some(e) = done.iter().find_map(|c| engine_failure(c.finish)) {
-        return Err(e);
     }
     let found: Vec<Option<Vec<Violation>>> = done
         .iter()

@@ -83,6 +83,13 @@ impl Progress {
             }
             match self.rx.recv().await {
                 Some((index, out)) => self.output(index, out),
+                None if self.finishes.len() < self.started.len() => {
+                    // A choice's stream ended without its end: the engine stopped under it.
+                    let e = crate::server::error::ApiError::internal("the engine stopped before the request finished");
+                    door::count(&self.state, self.head.api.endpoint(), &e.detail.kind);
+                    self.pending.push_back(event(&ErrorBody { error: e.detail }));
+                    self.done = true;
+                }
                 None => {
                     let endpoint = self.head.api.endpoint();
                     door::count(&self.state, endpoint, outcome_of(self.finishes.iter().copied()));
