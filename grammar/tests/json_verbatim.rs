@@ -1,6 +1,7 @@
 //! Verbatim strings: with a document, every free string of a record is a substring of it,
-//! JSON-escaped as it must be (quotes, backslashes, newlines, multi-byte characters), while
-//! strings with an `enum`, `format`, `pattern` or length keep their own constraint.
+//! JSON-escaped as it must be (quotes, backslashes, newlines, multi-byte characters) and
+//! within its `maxLength`, while strings with an `enum`, `format`, `pattern` or `minLength`
+//! keep their own constraint.
 
 mod common;
 
@@ -33,8 +34,10 @@ fn schema() -> Value {
         "notes": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
         "kind": {"enum": ["person", "company"]},
         "code": {"type": "string", "pattern": "^[A-Z]{3}$"},
-        "when": {"type": "string", "format": "date"}
-    }, "required": ["name", "street", "notes", "kind", "code", "when"], "additionalProperties": false})
+        "when": {"type": "string", "format": "date"},
+        "short": {"type": "string", "maxLength": 6},
+        "long": {"type": "string", "minLength": 2, "maxLength": 4}
+    }, "required": ["name", "street", "notes", "kind", "code", "when", "short", "long"], "additionalProperties": false})
 }
 
 fn is_substring(s: &str) -> bool {
@@ -55,6 +58,7 @@ fn free_strings_are_copied_from_the_document() {
     let mut mask = vec![0u32; bitmask_words(vocab.vocab_size())];
     let mut rng = Rng(99);
     let mut finished = 0;
+    let mut invented_long = false;
     for _ in 0..200 {
         let mut m = JsonMatcher::new(g.clone());
         let mut out = Vec::new();
@@ -89,8 +93,66 @@ fn free_strings_are_copied_from_the_document() {
         for n in v["notes"].as_array().unwrap() {
             assert!(is_substring(n.as_str().unwrap()), "{text}");
         }
+        let short = v["short"].as_str().unwrap();
+        assert!(is_substring(short) && short.chars().count() <= 6, "{text}");
+        invented_long |= !is_substring(v["long"].as_str().unwrap());
     }
     assert!(finished > 100, "{finished} walks finished");
+    assert!(invented_long, "a string with a minLength keeps its own constraint");
+}
+
+/// A length-bounded free string is a copy within its bound: the longest copies and text
+/// the document does not hold are refused; an empty copy is fine.
+#[test]
+fn a_length_bounded_string_is_a_copy_within_its_bound() {
+    let options = SchemaOptions {
+        strict: false,
+        ..Default::default()
+    };
+    let schema = json!({"type": "object", "properties": {"s": {"type": "string", "maxLength": 5}},
+        "required": ["s"], "additionalProperties": false});
+    let base = JsonGrammar::compile(&schema, &options, Whitespace::Compact, vocab()).unwrap();
+    let g = base.with_document(DOCUMENT, true).unwrap();
+    let accepts = |g: &Arc<JsonGrammar>, text: &str| {
+        let mut m = JsonMatcher::new(g.clone());
+        text.bytes().all(|b| m.accept(1 + b as u32).is_ok()) && m.can_finish()
+    };
+    // Characters, not bytes: "café 日" is 6 characters, "é 日本" 4 (10 bytes).
+    for copied in ["", "Ann", "O'Nei", "\"", "é 日本", "C:\\"] {
+        let record = json!({ "s": copied }).to_string();
+        assert!(accepts(&g, &record), "{record}");
+    }
+    for refused in ["Ann \"B", "café 日", "Anne", "Bo O"] {
+        let record = json!({ "s": refused }).to_string();
+        assert!(!accepts(&g, &record), "{record}");
+    }
+    // Without verbatim the bound alone applies.
+    let plain = base.with_document(DOCUMENT, false).unwrap();
+    assert!(accepts(&plain, &json!({"s": "Anne"}).to_string()));
+    assert!(!accepts(&plain, &json!({"s": "Anne B"}).to_string()));
+}
+
+/// A long document and a long bound: the copy is stepped as a pair of states, never built
+/// as a product (which would have millions of states), so it holds at any size.
+#[test]
+fn a_long_document_with_a_long_bound_is_still_copied_within_it() {
+    let options = SchemaOptions {
+        strict: false,
+        ..Default::default()
+    };
+    let schema = json!({"type": "object", "properties": {"s": {"type": "string", "maxLength": 200}},
+        "required": ["s"], "additionalProperties": false});
+    let base = JsonGrammar::compile(&schema, &options, Whitespace::Compact, vocab()).unwrap();
+    let mut rng = Rng(7);
+    let long: String = (0..20_000).map(|_| (b'a' + rng.next(26) as u8) as char).collect();
+    let g = base.with_document(&long, true).unwrap();
+    let accepts = |text: &str| {
+        let mut m = JsonMatcher::new(g.clone());
+        text.bytes().all(|b| m.accept(1 + b as u32).is_ok()) && m.can_finish()
+    };
+    assert!(accepts(&json!({"s": &long[5000..5200]}).to_string()));
+    assert!(!accepts(&json!({"s": &long[5000..5201]}).to_string()), "201 characters");
+    assert!(!accepts(&json!({"s": "0123456789"}).to_string()), "invented");
 }
 
 /// The document's quotes, backslashes, newline and multi-byte characters come out as their

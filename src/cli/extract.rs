@@ -58,7 +58,7 @@ pub struct ExtractArgs {
     /// (default: closed to their declared properties).
     #[arg(long)]
     open_objects: bool,
-    /// Every free string of the record (no enum, const, format, pattern or length) must be a
+    /// Every free string of the record (no enum, const, format, pattern or minLength) must be a
     /// substring of the document.
     #[arg(long)]
     verbatim: bool,

@@ -52,7 +52,7 @@ pub struct Task {
     pub layout: PromptLayout,
     /// The DRY penalty on repeats inside the record (see `DryParams`).
     pub dry: Option<DryParams>,
-    /// Free strings (no `enum`, `const`, `format`, `pattern` or length) are copied from the
+    /// Free strings (no `enum`, `const`, `format`, `pattern` or `minLength`) are copied from the
     /// document: each is one of its substrings.
     pub verbatim: bool,
     /// Logit bonus for tokens that continue a run copied from the document (see

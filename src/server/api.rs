@@ -52,8 +52,8 @@ pub struct ExtractOptions {
     /// Write declared properties in the schema's order (default true), as OpenAI's structured
     /// outputs do: the model then chooses values, not keys.
     pub ordered_properties: Option<bool>,
-    /// Every free string (no `enum`, `const`, `format`, `pattern` or length) must be a
-    /// substring of the document, JSON-escaped (default false).
+    /// Every free string (no `enum`, `const`, `format`, `pattern` or `minLength`) must be a
+    /// substring of the document, JSON-escaped, within its `maxLength` (default false).
     pub verbatim: Option<bool>,
     /// Logit bonus for tokens that continue a run copied from the document: a prior for
     /// copying over inventing (default 1.0; 0 turns it off).

@@ -157,7 +157,7 @@ impl JsonGrammar {
             Frame::Bottom => (0, BOTTOM),
             Frame::Value { node } => (c.value[node as usize], parent),
             Frame::Lexeme { lex, state } => (dist(self.lexeme(lex).distance_to_accept(state)), parent),
-            Frame::Str { lex, state } => (add(dist(self.lexeme(lex).distance_to_accept(state)), 1), parent),
+            Frame::Str { lex, state } => (add(dist(self.body(lex).distance_to_accept(state)), 1), parent),
             Frame::Key { node, state, .. } => {
                 let Frame::Object { count, seen, .. } = arena.top(parent) else {
                     return (INF, BOTTOM);

@@ -12,7 +12,7 @@ use super::completion::Costs;
 use super::ir::{Node, NodeId, ObjectRules, SchemaGraph, StringRules};
 use super::lexemes::{literal_regex, number_lexeme, pattern_body, string_body, NumberLexeme, Whitespace};
 use super::report::CompileReport;
-use crate::dfa::{ByteDfa, DfaLimits, StateId};
+use crate::dfa::{ByteDfa, DfaLimits, StateId, DEAD};
 use crate::document::DocumentSpans;
 use crate::error::GrammarError;
 use crate::trie::TokTrie;
@@ -62,6 +62,10 @@ pub struct JsonGrammar {
     pub(crate) document: Option<Arc<DocumentSpans>>,
     /// Free strings are copies from the document.
     verbatim: bool,
+    /// With verbatim, the lexemes of length-bounded free strings: entry `i` (a string body
+    /// with its bound) gives lexeme `DOCUMENT - 1 - i`, the document's copies within that
+    /// bound (see `Body::Within`).
+    bounded: Vec<LexId>,
 }
 
 impl std::ops::Deref for JsonGrammar {
@@ -100,8 +104,11 @@ pub struct Compiled {
     pub(crate) ordered: bool,
     /// What values cost at the least, for completion costs; computed on first use.
     pub(crate) costs: OnceLock<Costs>,
-    /// Per node, whether it is a free string (no `format`, `pattern` or length): one that a
-    /// document can fill with any of its substrings.
+    /// Per node, whether it is a free string (no `format`, `pattern` or `minLength`): one
+    /// that a document can fill with any of its substrings (within its `maxLength`). A
+    /// `minLength` is left out because the fewest bytes that close the record (the token
+    /// budget's guarantee) are worked out once per schema, and a copy of at least n
+    /// characters may take more bytes than n plain ones.
     free_string: Vec<bool>,
     /// Per lexeme, whether it is a closed choice of strings (`enum`, `const`).
     pub(crate) choice: Vec<bool>,
@@ -159,7 +166,7 @@ impl JsonGrammar {
         let free_string = graph
             .nodes
             .iter()
-            .map(|n| matches!(n, Node::String(r) if *r == StringRules::default()))
+            .map(|n| matches!(n, Node::String(r) if r.format.is_none() && r.pattern.is_none() && r.min_length == 0))
             .collect();
         let mut choice = vec![false; b.lexemes.len()];
         for &id in &b.choices {
@@ -186,30 +193,73 @@ impl JsonGrammar {
             compiled: Arc::new(compiled),
             document: None,
             verbatim: false,
+            bounded: Vec::new(),
         }))
     }
 
     /// This grammar for one request with a document: with `verbatim`, its free strings (no
-    /// `enum`, `const`, `format`, `pattern` or length) must be substrings of `document`,
-    /// JSON-escaped as they must be, so the model can copy a name or an address but not invent
-    /// one; either way the matcher tells which tokens continue a copy (`copy_mask`).
-    /// Everything compiled is shared; the document's automaton and its masks belong to the
-    /// request. `None` for a document longer than `MAX_DOCUMENT_CHARS`.
+    /// `enum`, `const`, `format`, `pattern` or `minLength`) must be substrings of `document`,
+    /// JSON-escaped as they must be, and within their `maxLength`, so the model can copy a
+    /// name or an address but not invent one; either way the matcher tells which tokens
+    /// continue a copy (`copy_mask`). Everything compiled is shared; the document's automata
+    /// and their masks belong to the request. `None` for a document longer than
+    /// `MAX_DOCUMENT_CHARS`.
     pub fn with_document(&self, document: &str, verbatim: bool) -> Option<Arc<JsonGrammar>> {
         let spans = DocumentSpans::new(document, self.vocab.clone())?;
+        let mut bounded = Vec::new();
+        if verbatim {
+            let mut seen = Vec::new();
+            for (node, n) in self.graph.nodes.iter().enumerate() {
+                let Node::String(r) = n else { continue };
+                let Some(Lexeme::StringBody(own)) = self.node_lexeme[node] else {
+                    continue;
+                };
+                if !self.free_string[node] || r.max_length.is_none() || seen.contains(&own) {
+                    continue;
+                }
+                seen.push(own);
+                // Pair states must fit a state id: they do by a wide margin (a document of
+                // `MAX_DOCUMENT_CHARS` has some 10^5 states, a bound of `MAX_COUNTED_LENGTH`
+                // some 10^3), but a string that would not keeps its own constraint.
+                let width = self.lexemes[own as usize].num_states() as u64;
+                if spans.dfa().num_states() as u64 * width < StateId::MAX as u64 {
+                    bounded.push(own);
+                }
+            }
+        }
         Some(Arc::new(JsonGrammar {
             compiled: self.compiled.clone(),
             document: Some(Arc::new(spans)),
             verbatim,
+            bounded,
         }))
     }
 
-    /// The automaton of lexeme `lex`.
+    /// The automaton of lexeme `lex`, which is not a bounded copy (those are string bodies:
+    /// see `body`).
     pub(crate) fn lexeme(&self, lex: LexId) -> &ByteDfa {
         match &self.document {
             Some(d) if lex == DOCUMENT => d.dfa(),
             _ => &self.lexemes[lex as usize],
         }
+    }
+
+    /// How the string body of lexeme `lex` is stepped.
+    pub(crate) fn body(&self, lex: LexId) -> Body<'_> {
+        match (self.bounded_lexeme(lex), &self.document) {
+            (Some(own), Some(d)) => Body::Within {
+                doc: d.dfa(),
+                own: &self.lexemes[own as usize],
+                width: self.lexemes[own as usize].num_states() as StateId,
+            },
+            _ => Body::Dfa(self.lexeme(lex)),
+        }
+    }
+
+    /// The string body whose bound lexeme `lex` copies within, if it is a bounded copy.
+    fn bounded_lexeme(&self, lex: LexId) -> Option<LexId> {
+        let i = (DOCUMENT - 1).checked_sub(lex)?;
+        self.bounded.get(i as usize).copied()
     }
 
     /// How node `node` is matched: with a document, its free strings are the document's
@@ -221,7 +271,16 @@ impl JsonGrammar {
             return plain;
         }
         match self.graph.node(node) {
-            Node::String(_) if self.free_string[node as usize] => Some(Lexeme::StringBody(DOCUMENT)),
+            Node::String(r) if self.free_string[node as usize] && r.max_length.is_none() => {
+                Some(Lexeme::StringBody(DOCUMENT))
+            }
+            Node::String(_) if self.free_string[node as usize] => match plain {
+                Some(Lexeme::StringBody(own)) => match self.bounded.iter().position(|&l| l == own) {
+                    Some(i) => Some(Lexeme::StringBody(DOCUMENT - 1 - i as LexId)),
+                    None => plain,
+                },
+                other => other,
+            },
             Node::AnyOf(alts) if plain.is_some() && alts.iter().any(|&a| self.free_string[a as usize]) => None,
             _ => plain,
         }
@@ -230,6 +289,25 @@ impl JsonGrammar {
     /// The tokens the key DFA of object `node` takes whole from `state` (a `seen_free` state).
     pub(crate) fn key_inner_mask<'a>(&'a self, keys: &'a KeyAutomaton, state: StateId) -> &'a [u32] {
         keys.inner[state as usize].get_or_init(|| crate::regex::dfa_token_mask(&keys.dfa, state, &self.vocab).into())
+    }
+
+    /// Adds to `mask` the tokens the string body `lex` takes whole from `state` without
+    /// ending. A bounded copy takes a token where both of its automata do.
+    pub(crate) fn or_body_mask(&self, mask: &mut [u32], lex: LexId, state: StateId) {
+        match (self.bounded_lexeme(lex), &self.document) {
+            (Some(own), Some(doc)) => {
+                let width = self.lexemes[own as usize].num_states() as StateId;
+                let (copies, inside) = (doc.continuing(state / width), self.inner_mask(own, state % width));
+                for ((m, c), i) in mask.iter_mut().zip(copies).zip(inside) {
+                    *m |= c & i;
+                }
+            }
+            _ => {
+                for (m, b) in mask.iter_mut().zip(self.inner_mask(lex, state)) {
+                    *m |= b;
+                }
+            }
+        }
     }
 
     /// The tokens lexeme `lex` takes whole from `state` without ending.
@@ -523,6 +601,63 @@ fn seen_free(dfa: &ByteDfa, num_props: u32) -> Vec<bool> {
         }
         if !changed {
             return free;
+        }
+    }
+}
+
+/// A string body's automaton as the matcher steps it.
+#[derive(Clone, Copy)]
+pub(crate) enum Body<'a> {
+    Dfa(&'a ByteDfa),
+    /// The document's copies that `own` (a string body with a length bound) also accepts,
+    /// stepped as a pair without building their product (which would take about the
+    /// document's length times the bound in states, at every request): state
+    /// `doc * width + own`, `DEAD` once either is.
+    Within {
+        doc: &'a ByteDfa,
+        own: &'a ByteDfa,
+        width: StateId,
+    },
+}
+
+impl Body<'_> {
+    fn pair(doc: StateId, own: StateId, width: StateId) -> StateId {
+        match doc == DEAD || own == DEAD {
+            true => DEAD,
+            false => doc * width + own,
+        }
+    }
+
+    pub(crate) fn start(self) -> StateId {
+        match self {
+            Body::Dfa(d) => d.start(),
+            Body::Within { doc, own, width } => Self::pair(doc.start(), own.start(), width),
+        }
+    }
+
+    pub(crate) fn next(self, s: StateId, b: u8) -> StateId {
+        match self {
+            Body::Dfa(d) => d.next(s, b),
+            Body::Within { doc, own, width } => Self::pair(doc.next(s / width, b), own.next(s % width, b), width),
+        }
+    }
+
+    pub(crate) fn is_accepting(self, s: StateId) -> bool {
+        match self {
+            Body::Dfa(d) => d.is_accepting(s),
+            Body::Within { doc, own, width } => s != DEAD && doc.is_accepting(s / width) && own.is_accepting(s % width),
+        }
+    }
+
+    /// Both automata read the same bytes, so both are mid-way through the same character or
+    /// escape, and (with no `minLength`) both can end once it is complete: the pair's distance
+    /// is the larger of theirs (equal, in fact).
+    pub(crate) fn distance_to_accept(self, s: StateId) -> u32 {
+        match self {
+            Body::Dfa(d) => d.distance_to_accept(s),
+            Body::Within { doc, own, width } => {
+                doc.distance_to_accept(s / width).max(own.distance_to_accept(s % width))
+            }
         }
     }
 }

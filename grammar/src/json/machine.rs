@@ -342,7 +342,7 @@ impl JsonGrammar {
                 }
             }
             Frame::Str { lex, state } => {
-                let dfa = self.lexeme(lex);
+                let dfa = self.body(lex);
                 // The body takes the byte first: a quote inside an escape (`\"`) is text. A
                 // quote the body cannot take closes the string, if the body is complete there
                 // (mid-escape it never is, so the two cannot both apply).
@@ -372,7 +372,7 @@ impl JsonGrammar {
             Node::AnyOf(alts) => {
                 let strings = self.lexeme_of(node);
                 if let Some(Lexeme::StringBody(lex)) = strings {
-                    let state = self.lexeme(lex).start();
+                    let state = self.body(lex).start();
                     if b == b'"' && state != DEAD {
                         out.push(arena.replace(s, Frame::Str { lex, state }));
                     }
@@ -415,7 +415,7 @@ impl JsonGrammar {
                     self.step_at(arena, t, b, out, depth + 1);
                 }
                 Some(Lexeme::StringBody(lex)) if b == b'"' => {
-                    let state = self.lexeme(lex).start();
+                    let state = self.body(lex).start();
                     if state != DEAD {
                         out.push(arena.replace(s, Frame::Str { lex, state }));
                     }

@@ -135,7 +135,7 @@ impl JsonMatcher {
             current.iter().partition(|&&s| shortcut(&self.stacks.arena, s));
         for &s in &in_string {
             match self.stacks.arena.top(s) {
-                Frame::Str { lex, state } => or_into(mask, grammar.inner_mask(lex, state)),
+                Frame::Str { lex, state } => grammar.or_body_mask(mask, lex, state),
                 Frame::Key { node, state, body } => {
                     let keys = grammar.keys[node as usize].as_ref().expect("object nodes have keys");
                     match grammar.any_string {
