@@ -650,8 +650,10 @@ impl Body<'_> {
     }
 
     /// Both automata read the same bytes, so both are mid-way through the same character or
-    /// escape, and (with no `minLength`) both can end once it is complete: the pair's distance
-    /// is the larger of theirs (equal, in fact).
+    /// escape, and (with no `minLength`) the pair can end once it is complete, the way the
+    /// document completes it: the document's distance, which is never below the bound's (a
+    /// `\` the document only continues as `\u00XX` is 5 bytes from the end for it, 1 for the
+    /// bound). The larger of the two is that.
     pub(crate) fn distance_to_accept(self, s: StateId) -> u32 {
         match self {
             Body::Dfa(d) => d.distance_to_accept(s),
