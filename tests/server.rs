@@ -602,6 +602,83 @@ fn a_full_queue_answers_429_with_retry_after() {
     drop(busy);
 }
 
+/// Many clients at once, each asking for `n: 8` (eight engine requests): the server admits
+/// what `--max-pending` holds and answers the rest 429, and its queue never grows past the
+/// bound while they come.
+#[test]
+fn a_flood_of_chat_choices_is_held_to_max_pending() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::Arc;
+    let Some(server) = start(&["--max-pending", "16"]) else {
+        return;
+    };
+    let port = server.port;
+    let (_, models) = http(port, "GET", "/v1/models", Some(KEY), b"");
+    let chat = json!({
+        "model": models["data"][0]["id"],
+        "messages": [{"role": "user", "content": "Count from one to fifty in words."}],
+        "max_tokens": 48, "n": 8, "temperature": 0.8, "seed": 3,
+    })
+    .to_string();
+    let done = Arc::new(AtomicBool::new(false));
+    let most = Arc::new(AtomicU64::new(0));
+    let watcher = {
+        let (done, most) = (done.clone(), most.clone());
+        std::thread::spawn(move || {
+            while !done.load(Ordering::Relaxed) {
+                let (_, h) = http(port, "GET", "/health", None, b"");
+                let pending = h["waiting"].as_u64().unwrap() + h["running"].as_u64().unwrap();
+                most.fetch_max(pending, Ordering::Relaxed);
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        })
+    };
+    let clients: Vec<_> = (0..12)
+        .map(|_| {
+            let chat = chat.clone();
+            std::thread::spawn(move || http_raw(port, "POST", "/v1/chat/completions", Some(KEY), chat.as_bytes()))
+        })
+        .collect();
+    let answers: Vec<_> = clients.into_iter().map(|c| c.join().unwrap()).collect();
+    done.store(true, Ordering::Relaxed);
+    watcher.join().unwrap();
+    let (mut ok, mut full) = (0, 0);
+    for (status, head, body) in &answers {
+        match status {
+            200 => {
+                let v: Value = serde_json::from_str(body).unwrap();
+                assert_eq!(v["choices"].as_array().unwrap().len(), 8, "{body}");
+                ok += 1;
+            }
+            429 => {
+                assert!(
+                    body.contains("\"queue_full\"") && head.contains("retry-after"),
+                    "{head}\n{body}"
+                );
+                full += 1;
+            }
+            _ => panic!("{status}: {body}"),
+        }
+    }
+    // Twelve clients of eight choices against a bound of sixteen: two at a time get in.
+    let most_seen = most.load(Ordering::Relaxed);
+    assert!(
+        ok >= 2 && full >= 1,
+        "{ok} answered, {full} refused, {most_seen} pending at most"
+    );
+    let most = most.load(Ordering::Relaxed);
+    assert!(
+        most <= 16,
+        "{most} engine requests were pending at once, over --max-pending 16"
+    );
+    let (_, h) = http(port, "GET", "/health", None, b"");
+    assert_eq!(
+        (h["waiting"].as_u64(), h["running"].as_u64()),
+        (Some(0), Some(0)),
+        "{h}"
+    );
+}
+
 #[test]
 fn sigterm_lets_running_requests_finish() {
     let Some(mut server) = start(&[]) else { return };

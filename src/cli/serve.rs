@@ -127,7 +127,7 @@ fn app_state(
         device,
         api_keys,
         metrics,
-        max_pending,
+        admission: server::Admission::new(max_pending),
         jobs,
     }))
 }

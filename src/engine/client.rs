@@ -61,11 +61,21 @@ pub struct RequestStream {
     outputs: async_mpsc::UnboundedReceiver<RequestOutput>,
     commands: mpsc::Sender<Command>,
     done: bool,
+    /// What the submitter keeps for as long as the request has its stream (the server's
+    /// admission permit): dropped with it.
+    held: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
 
 impl RequestStream {
     pub fn id(&self) -> RequestId {
         self.id
+    }
+
+    /// Keeps `value` until this stream is dropped, which is when its request has ended or is
+    /// aborted.
+    pub fn hold(mut self, value: impl std::any::Any + Send + Sync) -> Self {
+        self.held = Some(Box::new(value));
+        self
     }
 
     /// The next output, or `None` after the last one (or when the engine stopped).
@@ -141,6 +151,7 @@ impl EngineClient {
             outputs: out_rx,
             commands,
             done: false,
+            held: None,
         })
     }
 

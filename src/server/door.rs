@@ -3,7 +3,10 @@
 //! outcome and times in the metrics when it ends. Handlers decide what to ask; only this
 //! module submits and counts.
 
+use std::sync::Arc;
+
 use axum::http::StatusCode;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::error::ApiError;
 use super::AppState;
@@ -27,41 +30,71 @@ impl Endpoint {
     }
 }
 
-/// `adding` more engine requests must keep those waiting or running under `--max-pending`,
-/// else a 429 `queue_full` with Retry-After. A request that needs more than the whole queue
-/// could never be admitted: a 400 `too_many_choices`, since retrying it is pointless (and job
-/// items retry `queue_full` until it passes).
-pub(super) fn admit(state: &AppState, adding: usize) -> Result<(), ApiError> {
-    if adding > state.max_pending {
+/// The bound on engine requests admitted and not finished (`--max-pending`): a permit per
+/// engine request, taken before it is submitted and held as long as it runs, so requests
+/// arriving together cannot all pass a check of the engine's queue made before any of them
+/// is in it.
+pub struct Admission {
+    permits: Arc<Semaphore>,
+    max: usize,
+}
+
+impl Admission {
+    pub fn new(max_pending: usize) -> Self {
+        let max = max_pending.min(u32::MAX as usize);
+        Admission {
+            permits: Arc::new(Semaphore::new(max)),
+            max,
+        }
+    }
+
+    /// Engine requests admitted and not finished.
+    pub fn pending(&self) -> usize {
+        self.max - self.permits.available_permits()
+    }
+}
+
+/// Permits for `adding` more engine requests, within `--max-pending`, else a 429
+/// `queue_full` with Retry-After. A request that needs more than the whole bound could never
+/// be admitted: a 400 `too_many_choices`, since retrying it is pointless (and job items retry
+/// `queue_full` until it passes). The permits go back when the value is dropped.
+pub(super) fn admit(state: &AppState, adding: usize) -> Result<OwnedSemaphorePermit, ApiError> {
+    let max = state.admission.max;
+    if adding > max {
         return Err(ApiError::new(
             StatusCode::BAD_REQUEST,
             "too_many_choices",
             format!(
-                "this request needs {adding} engine requests at once and the server admits at most {} (--max-pending); ask for fewer choices (`n`)",
-                state.max_pending
+                "this request needs {adding} engine requests at once and the server admits at most {max} (--max-pending); ask for fewer choices (`n`)"
             ),
         ));
     }
-    let stats = state.extractor.client.stats();
-    let pending = stats.waiting + stats.running;
-    if pending + adding > state.max_pending {
-        let mut err = ApiError::new(
-            StatusCode::TOO_MANY_REQUESTS,
-            "queue_full",
-            format!("{pending} requests are pending already; retry later"),
-        );
-        err.retry_after = Some(1);
-        return Err(err);
-    }
-    Ok(())
+    state
+        .admission
+        .permits
+        .clone()
+        .try_acquire_many_owned(adding as u32)
+        .map_err(|_| {
+            let pending = state.admission.pending();
+            let mut err = ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "queue_full",
+                format!("{pending} requests are pending already; retry later"),
+            );
+            err.retry_after = Some(1);
+            err
+        })
 }
 
-/// Admits the requests together (all or none), then hands them to the engine.
+/// Admits the requests together (all or none), then hands them to the engine; each stream
+/// holds its request's permit.
 pub(super) async fn submit(state: &AppState, requests: Vec<EngineRequest>) -> Result<Vec<RequestStream>, ApiError> {
-    admit(state, requests.len())?;
+    let mut permits = admit(state, requests.len())?;
     let mut streams = Vec::with_capacity(requests.len());
     for request in requests {
-        streams.push(state.extractor.client.submit(request).await.map_err(submit_error)?);
+        let stream = state.extractor.client.submit(request).await.map_err(submit_error)?;
+        let permit = permits.split(1).expect("a permit was taken for each request");
+        streams.push(stream.hold(permit));
     }
     Ok(streams)
 }

@@ -122,8 +122,8 @@ async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractRespon
         ..base
     };
     // The extractor submits its own engine requests (one, or one per retry, in turn): they
-    // pass this door's admission once, as one request.
-    door::admit(state, 1)?;
+    // pass this door's admission once, as one request, and hold it until they end.
+    let _admitted = door::admit(state, 1)?;
     let x = state.extractor.run(task).await.map_err(|e| match e {
         ExtractError::SchemaRejected(e) => ApiError::schema_rejected(e),
         ExtractError::Refused(e) => door::submit_error(e),

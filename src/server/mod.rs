@@ -27,6 +27,7 @@ use axum::{Json, Router};
 
 use crate::extract::Extractor;
 use api::Health;
+pub use door::Admission;
 use error::ApiError;
 
 /// Largest request body: a document of a few hundred pages.
@@ -42,8 +43,8 @@ pub struct AppState {
     /// Accepted bearer tokens; none means no authentication.
     pub api_keys: Vec<String>,
     pub metrics: metrics::Metrics,
-    /// Most requests admitted and not finished (waiting or running); past it, 429.
-    pub max_pending: usize,
+    /// Engine requests admitted and not finished, within `--max-pending`; past it, 429.
+    pub admission: Admission,
     /// This process's worker on the job store (which it also hands out to the handlers).
     pub jobs: Arc<crate::jobs::Worker>,
 }
