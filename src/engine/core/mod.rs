@@ -15,7 +15,7 @@ mod verify;
 use output::merge;
 pub use output::{Completion, Completions, FinishReason, RequestMetrics, RequestOutput};
 use state::State;
-use verify::{copy_prior, RowDraw};
+use verify::{copy_prior, RowGrammar};
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -35,7 +35,7 @@ use super::stop::StopStrings;
 use super::structured::CompiledConstraint;
 use super::BlockPool;
 use crate::runtime::{Backend, Draw, ForwardBatch, RowRequest, RuntimeError};
-use crate::sampling::{SampledToken, Sampler, SamplingParamError, SamplingParams};
+use crate::sampling::{DeviceDraw, SampledToken, Sampler, SamplingParamError, SamplingParams};
 use crate::tokenizer::Tokenizer;
 
 /// What a client asks of the engine.
@@ -307,8 +307,8 @@ impl EngineCore {
         }
         let started = Instant::now();
         let (batch, sampling) = self.prepare_batch(&plan.scheduled);
-        let masks = self.forward_with_masks(&batch, &sampling)?;
-        let runs = self.sample(&sampling, &masks)?;
+        let grammar = self.forward_with_masks(&batch, &sampling)?;
+        let runs = self.sample(&sampling, &grammar)?;
         self.steps += 1;
         let outputs = self.update(&plan.scheduled, &sampling, runs);
         // Decoding steps only: a prompt's tokens cost far less each than a sampled row (no
@@ -353,24 +353,27 @@ impl EngineCore {
         (batch, sampling)
     }
 
-    /// Queues the forward pass and fills the sampled rows' grammar masks meanwhile (they
-    /// depend only on the tokens accepted so far, and a draft row's on the drafts before it).
-    /// Masks span the grammar's vocabulary, the tokenizer's; a model may have more rows
-    /// (padding, or a stand-in tokenizer for dummy weights), which a mask never allows.
+    /// Queues the forward pass and fills the sampled rows' grammar masks and copy priors
+    /// meanwhile (they depend only on the tokens accepted so far, and a draft row's on the
+    /// drafts before it): the one walk of the matcher through a request's drafts, off the
+    /// engine thread. Masks span the grammar's vocabulary, the tokenizer's; a model may have
+    /// more rows (padding, or a stand-in tokenizer for dummy weights), which a mask never
+    /// allows.
     fn forward_with_masks(
         &mut self,
         batch: &ForwardBatch,
         sampling: &[Sampling],
-    ) -> Result<Vec<Option<Vec<u32>>>, RuntimeError> {
+    ) -> Result<Vec<RowGrammar>, RuntimeError> {
         let words = bitmask_words(self.tokenizer.vocab_size());
         let rows = batch.logits_rows.len();
-        let mut masks: Vec<Option<Vec<u32>>> = vec![None; rows];
-        let mut matchers: Vec<(&Sampling, &mut ContainedMatcher)> = Vec::new();
+        let mut grammar: Vec<RowGrammar> = vec![RowGrammar::default(); rows];
+        let mut matchers: Vec<(&Sampling, &mut ContainedMatcher, f32)> = Vec::new();
         {
             let by_id: HashMap<RequestId, &Sampling> = sampling.iter().map(|v| (v.s.id, v)).collect();
             for (id, state) in self.scheduler.states_mut() {
+                let bias = state.sampler.params().copy_bias;
                 if let (Some(&v), Some(m)) = (by_id.get(&id), state.matcher.as_mut()) {
-                    matchers.push((v, m));
+                    matchers.push((v, m, bias));
                 }
             }
         }
@@ -379,7 +382,7 @@ impl EngineCore {
         let backend = &mut self.backend;
         let filled = std::sync::Mutex::new(Vec::with_capacity(rows));
         let ran = rayon::in_place_scope(|scope| {
-            for (v, m) in matchers {
+            for (v, m, bias) in matchers {
                 let filled = &filled;
                 scope.spawn(move |_| {
                     let mut done = Vec::with_capacity(v.rows());
@@ -387,7 +390,8 @@ impl EngineCore {
                     for j in 0..v.rows() {
                         let mut mask = vec![0u32; words];
                         m.fill_bitmask(&mut mask);
-                        done.push((v.first_row + j, mask));
+                        let copy = copy_prior(m, bias);
+                        done.push((v.first_row + j, RowGrammar { mask: Some(mask), copy }));
                         // A row after a draft the grammar refuses is never reached.
                         if j == v.drafts.len() || m.accept(v.drafts[j]).is_err() {
                             break;
@@ -402,10 +406,10 @@ impl EngineCore {
         });
         let filled = filled.into_inner().unwrap_or_else(|e| e.into_inner());
         ran?;
-        for (i, mask) in filled {
-            masks[i] = Some(mask);
+        for (i, row) in filled {
+            grammar[i] = row;
         }
-        Ok(masks)
+        Ok(grammar)
     }
 
     /// Each sampling request's run of tokens: the drafts the model agrees with, then its own
@@ -416,44 +420,41 @@ impl EngineCore {
     fn sample(
         &mut self,
         sampling: &[Sampling],
-        masks: &[Option<Vec<u32>>],
+        grammar: &[RowGrammar],
     ) -> Result<Vec<Vec<SampledToken>>, RuntimeError> {
         let words = bitmask_words(self.tokenizer.vocab_size());
-        let mut draws: Vec<Option<RowDraw>> = vec![None; masks.len()];
+        let mut draws: Vec<Option<DeviceDraw>> = vec![None; grammar.len()];
         if self.backend.draws_on_device() {
             for v in sampling {
                 let Some(state) = self.scheduler.state_mut(v.s.id) else {
                     continue;
                 };
+                let constrained = state.matcher.is_some();
                 let checkpoint = (!v.drafts.is_empty()).then(|| state.sampler.checkpoint());
-                let mut advanced = 0;
                 for j in 0..v.rows() {
-                    draws[v.first_row + j] = Some((state.sampler.device_draw(), copy_prior(state)));
+                    let row = v.first_row + j;
+                    // A constrained row without a mask comes after a draft the grammar
+                    // refuses: never reached.
+                    if constrained && grammar[row].mask.is_none() {
+                        break;
+                    }
+                    draws[row] = Some(state.sampler.device_draw());
                     let Some(&draft) = v.drafts.get(j) else { break };
                     state.sampler.record(draft);
-                    if let Some(m) = state.matcher.as_mut() {
-                        if m.accept(draft).is_err() {
-                            break;
-                        }
-                        advanced += 1;
-                    }
-                }
-                if let Some(m) = state.matcher.as_mut() {
-                    let _ = m.rollback(advanced);
                 }
                 if let Some(c) = checkpoint {
                     state.sampler.rewind(c);
                 }
             }
         }
-        let requests: Vec<RowRequest<'_>> = masks
+        let requests: Vec<RowRequest<'_>> = grammar
             .iter()
             .zip(&draws)
-            .map(|(mask, draw)| RowRequest {
-                mask: mask.as_deref(),
-                draw: draw.as_ref().map(|(d, copying)| Draw {
+            .map(|(g, draw)| RowRequest {
+                mask: g.mask.as_deref(),
+                draw: draw.as_ref().map(|d| Draw {
                     params: d.params,
-                    bias: copying.as_ref().map(|(c, b)| (&c[..], *b)),
+                    bias: g.copy.as_ref().map(|(c, b)| (&c[..], *b)),
                     penalties: &d.penalties,
                 }),
             })
@@ -461,7 +462,7 @@ impl EngineCore {
         let decided = self.backend.sample(&requests)?;
         let mut runs = Vec::with_capacity(sampling.len());
         for v in sampling {
-            runs.push(self.verify(v, &decided, masks, words)?);
+            runs.push(self.verify(v, &decided, grammar, words)?);
         }
         Ok(runs)
     }

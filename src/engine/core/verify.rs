@@ -7,7 +7,7 @@ use super::{EngineCore, Sampling, State};
 use crate::engine::contained::ContainedMatcher;
 use crate::engine::proposers::forced_after;
 use crate::runtime::{RowLogprobs, RuntimeError};
-use crate::sampling::{DeviceDraw, SampledToken, TopLogprob};
+use crate::sampling::{SampledToken, TopLogprob};
 
 impl EngineCore {
     /// Draws a request's rows in order, each under the state the tokens before it leave
@@ -24,7 +24,7 @@ impl EngineCore {
         &mut self,
         v: &Sampling,
         decided: &crate::runtime::Sampled,
-        masks: &[Option<Vec<u32>>],
+        grammar: &[RowGrammar],
         words: usize,
     ) -> Result<Vec<SampledToken>, RuntimeError> {
         let id = v.s.id;
@@ -61,7 +61,7 @@ impl EngineCore {
                         Err(e) => break Err(e),
                     }
                 }
-                (None, Some(logits)) => draw_within(state, logits, masks[row].as_deref(), left, words),
+                (None, Some(logits)) => draw_within(state, logits, &grammar[row], left, words),
                 (None, None) => unreachable!("a row without a token has logits"),
             };
             let token = sampled.token;
@@ -126,8 +126,14 @@ impl EngineCore {
     }
 }
 
-/// A row's draw for the backend, with the copy bias's mask and weight.
-pub(super) type RowDraw = (DeviceDraw, Option<(Vec<u32>, f32)>);
+/// What the grammar says of a sampled row before it is drawn, worked out while the model runs:
+/// the tokens it allows (none for an unconstrained request, or a row after a draft it refuses)
+/// and the copy bias's tokens and weight there.
+#[derive(Debug, Clone, Default)]
+pub(super) struct RowGrammar {
+    pub mask: Option<Vec<u32>>,
+    pub copy: Option<(Vec<u32>, f32)>,
+}
 
 /// The token a backend drew for a row, kept if the output can still close within `room` more
 /// tokens; otherwise drawn again where the logits are, under the mask that keeps room: the same
@@ -184,9 +190,10 @@ fn room_keeping_mask(m: &mut ContainedMatcher, token: u32, room: usize, words: u
 /// run copied from its document, at the request's `copy_bias`, or `CHOICE_FACTOR` times that
 /// inside a closed choice of strings, where an option the document spells out is strong
 /// evidence (a currency code, a status the document names).
-pub(super) fn copy_prior(state: &mut State) -> Option<(Vec<u32>, f32)> {
-    let bias = state.sampler.params().copy_bias;
-    let m = state.matcher.as_mut().filter(|_| bias > 0.0)?;
+pub(super) fn copy_prior(m: &mut ContainedMatcher, bias: f32) -> Option<(Vec<u32>, f32)> {
+    if bias <= 0.0 {
+        return None;
+    }
     let mask = m.copy_mask()?;
     let factor = if m.in_choice() { CHOICE_FACTOR } else { 1.0 };
     Some((mask, bias * factor))
@@ -203,10 +210,9 @@ const CHOICE_FACTOR: f32 = 2.0;
 /// when the drawn token would leave too little room is it drawn again under the mask that keeps
 /// room. Greedy, this is the argmax of the tighter mask; sampled, the distribution the tighter
 /// mask gives.
-fn draw_within(state: &mut State, logits: &[f32], mask: Option<&[u32]>, room: usize, words: usize) -> SampledToken {
-    let prior = copy_prior(state);
-    let (copying, bias) = match prior {
-        Some((c, b)) => (Some(c), b),
+fn draw_within(state: &mut State, logits: &[f32], row: &RowGrammar, room: usize, words: usize) -> SampledToken {
+    let (copying, bias) = match &row.copy {
+        Some((c, b)) => (Some(c), *b),
         None => (None, 0.0),
     };
     let masked = |mask: &[u32]| -> Vec<f32> {
@@ -220,7 +226,7 @@ fn draw_within(state: &mut State, logits: &[f32], mask: Option<&[u32]>, room: us
             })
             .collect()
     };
-    let Some(mask) = mask else {
+    let Some(mask) = row.mask.as_deref() else {
         return state.sampler.sample(logits);
     };
     let sampled = state.sampler.draw(&masked(mask));
