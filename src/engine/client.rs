@@ -71,8 +71,8 @@ impl RequestStream {
         self.id
     }
 
-    /// Keeps `value` until this stream is dropped, which is when its request has ended or is
-    /// aborted.
+    /// Keeps `value` until the request ends (its last output is read) or its stream is
+    /// dropped (which aborts it).
     pub fn hold(mut self, value: impl std::any::Any + Send + Sync) -> Self {
         self.held = Some(Box::new(value));
         self
@@ -86,7 +86,11 @@ impl RequestStream {
         let out = self.outputs.recv().await;
         match &out {
             Some(o) if o.finished.is_none() => {}
-            _ => self.done = true,
+            // What was held for the request goes back as it ends, not when its reader is done.
+            _ => {
+                self.done = true;
+                self.held = None;
+            }
         }
         out
     }

@@ -391,20 +391,21 @@ fn outcome_of(ends: impl IntoIterator<Item = (FinishReason, bool)>) -> &'static 
     }
 }
 
-/// Every choice to its end, each observed in the metrics as it ends; the whole response.
+/// Every choice to its end, each observed in the metrics as it ends; the whole response. The
+/// choices are awaited together, so each gives back its admission as it ends.
 async fn complete(state: &AppState, head: &Head, streams: Vec<RequestStream>) -> Result<Response, ApiError> {
-    let mut done = Vec::new();
-    for stream in streams {
+    let choices = streams.into_iter().map(|stream| async move {
         let c = stream.collect().await;
         let c = c.ok_or_else(|| ApiError::internal("the engine stopped before the request finished"))?;
         door::observe(state, &c.metrics, c.tokens.len());
-        // An answer the engine could not finish is an error, never a normal stop; returning
-        // drops the other choices' streams, which aborts them.
-        if let Some(e) = engine_failure(c.finish) {
-            return Err(e);
+        // An answer the engine could not finish is an error, never a normal stop; the first
+        // error drops the other choices' streams, which aborts them.
+        match engine_failure(c.finish) {
+            Some(e) => Err(e),
+            None => Ok(c),
         }
-        done.push(c);
-    }
+    });
+    let done = futures_util::future::try_join_all(choices).await?;
     let found: Vec<Option<Vec<Violation>>> = done
         .iter()
         .map(|c| violations_of(head.validator.as_deref(), &c.text, c.finish))
