@@ -7,6 +7,7 @@ mod kv_cache;
 mod linear;
 mod ops;
 mod pool;
+pub use pool::prefer_parking;
 pub mod q4_1;
 pub mod q4_1_x16;
 pub mod q8_0_x16;
