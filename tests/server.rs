@@ -602,13 +602,41 @@ fn a_full_queue_answers_429_with_retry_after() {
     drop(busy);
 }
 
+/// The most engine requests waiting or running at once while it watches (`/health` every
+/// 5 ms, on a thread of its own).
+struct PendingWatch {
+    done: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<u64>,
+}
+
+impl PendingWatch {
+    fn start(port: u16) -> Self {
+        use std::sync::atomic::Ordering;
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stop = done.clone();
+        let thread = std::thread::spawn(move || {
+            let mut most = 0;
+            while !stop.load(Ordering::Relaxed) {
+                let (_, h) = http(port, "GET", "/health", None, b"");
+                most = most.max(h["waiting"].as_u64().unwrap() + h["running"].as_u64().unwrap());
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            most
+        });
+        PendingWatch { done, thread }
+    }
+
+    fn most(self) -> u64 {
+        self.done.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().unwrap()
+    }
+}
+
 /// Many clients at once, each asking for `n: 8` (eight engine requests): the server admits
 /// what `--max-pending` holds and answers the rest 429, and its queue never grows past the
 /// bound while they come.
 #[test]
 fn a_flood_of_chat_choices_is_held_to_max_pending() {
-    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-    use std::sync::Arc;
     let Some(server) = start(&["--max-pending", "16"]) else {
         return;
     };
@@ -620,19 +648,7 @@ fn a_flood_of_chat_choices_is_held_to_max_pending() {
         "max_tokens": 48, "n": 8, "temperature": 0.8, "seed": 3,
     })
     .to_string();
-    let done = Arc::new(AtomicBool::new(false));
-    let most = Arc::new(AtomicU64::new(0));
-    let watcher = {
-        let (done, most) = (done.clone(), most.clone());
-        std::thread::spawn(move || {
-            while !done.load(Ordering::Relaxed) {
-                let (_, h) = http(port, "GET", "/health", None, b"");
-                let pending = h["waiting"].as_u64().unwrap() + h["running"].as_u64().unwrap();
-                most.fetch_max(pending, Ordering::Relaxed);
-                std::thread::sleep(Duration::from_millis(5));
-            }
-        })
-    };
+    let watch = PendingWatch::start(port);
     let clients: Vec<_> = (0..12)
         .map(|_| {
             let chat = chat.clone();
@@ -640,8 +656,7 @@ fn a_flood_of_chat_choices_is_held_to_max_pending() {
         })
         .collect();
     let answers: Vec<_> = clients.into_iter().map(|c| c.join().unwrap()).collect();
-    done.store(true, Ordering::Relaxed);
-    watcher.join().unwrap();
+    let most = watch.most();
     let (mut ok, mut full) = (0, 0);
     for (status, head, body) in &answers {
         match status {
@@ -661,12 +676,10 @@ fn a_flood_of_chat_choices_is_held_to_max_pending() {
         }
     }
     // Twelve clients of eight choices against a bound of sixteen: two at a time get in.
-    let most_seen = most.load(Ordering::Relaxed);
     assert!(
         ok >= 2 && full >= 1,
-        "{ok} answered, {full} refused, {most_seen} pending at most"
+        "{ok} answered, {full} refused, {most} pending at most"
     );
-    let most = most.load(Ordering::Relaxed);
     assert!(
         most <= 16,
         "{most} engine requests were pending at once, over --max-pending 16"
@@ -676,6 +689,30 @@ fn a_flood_of_chat_choices_is_held_to_max_pending() {
         (h["waiting"].as_u64(), h["running"].as_u64()),
         (Some(0), Some(0)),
         "{h}"
+    );
+}
+
+/// Job items pass the same door: with `--max-pending 4` and 32 item slots, at most four are
+/// in the engine at once, and the others wait their turn rather than fail.
+#[test]
+fn job_items_wait_within_max_pending() {
+    let Some(server) = start(&["--max-pending", "4"]) else {
+        return;
+    };
+    let port = server.port;
+    let mut body = String::new();
+    for i in 0..24 {
+        body.push_str(&json!({"id": format!("d{i}"), "document": contact_document(i)}).to_string());
+        body.push('\n');
+    }
+    let watch = PendingWatch::start(port);
+    let job = submit_job(port, "schema_id=contact", body.as_bytes());
+    let st = wait_for_job(port, &job);
+    let most = watch.most();
+    assert_eq!((st["ok"].as_u64(), st["failed"].as_u64()), (Some(24), Some(0)), "{st}");
+    assert!(
+        (1..=4).contains(&most),
+        "{most} engine requests were pending at once, against --max-pending 4"
     );
 }
 
