@@ -17,7 +17,7 @@ use quarry::engine::{
     StructuredOutputs,
 };
 use quarry::runtime::Backend;
-use quarry::sampling::SamplingParams;
+use quarry::sampling::{ContrastParams, SamplingParams};
 use quarry::tokenizer::Tokenizer;
 use quarry_grammar::json::Whitespace;
 use serde_json::Value;
@@ -108,6 +108,9 @@ enum Draw {
     Greedy,
     /// Temperature 0.8, top-p 0.95, a seed per job.
     Seeded,
+    /// Greedy, each job contrasted (context-aware decoding) with its own prompt at weight 1:
+    /// `2 * logits - logits`, the same logits where the twin's rows line up with the request's.
+    SelfContrast,
 }
 
 /// `logprobs`: the reference runs on the GPU ask for the top alternatives, to judge near-ties
@@ -138,6 +141,10 @@ fn request(job: &Job, structured: &StructuredOutputs, logprobs: bool, draw: Draw
             temperature: if draw == Draw::Seeded { 0.8 } else { 0.0 },
             top_p: if draw == Draw::Seeded { 0.95 } else { 1.0 },
             seed: Some(job.prompt.len() as u64 * 7 + job.max_tokens as u64),
+            contrast: (draw == Draw::SelfContrast).then(|| ContrastParams {
+                prompt: job.prompt.clone(),
+                weight: 1.0,
+            }),
             ..SamplingParams::greedy(job.max_tokens + minimum)
         },
         priority: 0,
@@ -437,6 +444,63 @@ fn speculation_changes_no_output() {
         assert_eq!(out, reference, "seeded sampling with and without speculation");
         assert!(done.stats().drafts.accepted() > 0);
     }
+}
+
+/// Context-aware decoding's twin follows its request row for row: contrasted with its own
+/// prompt at weight 1, every job gives its output without contrast, all at once, with every
+/// prompt chunked, speculating, and in a pool small enough to preempt (twins' blocks come from
+/// it too). Every block, twins' included, comes back (`run` checks).
+#[test]
+fn a_twin_with_the_requests_own_prompt_changes_no_output() {
+    let Some((backend, tok)) = common::load_backend(8192) else {
+        return;
+    };
+    let tok = Arc::new(tok);
+    let structured = StructuredOutputs::new(&tok);
+    let jobs = jobs(&tok);
+    let config = EngineConfig::default();
+    let block_size = backend.kv_layout().block_size;
+    let (alone, _, core) = run(engine(backend, &tok, config, None), &jobs, &structured, false);
+    let (out, _, core) = run_drawn(
+        engine(core.into_backend(), &tok, config, None),
+        &jobs,
+        &structured,
+        true,
+        Draw::SelfContrast,
+    );
+    same_up_to_near_ties(&out, &alone, "self-contrasted, 32 at once");
+
+    let mut chunked = EngineConfig {
+        speculative: Some(SpeculativeConfig {
+            tokens: 6,
+            ngram: true,
+            grammar: true,
+            adaptive: false,
+        }),
+        ..config
+    };
+    chunked.scheduler.max_num_batched_tokens = 4;
+    let (out, _, core) = run_drawn(
+        engine(core.into_backend(), &tok, chunked, None),
+        &jobs,
+        &structured,
+        true,
+        Draw::SelfContrast,
+    );
+    same_up_to_near_ties(&out, &alone, "self-contrasted, speculating, prompts in chunks of 4");
+    assert!(core.stats().drafts.accepted() > 0);
+
+    let longest = jobs.iter().map(|j| j.prompt.len() + j.max_tokens).max().unwrap();
+    let pool = BlockPool::new(8 * longest.div_ceil(block_size));
+    let (out, preemptions, _) = run_drawn(
+        engine(core.into_backend(), &tok, config, Some(pool)),
+        &jobs,
+        &structured,
+        true,
+        Draw::SelfContrast,
+    );
+    same_up_to_near_ties(&out, &alone, "self-contrasted, a pool too small for everyone");
+    assert!(preemptions > 0, "the small pool never preempted");
 }
 
 #[test]

@@ -383,6 +383,8 @@ fn extract_over_http_with_typed_errors() {
     );
     let (status, out) = post(port, &json!({"schema_id": id, "document": "Tags: red, green."}));
     assert_eq!(status, 200, "{out}");
+    // The model may repeat a tag (a CPU under load has given either record): the outcome says so.
+    let tags_violate = usize::from(out["outcome"] == "schema_violation");
     if out["outcome"] == "ok" {
         assert!(out["data"]["tags"].is_array(), "{out}");
     }
@@ -420,10 +422,14 @@ fn extract_over_http_with_typed_errors() {
     // Prometheus metrics: outcomes by type, latency histograms, engine gauges.
     let (status, text) = http_text(port, "GET", "/metrics", None, b"");
     assert_eq!(status, 200);
+    let violations = format!(
+        "quarry_requests_total{{endpoint=\"extract\",outcome=\"schema_violation\"}} {}",
+        1 + tags_violate
+    );
     for line in [
         "quarry_requests_total{endpoint=\"extract\",outcome=\"ok\"}",
         "quarry_requests_total{endpoint=\"extract\",outcome=\"max_tokens_too_small\"} 1",
-        "quarry_requests_total{endpoint=\"extract\",outcome=\"schema_violation\"} 1",
+        violations.as_str(),
         "quarry_budget_closed_total",
         "quarry_grammar_failures_total 0",
         "quarry_requests_total{endpoint=\"extract\",outcome=\"unknown_schema_id\"} 1",

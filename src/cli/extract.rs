@@ -62,6 +62,11 @@ pub struct ExtractArgs {
     /// substring of the document.
     #[arg(long)]
     verbatim: bool,
+    /// Context-aware decoding's weight: each token is drawn from `1 + w` times the model's
+    /// logits minus `w` times its logits without the document (0 turns it off) [default: the
+    /// extraction default]
+    #[arg(long)]
+    contrast: Option<f32>,
     /// Sample a record that fails validation again, up to this many times.
     #[arg(long, default_value_t = 0)]
     retries: usize,
@@ -95,6 +100,14 @@ pub fn run(args: ExtractArgs) -> anyhow::Result<()> {
         verbatim: args.verbatim,
         retries: args.retries,
         ..Task::new(schema, String::new())
+    };
+    anyhow::ensure!(
+        args.contrast.is_none_or(|w| w.is_finite() && w >= 0.0),
+        "--contrast must be a number >= 0"
+    );
+    let task = Task {
+        contrast: args.contrast.unwrap_or(task.contrast),
+        ..task
     };
     let (engine, tokenizer) = args.model.engine()?;
     let extractor = Arc::new(Extractor::new(EngineClient::start(engine), tokenizer));

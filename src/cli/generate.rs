@@ -82,6 +82,7 @@ impl GenerateArgs {
             }),
             copy_bias: 0.0,
             speculate: true,
+            contrast: None,
         }
     }
 

@@ -4,6 +4,7 @@
 pub mod block_pool;
 pub mod client;
 mod contained;
+pub mod contrast;
 pub mod core;
 pub mod detokenizer;
 pub mod kv_cache_manager;

@@ -168,6 +168,12 @@ impl<T> Scheduler<T> {
         &self.kv
     }
 
+    /// The cache, for blocks the engine holds beside the requests' own (contrast twins): the
+    /// scheduler sees them only as blocks that are not free.
+    pub fn kv_mut(&mut self) -> &mut KvCacheManager {
+        &mut self.kv
+    }
+
     pub fn num_waiting(&self) -> usize {
         self.waiting.len()
     }

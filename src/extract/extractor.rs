@@ -16,7 +16,7 @@ use super::prompt::PromptLayout;
 use super::validate::{violations, Validators, Violation};
 use crate::engine::{AddError, AdmitError, StructuredOutputs, SubmitError};
 use crate::engine::{CompiledConstraint, Constraint, EngineClient, EngineRequest, FinishReason, RequestMetrics};
-use crate::sampling::{DryParams, SampledToken, SamplingParams};
+use crate::sampling::{ContrastParams, DryParams, SampledToken, SamplingParams};
 use crate::tokenizer::Tokenizer;
 
 /// The engine and what turns a schema and a document into a request for it.
@@ -58,6 +58,11 @@ pub struct Task {
     /// Logit bonus for tokens that continue a run copied from the document (see
     /// `SamplingParams::copy_bias`); 0 turns it off.
     pub copy_bias: f32,
+    /// Context-aware decoding's weight (`engine::contrast`): each token is drawn from `1 + w`
+    /// times the model's logits minus `w` times its logits without the document, so that what
+    /// the document says outweighs what the model would say anyway; 0 turns it off (it costs
+    /// a second row of the model per token).
+    pub contrast: f32,
     /// Let a speculating engine guess this extraction's tokens ahead (the record is the same).
     pub speculate: bool,
     /// A record that fails validation is sampled again this many times at most, each time
@@ -77,7 +82,9 @@ pub const PRETTY: Whitespace = Whitespace::Flexible { max_run: 8 };
 impl Task {
     /// The extraction defaults, each chosen by `quarry bench quality` on the development set
     /// (see the issue notes): greedy, 512 tokens at most, lenient; properties in schema order,
-    /// pretty whitespace, objects closed, DRY at llama.cpp's suggested 0.8, a copy bias of 1.
+    /// pretty whitespace, objects closed, DRY at llama.cpp's suggested 0.8, a copy bias of 1,
+    /// contrast at 0.5 (the weight Shi et al. use; mean field accuracy per case 23.1% without
+    /// it, 29.9% with it, for a quarter more time on one CPU).
     pub fn new(schema: Value, document: String) -> Task {
         Task {
             schema,
@@ -96,6 +103,7 @@ impl Task {
             dry: Some(DryParams::default()),
             verbatim: false,
             copy_bias: 1.0,
+            contrast: 0.5,
             speculate: true,
             retries: 0,
             logprobs: None,
@@ -234,7 +242,7 @@ impl Extractor {
         let work = self.clone();
         let task = Arc::new(task);
         let t = task.clone();
-        let (compiled, constraint, validator, prompt) = tokio::task::spawn_blocking(move || {
+        let (compiled, constraint, validator, prompt, contrast) = tokio::task::spawn_blocking(move || {
             let compiled = work
                 .structured
                 .compile(&t.constraint())
@@ -255,6 +263,15 @@ impl Extractor {
                 t.instructions.as_deref(),
             )
             .map_err(|e| ExtractError::Internal(e.to_string()))?;
+            // The same prompt with the document left out: what the model says without it.
+            let contrast = (t.contrast > 0.0)
+                .then(|| super::prompt(&work.tokenizer, t.layout, &t.schema, "", t.instructions.as_deref()))
+                .transpose()
+                .map_err(|e| ExtractError::Internal(e.to_string()))?
+                .map(|prompt| ContrastParams {
+                    prompt,
+                    weight: t.contrast,
+                });
             // The document, for copies: verbatim free strings, and the copy bias (a prior,
             // which a document too long for the copy automaton simply goes without).
             let constraint = match t.verbatim || t.copy_bias > 0.0 {
@@ -265,7 +282,7 @@ impl Extractor {
                 },
                 false => compiled.clone(),
             };
-            Ok::<_, ExtractError>((compiled, constraint, validator, prompt))
+            Ok::<_, ExtractError>((compiled, constraint, validator, prompt, contrast))
         })
         .await
         .map_err(|e| ExtractError::Internal(e.to_string()))??;
@@ -276,7 +293,10 @@ impl Extractor {
             let request = EngineRequest {
                 id: 0,
                 prompt: prompt.clone(),
-                params: task.sampling(attempt),
+                params: SamplingParams {
+                    contrast: contrast.clone(),
+                    ..task.sampling(attempt)
+                },
                 priority: task.priority,
                 constraint: Some(constraint.clone()),
             };

@@ -5,5 +5,5 @@
 mod params;
 mod sampler;
 
-pub use params::{DryParams, SamplingParamError, SamplingParams, MAX_LOGPROBS};
+pub use params::{ContrastParams, DryParams, SamplingParamError, SamplingParams, MAX_LOGPROBS};
 pub use sampler::{argmax, DeviceDraw, SampledToken, Sampler, TopLogprob};

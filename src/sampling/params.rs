@@ -36,6 +36,18 @@ pub struct SamplingParams {
     /// Lets the engine guess this request's tokens ahead where it speculates (the output is
     /// the same either way; false spares the request the work of checking guesses).
     pub speculate: bool,
+    /// Context-aware decoding (see `engine::contrast`): each token is drawn from `(1 + weight)`
+    /// times the logits minus `weight` times the logits of `prompt` (the request's prompt with
+    /// its document left out) followed by the same output. Off when `None`.
+    pub contrast: Option<ContrastParams>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ContrastParams {
+    /// The prompt without the context whose influence is amplified.
+    pub prompt: Vec<u32>,
+    pub weight: f32,
 }
 
 /// DRY ("don't repeat yourself", llama.cpp's `--dry-multiplier`): a token that would extend a
@@ -83,6 +95,7 @@ impl Default for SamplingParams {
             dry: None,
             copy_bias: 0.0,
             speculate: true,
+            contrast: None,
         }
     }
 }
@@ -133,6 +146,17 @@ impl SamplingParams {
         if let Some(n) = self.logprobs {
             if n > MAX_LOGPROBS {
                 return err("logprobs", format!("{n} is more than {MAX_LOGPROBS}"));
+            }
+        }
+        if let Some(c) = &self.contrast {
+            if !(c.weight.is_finite() && c.weight >= 0.0) {
+                return err("contrast", format!("weight {} is not a finite number >= 0", c.weight));
+            }
+            if c.prompt.is_empty() {
+                return err("contrast", "the prompt without the context is empty".into());
+            }
+            if let Some(&t) = c.prompt.iter().find(|&&t| t as usize >= vocab_size) {
+                return err("contrast", format!("token {t} is past the vocabulary ({vocab_size})"));
             }
         }
         if let Some(d) = &self.dry {

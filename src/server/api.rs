@@ -58,6 +58,11 @@ pub struct ExtractOptions {
     /// Logit bonus for tokens that continue a run copied from the document: a prior for
     /// copying over inventing (default 1.0; 0 turns it off).
     pub copy_bias: Option<f32>,
+    /// Context-aware decoding's weight `w`: each token is drawn from `1 + w` times the model's
+    /// logits minus `w` times its logits without the document, so that what the document says
+    /// outweighs what the model would say anyway (Shi et al., 2023). Default 0.5; 0 turns it
+    /// off, sparing the second row of the model it costs per token.
+    pub contrast: Option<f32>,
     /// DRY penalty on tokens that extend a repeat inside the record (llama.cpp's
     /// `dry_multiplier`, base 1.75, runs from 2 tokens; default 0.8, 0 turns it off).
     pub dry_multiplier: Option<f32>,

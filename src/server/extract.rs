@@ -99,7 +99,11 @@ async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractRespon
         }),
         None => base.dry.clone(),
     };
+    if o.contrast.is_some_and(|w| !(w.is_finite() && w >= 0.0)) {
+        return Err(ApiError::bad_request("`options.contrast` must be a number >= 0"));
+    }
     let task = Task {
+        contrast: o.contrast.unwrap_or(base.contrast),
         instructions: req.instructions,
         open_objects: o.open_objects.unwrap_or(base.open_objects),
         ordered_properties: o.ordered_properties.unwrap_or(base.ordered_properties),

@@ -65,6 +65,9 @@ pub struct QualityArgs {
     /// Logit bonus for tokens that continue a run copied from the document.
     #[arg(long)]
     copy_bias: Option<f32>,
+    /// Context-aware decoding's weight (0 turns it off).
+    #[arg(long)]
+    contrast: Option<f32>,
     /// DRY multiplier (0 turns DRY off).
     #[arg(long)]
     dry_multiplier: Option<f32>,
@@ -150,6 +153,7 @@ fn run_cases(args: &QualityArgs, cases: &[Case]) -> anyhow::Result<Vec<Row>> {
                 dry: dry(args, base.dry.clone()),
                 verbatim: args.verbatim.unwrap_or(base.verbatim),
                 copy_bias: args.copy_bias.unwrap_or(base.copy_bias),
+                contrast: args.contrast.unwrap_or(base.contrast),
                 logprobs: args.logprobs,
                 ..base
             }

@@ -25,6 +25,7 @@ use quarry_grammar::bitmask_words;
 
 use super::client::EngineStats;
 use super::contained::ContainedMatcher;
+use super::contrast::Twins;
 use super::detokenizer::Detokenizer;
 use super::kv_cache_manager::{KvCacheManager, RequestId};
 use super::proposers::forced_after;
@@ -117,6 +118,8 @@ pub struct EngineCore {
     draft_model_failures: u64,
     /// What a decoding step costs against its sampled rows, measured as steps run.
     step_cost: StepCost,
+    /// The contrasting requests' twins (context-aware decoding).
+    twins: Twins,
 }
 
 impl EngineCore {
@@ -151,6 +154,7 @@ impl EngineCore {
             draft_model: None,
             draft_model_failures: 0,
             step_cost: StepCost::default(),
+            twins: Twins::default(),
         }
     }
 
@@ -203,6 +207,12 @@ impl EngineCore {
 
     pub fn add_request(&mut self, r: EngineRequest) -> Result<(), AddError> {
         r.params.validate(self.backend.config().vocab_size)?;
+        if r.params.contrast.is_some() && !Twins::allows(r.id) {
+            return Err(AddError::BadParams(SamplingParamError {
+                field: "contrast",
+                reason: format!("request id {} is past the ids a contrasting request may have", r.id),
+            }));
+        }
         let mut matcher = r.constraint.map(|c| ContainedMatcher::new(c.matcher()));
         // A budget below the shortest output would end truncated whatever the model does; the
         // context bounds the budget as much as max_tokens does.
@@ -265,7 +275,7 @@ impl EngineCore {
 
     /// Drops a request wherever it is; its blocks go back to the pool at once.
     pub fn abort(&mut self, id: RequestId) -> Option<RequestOutput> {
-        let (r, state) = self.scheduler.finish(id)?;
+        let (r, state) = self.finish(id)?;
         Some(self.final_output(id, state, r.num_preemptions, FinishReason::Aborted, String::new(), None))
     }
 
@@ -273,7 +283,7 @@ impl EngineCore {
     pub fn fail_all(&mut self) -> Vec<RequestOutput> {
         let mut outputs = Vec::new();
         for id in self.scheduler.ids() {
-            if let Some((r, state)) = self.scheduler.finish(id) {
+            if let Some((r, state)) = self.finish(id) {
                 let reason = FinishReason::Internal;
                 outputs.push(self.final_output(id, state, r.num_preemptions, reason, String::new(), None));
             }
@@ -302,6 +312,9 @@ impl EngineCore {
     pub fn step(&mut self) -> Result<Vec<RequestOutput>, RuntimeError> {
         self.propose();
         let plan = self.scheduler.schedule();
+        for &id in &plan.preempted {
+            self.twins.release(self.scheduler.kv_mut(), id);
+        }
         if plan.scheduled.is_empty() {
             return Ok(Vec::new());
         }
@@ -334,14 +347,30 @@ impl EngineCore {
             batch.push_sequence(&tokens, s.start, self.scheduler.kv().block_table(s.id), block_size);
             if s.samples {
                 let end = *batch.query_start.last().expect("just pushed") as usize;
-                sampling.push(Sampling {
-                    s: *s,
-                    first_row: batch.logits_rows.len(),
-                    drafts: r.drafts[..s.num_drafts].to_vec(),
-                });
+                let first_row = batch.logits_rows.len();
                 batch
                     .logits_rows
                     .extend((end - 1 - s.num_drafts..end).map(|p| p as u32));
+                let drafts = r.drafts[..s.num_drafts].to_vec();
+                let contrast = self
+                    .scheduler
+                    .state(s.id)
+                    .and_then(|state| state.sampler.params().contrast.as_ref())
+                    .map(|c| (c.clone(), r.output.clone()));
+                let twin = match contrast {
+                    Some((c, output)) => {
+                        let kv = self.scheduler.kv_mut();
+                        let row = self.twins.push(kv, &mut batch, s.id, &c.prompt, &output, &drafts);
+                        row.map(|row| (row, c.weight))
+                    }
+                    None => None,
+                };
+                sampling.push(Sampling {
+                    s: *s,
+                    first_row,
+                    drafts,
+                    twin,
+                });
             }
             let (r, state) = self.scheduler.get_mut(s.id).expect("scheduled requests exist");
             if state.scheduled_at.is_none() {
@@ -425,7 +454,8 @@ impl EngineCore {
         let words = bitmask_words(self.tokenizer.vocab_size());
         let mut draws: Vec<Option<DeviceDraw>> = vec![None; grammar.len()];
         if self.backend.draws_on_device() {
-            for v in sampling {
+            // A contrasting request's rows are drawn on the host, beside its twin's logits.
+            for v in sampling.iter().filter(|v| v.twin.is_none()) {
                 let Some(state) = self.scheduler.state_mut(v.s.id) else {
                     continue;
                 };
@@ -517,6 +547,12 @@ impl EngineCore {
         outputs
     }
 
+    /// Removes a request from the scheduler, and its twin's blocks with it.
+    fn finish(&mut self, id: RequestId) -> Option<(super::request::Request, State)> {
+        self.twins.release(self.scheduler.kv_mut(), id);
+        self.scheduler.finish(id)
+    }
+
     /// The tokens a request may still add after the one about to be sampled: its
     /// `max_tokens` and the context both bound it.
     fn room_after_next(&self, id: RequestId) -> usize {
@@ -554,6 +590,9 @@ struct Sampling {
     /// Its first row among the batch's logits rows.
     first_row: usize,
     drafts: Vec<u32>,
+    /// Its twin's first logits row (one per row of its own) and the contrast's weight, where
+    /// it contrasts (`engine::contrast`).
+    twin: Option<(usize, f32)>,
 }
 
 impl Sampling {

@@ -170,7 +170,7 @@ impl EngineCore {
         if stop_string.is_none() {
             text.push_str(&state.stops.flush());
         }
-        let (_, state) = self.scheduler.finish(id)?;
+        let (_, state) = self.finish(id)?;
         let mut out = self.final_output(id, state, preemptions, reason, text, stop_string);
         out.tokens = vec![sampled];
         Some(out)

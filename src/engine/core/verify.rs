@@ -5,6 +5,7 @@ use quarry_grammar::is_allowed;
 
 use super::{EngineCore, Sampling, State};
 use crate::engine::contained::ContainedMatcher;
+use crate::engine::contrast::contrast;
 use crate::engine::proposers::forced_after;
 use crate::runtime::{RowLogprobs, RuntimeError};
 use crate::sampling::{SampledToken, TopLogprob};
@@ -61,7 +62,14 @@ impl EngineCore {
                         Err(e) => break Err(e),
                     }
                 }
-                (None, Some(logits)) => draw_within(state, logits, &grammar[row], left, words),
+                (None, Some(logits)) => {
+                    let contrasted = v.twin.and_then(|(twin, weight)| {
+                        let without = decided.host_row(twin + j)?;
+                        Some(contrast(logits, without, weight))
+                    });
+                    let logits = contrasted.as_deref().unwrap_or(logits);
+                    draw_within(state, logits, &grammar[row], left, words)
+                }
                 (None, None) => unreachable!("a row without a token has logits"),
             };
             let token = sampled.token;
