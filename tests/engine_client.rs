@@ -491,7 +491,7 @@ fn a_twin_with_the_requests_own_prompt_changes_no_output() {
     assert!(core.stats().drafts.accepted() > 0);
 
     let longest = jobs.iter().map(|j| j.prompt.len() + j.max_tokens).max().unwrap();
-    let pool = BlockPool::new(8 * longest.div_ceil(block_size));
+    let pool = BlockPool::new(4 * longest.div_ceil(block_size));
     let (out, preemptions, _) = run_drawn(
         engine(core.into_backend(), &tok, config, Some(pool)),
         &jobs,
