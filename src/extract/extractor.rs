@@ -17,7 +17,7 @@ use super::validate::{violations, Validators, Violation};
 use crate::engine::{AddError, AdmitError, StructuredOutputs, SubmitError};
 use crate::engine::{CompiledConstraint, Constraint, EngineClient, EngineRequest, FinishReason, RequestMetrics};
 use crate::sampling::{ContrastParams, DryParams, SampledToken, SamplingParams};
-use crate::tokenizer::Tokenizer;
+use crate::tokenizer::{Tokenizer, TokenizerError};
 
 /// The engine and what turns a schema and a document into a request for it.
 pub struct Extractor {
@@ -119,6 +119,19 @@ impl Task {
             close_objects: !self.open_objects,
             ordered_properties: self.ordered_properties,
         }
+    }
+
+    /// Contrast's twin (`engine::contrast`): the same prompt with the document left out, what
+    /// the model says without it; `None` where contrast is off.
+    pub fn contrast_params(&self, tokenizer: &Tokenizer) -> Result<Option<ContrastParams>, TokenizerError> {
+        if self.contrast <= 0.0 {
+            return Ok(None);
+        }
+        let prompt = super::prompt(tokenizer, self.layout, &self.schema, "", self.instructions.as_deref())?;
+        Ok(Some(ContrastParams {
+            prompt,
+            weight: self.contrast,
+        }))
     }
 
     /// Sampling of attempt `attempt` (0 is the first; later ones are retries).
@@ -263,15 +276,9 @@ impl Extractor {
                 t.instructions.as_deref(),
             )
             .map_err(|e| ExtractError::Internal(e.to_string()))?;
-            // The same prompt with the document left out: what the model says without it.
-            let contrast = (t.contrast > 0.0)
-                .then(|| super::prompt(&work.tokenizer, t.layout, &t.schema, "", t.instructions.as_deref()))
-                .transpose()
-                .map_err(|e| ExtractError::Internal(e.to_string()))?
-                .map(|prompt| ContrastParams {
-                    prompt,
-                    weight: t.contrast,
-                });
+            let contrast = t
+                .contrast_params(&work.tokenizer)
+                .map_err(|e| ExtractError::Internal(e.to_string()))?;
             // The document, for copies: verbatim free strings, and the copy bias (a prior,
             // which a document too long for the copy automaton simply goes without).
             let constraint = match t.verbatim || t.copy_bias > 0.0 {

@@ -67,7 +67,10 @@ pub fn extraction(
     Ok(Job {
         prompt: crate::extract::prompt(tokenizer, task.layout, schema, document, None)?,
         max_tokens,
-        params: Some(task.sampling(0)),
+        params: Some(crate::sampling::SamplingParams {
+            contrast: task.contrast_params(tokenizer)?,
+            ..task.sampling(0)
+        }),
         constraint: Some(constraint),
     })
 }
