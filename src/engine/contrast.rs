@@ -9,7 +9,9 @@
 //! pass and on blocks of the same cache. The twin's prompt starts as the request's does (the
 //! instructions, the schema), so it takes those blocks from the prefix cache; it joins from
 //! the request's first step that feeds no prompt token, once they are cached, and the first
-//! token is drawn without it. Where the cache has no room for the twin, a step goes without it.
+//! token is drawn without it. Twins yield to the requests: a twin takes blocks only where a
+//! block per running request stays free after it (otherwise requests would be preempted for
+//! their own twins' sake), and where it cannot, its request's step goes without contrast.
 
 use std::collections::HashMap;
 
@@ -27,21 +29,22 @@ pub struct Twins {
 }
 
 impl Twins {
-    /// Puts request `id`'s twin into `batch`: its prompt, then `output` and `drafts` (the
-    /// request's), feeding only what its blocks lack, with a logits row for the last known
-    /// token and each draft (the rows the request itself samples). Returns the twin's first
-    /// logits row, or `None` where the cache has no room for it (the twin is dropped).
+    /// Puts request `id`'s twin into `batch`: `known` (its prompt, then the request's output),
+    /// then the request's `drafts`, feeding only what its blocks lack, with a logits row for
+    /// the last known token and each draft (the rows the request itself samples). Returns the
+    /// twin's first logits row, or `None` where the cache would keep fewer than `reserve`
+    /// blocks free after it (the twin is dropped).
     pub fn push(
         &mut self,
         kv: &mut KvCacheManager,
+        reserve: usize,
         batch: &mut ForwardBatch,
         id: RequestId,
-        prompt: &[u32],
-        output: &[u32],
+        known: &[u32],
         drafts: &[u32],
     ) -> Option<usize> {
         let twin = id | TWIN;
-        let tokens: Vec<u32> = [prompt, output, drafts].concat();
+        let tokens: Vec<u32> = [known, drafts].concat();
         let sampled = 1 + drafts.len();
         let mut start = match self.held.get(&id) {
             Some(held) => held.iter().zip(&tokens).take_while(|(a, b)| a == b).count(),
@@ -49,12 +52,14 @@ impl Twins {
         };
         let mut cached = Vec::new();
         if !self.held.contains_key(&id) {
-            (cached, start) = kv.get_computed_blocks(prompt);
+            (cached, start) = kv.get_computed_blocks(known);
         }
         // The sampled rows are fed again even where the blocks hold them: their logits are wanted.
         start = start.min(tokens.len() - sampled);
         kv.truncate(twin, start);
-        if !kv.allocate_slots(twin, tokens.len(), &cached) {
+        let held = kv.block_table(twin).len().max(cached.len());
+        let needed = kv.blocks_for(tokens.len()).saturating_sub(held);
+        if kv.num_free_blocks() < needed + reserve || !kv.allocate_slots(twin, tokens.len(), &cached) {
             self.release(kv, id);
             return None;
         }
@@ -108,19 +113,19 @@ mod tests {
         let mut twins = Twins::default();
         let prompt = [1, 2, 3, 4, 5, 6];
         let mut batch = ForwardBatch::default();
-        let row = twins.push(&mut kv, &mut batch, 7, &prompt, &[], &[]);
+        let row = twins.push(&mut kv, 0, &mut batch, 7, &prompt, &[]);
         assert_eq!(row, Some(0));
         assert_eq!(batch.token_ids, prompt);
         assert_eq!(batch.logits_rows, [5]);
         // Two drafts after an output token: the output token and the drafts go in.
         let mut batch = ForwardBatch::default();
-        let row = twins.push(&mut kv, &mut batch, 7, &prompt, &[9], &[10, 11]);
+        let row = twins.push(&mut kv, 0, &mut batch, 7, &[&prompt[..], &[9]].concat(), &[10, 11]);
         assert_eq!(row, Some(0));
         assert_eq!((batch.token_ids.as_slice(), batch.positions[0]), (&[9, 10, 11][..], 6));
         assert_eq!(batch.logits_rows, [0, 1, 2]);
         // The first draft was kept and the second not: the kept one's row is wanted again.
         let mut batch = ForwardBatch::default();
-        twins.push(&mut kv, &mut batch, 7, &prompt, &[9, 10, 12], &[]);
+        twins.push(&mut kv, 0, &mut batch, 7, &[&prompt[..], &[9, 10, 12]].concat(), &[]);
         assert_eq!((batch.token_ids.as_slice(), batch.positions[0]), (&[12][..], 8));
         assert_eq!(kv.block_table(7 | TWIN).len(), 3);
         twins.release(&mut kv, 7);
@@ -132,8 +137,13 @@ mod tests {
         let mut kv = KvCacheManager::new(BlockPool::new(2), 4, 0, false);
         let mut twins = Twins::default();
         let mut batch = ForwardBatch::default();
-        assert_eq!(twins.push(&mut kv, &mut batch, 3, &[1; 12], &[], &[]), None);
+        assert_eq!(twins.push(&mut kv, 0, &mut batch, 3, &[1; 12], &[]), None);
+        // Room for the twin, but not for the reserve the running requests keep.
+        assert_eq!(twins.push(&mut kv, 1, &mut batch, 3, &[1; 8], &[]), None);
         assert!(batch.token_ids.is_empty());
+        assert_eq!(kv.num_free_blocks(), 2);
+        assert_eq!(twins.push(&mut kv, 0, &mut batch, 3, &[1; 8], &[]), Some(0));
+        twins.release(&mut kv, 3);
         assert_eq!(kv.num_free_blocks(), 2);
     }
 }

@@ -356,12 +356,13 @@ impl EngineCore {
                     .scheduler
                     .state(s.id)
                     .and_then(|state| state.sampler.params().contrast.as_ref())
-                    .map(|c| (c.clone(), r.output.clone()));
+                    .map(|c| ([&c.prompt[..], &r.output[..]].concat(), c.weight));
                 let twin = match contrast {
-                    Some((c, output)) => {
+                    Some((known, weight)) => {
+                        let reserve = self.scheduler.num_running();
                         let kv = self.scheduler.kv_mut();
-                        let row = self.twins.push(kv, &mut batch, s.id, &c.prompt, &output, &drafts);
-                        row.map(|row| (row, c.weight))
+                        let row = self.twins.push(kv, reserve, &mut batch, s.id, &known, &drafts);
+                        row.map(|row| (row, weight))
                     }
                     None => None,
                 };
