@@ -196,23 +196,33 @@ fn key_at(kt: &[bf16], d: usize, lane: usize) -> bf16 {
 
 /// The inner loops: scores of a block's keys, softmax, and the weighted sum of values.
 /// The AVX-512 ones multiply bf16 pairs (`vdpbf16ps`: on this project's Zen 5 about three
-/// times the multiply-adds per second of f32 FMAs) and accumulate in f32.
-#[derive(Clone, Copy)]
-struct Kernels {
-    avx512: bool,
+/// times the multiply-adds per second of f32 FMAs) and accumulate in f32; the AVX2 ones widen
+/// the pairs to f32 first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kernels {
+    Portable,
+    Avx2,
+    Avx512,
 }
 
 impl Kernels {
     fn pick(head_dim: usize) -> Self {
         #[cfg(target_arch = "x86_64")]
-        let avx512 = is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512bw")
-            && is_x86_feature_detected!("avx512vl")
-            && is_x86_feature_detected!("avx512bf16")
-            && matches!(head_dim, 64 | 128);
-        #[cfg(not(target_arch = "x86_64"))]
-        let avx512 = false;
-        Kernels { avx512 }
+        {
+            if is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512bf16")
+                && matches!(head_dim, 64 | 128)
+            {
+                return Kernels::Avx512;
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && head_dim.is_multiple_of(32) {
+                return Kernels::Avx2;
+            }
+        }
+        let _ = head_dim;
+        Kernels::Portable
     }
 
     /// For each query row of `q` (`head_dim` each), its scaled dot products with the block's
@@ -222,21 +232,41 @@ impl Kernels {
         let n = q.len() / hd;
         assert!(n <= QK_ROWS && scores.len() >= (n - 1) * stride + BLOCK);
         #[cfg(target_arch = "x86_64")]
-        if self.avx512 {
-            // SAFETY: `pick` checked the CPU and the head size; the rows of `scores` exist
-            // (asserted above).
-            unsafe {
-                macro_rules! call {
-                    ($($n:literal)*) => {
-                        match n {
-                            $($n => avx512::qk::<$n>(q.as_ptr(), kt.as_ptr(), hd, scale, scores.as_mut_ptr(), stride),)*
-                            _ => unreachable!("at most QK_ROWS queries"),
-                        }
-                    };
+        match self {
+            Kernels::Avx512 => {
+                // SAFETY: `pick` checked the CPU and the head size; the rows of `scores` exist
+                // (asserted above).
+                unsafe {
+                    macro_rules! call {
+                        ($($n:literal)*) => {
+                            match n {
+                                $($n => avx512::qk::<$n>(q.as_ptr(), kt.as_ptr(), hd, scale, scores.as_mut_ptr(), stride),)*
+                                _ => unreachable!("at most QK_ROWS queries"),
+                            }
+                        };
+                    }
+                    call!(1 2 3 4 5 6 7 8 9 10 11 12);
                 }
-                call!(1 2 3 4 5 6 7 8 9 10 11 12);
+                return;
             }
-            return;
+            Kernels::Avx2 => {
+                // Three queries a call: their accumulators and the widened keys fill the 16
+                // vector registers.
+                for (c, q) in q.chunks(3 * hd).enumerate() {
+                    let out = scores[c * 3 * stride..].as_mut_ptr();
+                    // SAFETY: `pick` checked the CPU and the head size; the rows of `scores`
+                    // exist (asserted above).
+                    unsafe {
+                        match q.len() / hd {
+                            1 => avx2::qk::<1>(q.as_ptr(), kt.as_ptr(), hd, scale, out, stride),
+                            2 => avx2::qk::<2>(q.as_ptr(), kt.as_ptr(), hd, scale, out, stride),
+                            _ => avx2::qk::<3>(q.as_ptr(), kt.as_ptr(), hd, scale, out, stride),
+                        }
+                    }
+                }
+                return;
+            }
+            Kernels::Portable => {}
         }
         for (i, q) in q.chunks_exact(hd).enumerate() {
             for l in 0..BLOCK {
@@ -249,7 +279,7 @@ impl Kernels {
     /// Normalizes the scores `s` into the weights `p`.
     fn softmax(self, s: &mut [f32], p: &mut [bf16]) {
         #[cfg(target_arch = "x86_64")]
-        if self.avx512 {
+        if self == Kernels::Avx512 {
             // SAFETY: `pick` checked the CPU; the two rows have the same length.
             unsafe { avx512::softmax(s, p) };
             return;
@@ -269,29 +299,45 @@ impl Kernels {
     /// `p[i * stride + s]` times the value of position `s`.
     fn pv(self, p: &[bf16], stride: usize, values: &Values, outs: &[SyncPtr<f32>], hd: usize) {
         #[cfg(target_arch = "x86_64")]
-        if self.avx512 {
-            // Rows share each loaded value pair, as many as the registers hold.
-            let per_call = if hd == 64 { 6 } else { 3 };
-            for (c, o) in outs.chunks(per_call).enumerate() {
-                let p = &p[c * per_call * stride..];
-                // SAFETY: `pick` checked the CPU and the head size; the caller owns the rows.
-                unsafe {
-                    macro_rules! call {
-                        ($c:literal: $($n:literal)*) => {
-                            match o.len() {
-                                $($n => avx512::pv::<$c, $n>(p, stride, values, o),)*
-                                _ => unreachable!("at most {per_call} rows"),
-                            }
-                        };
-                    }
-                    if hd == 64 {
-                        call!(4: 1 2 3 4 5 6)
-                    } else {
-                        call!(8: 1 2 3)
+        match self {
+            Kernels::Avx512 => {
+                // Rows share each loaded value pair, as many as the registers hold.
+                let per_call = if hd == 64 { 6 } else { 3 };
+                for (c, o) in outs.chunks(per_call).enumerate() {
+                    let p = &p[c * per_call * stride..];
+                    // SAFETY: `pick` checked the CPU and the head size; the caller owns the rows.
+                    unsafe {
+                        macro_rules! call {
+                            ($c:literal: $($n:literal)*) => {
+                                match o.len() {
+                                    $($n => avx512::pv::<$c, $n>(p, stride, values, o),)*
+                                    _ => unreachable!("at most {per_call} rows"),
+                                }
+                            };
+                        }
+                        if hd == 64 {
+                            call!(4: 1 2 3 4 5 6)
+                        } else {
+                            call!(8: 1 2 3)
+                        }
                     }
                 }
+                return;
             }
-            return;
+            Kernels::Avx2 => {
+                for (c, o) in outs.chunks(2).enumerate() {
+                    let p = &p[c * 2 * stride..];
+                    // SAFETY: `pick` checked the CPU and the head size; the caller owns the rows.
+                    unsafe {
+                        match o.len() {
+                            1 => avx2::pv::<1>(p, stride, values, o, hd),
+                            _ => avx2::pv::<2>(p, stride, values, o, hd),
+                        }
+                    }
+                }
+                return;
+            }
+            Kernels::Portable => {}
         }
         let mut acc = vec![0f32; hd];
         for (i, o) in outs.iter().enumerate() {
@@ -309,163 +355,9 @@ impl Kernels {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx512 {
-    use super::{Values, BLOCK};
-    use crate::runtime::cpu::pool::SyncPtr;
-    use half::bf16;
-    use std::arch::x86_64::*;
-
-    #[inline(always)]
-    unsafe fn pairs(p: *const bf16) -> __m512bh {
-        std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(p as *const _))
-    }
-
-    /// The bf16 pair at `p`, in every lane.
-    #[inline(always)]
-    unsafe fn pair_everywhere(p: *const bf16) -> __m512bh {
-        std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32((p as *const i32).read_unaligned()))
-    }
-
-    /// Two accumulators per query (even and odd channel pairs) keep enough multiply-adds in
-    /// flight when there are few queries, and make each score's summation order independent
-    /// of N.
-    #[allow(clippy::needless_range_loop)]
-    #[target_feature(enable = "avx512f,avx512bf16")]
-    pub unsafe fn qk<const N: usize>(
-        q: *const bf16,
-        kt: *const bf16,
-        hd: usize,
-        scale: f32,
-        out: *mut f32,
-        stride: usize,
-    ) {
-        let (mut even, mut odd) = ([_mm512_setzero_ps(); N], [_mm512_setzero_ps(); N]);
-        for d in (0..hd).step_by(4) {
-            // Channels d, d + 1 of the 16 keys, then d + 2, d + 3.
-            let k0 = pairs(kt.add(d * BLOCK));
-            let k1 = pairs(kt.add((d + 2) * BLOCK));
-            for i in 0..N {
-                even[i] = _mm512_dpbf16_ps(even[i], pair_everywhere(q.add(i * hd + d)), k0);
-                odd[i] = _mm512_dpbf16_ps(odd[i], pair_everywhere(q.add(i * hd + d + 2)), k1);
-            }
-        }
-        let scale = _mm512_set1_ps(scale);
-        for i in 0..N {
-            _mm512_storeu_ps(
-                out.add(i * stride),
-                _mm512_mul_ps(_mm512_add_ps(even[i], odd[i]), scale),
-            );
-        }
-    }
-
-    /// `C` vectors of 16 channels per output row, `N` rows: each pair of value rows is
-    /// loaded once for all of them.
-    #[allow(clippy::needless_range_loop)]
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    pub unsafe fn pv<const C: usize, const N: usize>(
-        p: &[bf16],
-        stride: usize,
-        values: &Values,
-        outs: &[SyncPtr<f32>],
-    ) {
-        let hd = C * 16;
-        let mut acc = [[_mm512_setzero_ps(); C]; N];
-        let p = p.as_ptr();
-        for (b, &block) in values.table.iter().enumerate() {
-            let base = values
-                .pool
-                .as_ptr()
-                .add(block as usize * values.block_stride + values.offset);
-            let slots = (values.ctx - b * BLOCK).min(BLOCK);
-            let step = |acc: &mut [[__m512; C]; N], pair: usize, v: [__m512bh; C]| {
-                let s = b * BLOCK + 2 * pair;
-                for i in 0..N {
-                    let w = pair_everywhere(p.add(i * stride + s));
-                    for c in 0..C {
-                        acc[i][c] = _mm512_dpbf16_ps(acc[i][c], w, v[c]);
-                    }
-                }
-            };
-            let whole = slots / 2;
-            for pair in 0..whole {
-                let row = base.add(pair * hd * 2);
-                step(&mut acc, pair, std::array::from_fn(|c| pairs(row.add(32 * c))));
-            }
-            if slots % 2 == 1 {
-                // A lone last slot: its partner was never written for this sequence, so it is
-                // not read (a stale NaN times a zero weight would still be NaN).
-                let row = base.add(whole * hd * 2);
-                let v = std::array::from_fn(|c| {
-                    std::mem::transmute::<__m512i, __m512bh>(_mm512_maskz_loadu_epi16(
-                        0x5555_5555,
-                        row.add(32 * c) as *const i16,
-                    ))
-                });
-                step(&mut acc, whole, v);
-            }
-        }
-        for i in 0..N {
-            for c in 0..C {
-                _mm512_storeu_ps(outs.get_unchecked(i).0.add(16 * c), acc[i][c]);
-            }
-        }
-    }
-
-    /// `exp(x)` for `x <= 0`: `2^n * e^r` with `|r| <= ln 2 / 2` and a degree-6 polynomial
-    /// (relative error about 1e-7); below -87 the result is 0, as in f32.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn exp(x: __m512) -> __m512 {
-        let x = _mm512_max_ps(x, _mm512_set1_ps(-87.0));
-        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
-            x,
-            _mm512_set1_ps(std::f32::consts::LOG2_E),
-        ));
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_145_75), x);
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428_606_8e-6), r);
-        let mut y = _mm512_set1_ps(1.0 / 720.0);
-        for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
-            y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(c));
-        }
-        _mm512_scalef_ps(y, n)
-    }
-
-    /// Scores `s` to weights `p`, 16 at a time; the tail is masked. `s` is left holding the
-    /// unnormalized exponentials.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-    pub unsafe fn softmax(s: &mut [f32], p: &mut [bf16]) {
-        let n = s.len();
-        debug_assert_eq!(p.len(), n);
-        let tail = |i: usize| -> __mmask16 {
-            if n - i >= 16 {
-                0xffff
-            } else {
-                (1u16 << (n - i)) - 1
-            }
-        };
-        let mut max = _mm512_set1_ps(f32::NEG_INFINITY);
-        for i in (0..n).step_by(16) {
-            let x = _mm512_mask_loadu_ps(_mm512_set1_ps(f32::NEG_INFINITY), tail(i), s.as_ptr().add(i));
-            max = _mm512_max_ps(max, x);
-        }
-        let max = _mm512_set1_ps(_mm512_reduce_max_ps(max));
-        let mut sum = _mm512_setzero_ps();
-        for i in (0..n).step_by(16) {
-            let k = tail(i);
-            let e = exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s.as_ptr().add(i)), max));
-            let e = _mm512_maskz_mov_ps(k, e);
-            sum = _mm512_add_ps(sum, e);
-            _mm512_mask_storeu_ps(s.as_mut_ptr().add(i), k, e);
-        }
-        let inv = _mm512_set1_ps(1.0 / _mm512_reduce_add_ps(sum));
-        for i in (0..n).step_by(16) {
-            let k = tail(i);
-            let x = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s.as_ptr().add(i)), inv);
-            let h = std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(x));
-            _mm256_mask_storeu_epi16(p.as_mut_ptr().add(i) as *mut i16, k, h);
-        }
-    }
-}
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 
 /// Most query heads per kv head (Qwen2.5-7B has 7, Llama-3-8B 4).
 pub const MAX_GROUP: usize = 16;
@@ -592,7 +484,7 @@ mod tests {
             let c = case(heads, kv_heads, hd);
             let want = reference(&c);
             let picked = Kernels::pick(hd);
-            for kernels in [Kernels { avx512: false }, picked] {
+            for kernels in [Kernels::Portable, picked] {
                 let grouped = run(&c, kernels, run_len(heads / kv_heads));
                 for (i, (&got, &want)) in grouped.iter().zip(&want).enumerate() {
                     // The weights are rounded to bf16 (8 significant bits) before the values.
@@ -603,8 +495,8 @@ mod tests {
                 }
                 assert_eq!(grouped, run(&c, kernels, 1), "one token at a time gives the same bits");
             }
-            if !picked.avx512 {
-                eprintln!("no AVX-512 BF16 here: only the portable kernels were checked");
+            if picked == Kernels::Portable {
+                eprintln!("no AVX2 or AVX-512 BF16 here: only the portable kernels were checked");
             }
         }
     }
