@@ -60,8 +60,8 @@ pub struct ExtractOptions {
     pub copy_bias: Option<f32>,
     /// Context-aware decoding's weight `w`: each token is drawn from `1 + w` times the model's
     /// logits minus `w` times its logits without the document, so that what the document says
-    /// outweighs what the model would say anyway (Shi et al., 2023). Default 0 (off); 0.5 is
-    /// the measured weight. It costs a second row of the model per token.
+    /// outweighs what the model would say anyway (Shi et al., 2023). Default 0.5; 0 turns it
+    /// off, sparing the second row of the model it costs per token.
     pub contrast: Option<f32>,
     /// DRY penalty on tokens that extend a repeat inside the record (llama.cpp's
     /// `dry_multiplier`, base 1.75, runs from 2 tokens; default 0.8, 0 turns it off).
