@@ -15,10 +15,12 @@ use quarry::tokenizer::ChatMessage;
 /// order) flips some roundings. llama.cpp disagrees with itself by up to 0.55 between its
 /// batched and token-by-token paths (`self_spread` in the golden file); computing our SiLU in
 /// f64 instead of f32 moves our own log-probabilities by up to 0.26. Against llama.cpp we see a
-/// mean deviation of 0.07-0.11 and a maximum of 0.94 over 17 prompts x 64 positions; a real
-/// bug (the wrong rope pairing) gives a mean of 2.1-3.4 and a maximum of 8-10.
+/// mean deviation of 0.07-0.11 and a maximum of 0.94 over 17 prompts x 64 positions with the
+/// AVX-512 kernels; with the AVX2 ones, the same means and a maximum of 0.98, then 1.16 once
+/// the Q4_1 kernel summed its rows in another order (a token at -11, llama.cpp's top token
+/// unmoved). A real bug (the wrong rope pairing) gives a mean of 2.1-3.4 and a maximum of 8-10.
 const MEAN_LOGPROB_TOLERANCE: f64 = 0.15;
-const MAX_LOGPROB_TOLERANCE: f64 = 1.0;
+const MAX_LOGPROB_TOLERANCE: f64 = 1.5;
 /// Where llama.cpp's best token leads its second by at least this, our choice must be the same.
 /// Below it the two are a near-tie that the noise above can legitimately flip (observed flips
 /// happened at margins up to 0.27).
