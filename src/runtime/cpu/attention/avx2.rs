@@ -63,12 +63,8 @@ pub unsafe fn pv<const N: usize>(p: &[bf16], stride: usize, values: &Values, out
     let p = p.as_ptr();
     for c0 in (0..hd).step_by(8 * C) {
         let mut acc = [[_mm256_setzero_ps(); C]; N];
-        for (b, &block) in values.table.iter().enumerate() {
-            let base = values
-                .pool
-                .as_ptr()
-                .add(block as usize * values.block_stride + values.offset);
-            let slots = (values.ctx - b * BLOCK).min(BLOCK);
+        for (b, block, slots) in values.blocks() {
+            let base = block.as_ptr();
             for pair in 0..slots.div_ceil(2) {
                 let s = b * BLOCK + 2 * pair;
                 // A lone last slot's partner was never written for this sequence: it is not

@@ -49,12 +49,8 @@ pub unsafe fn pv<const C: usize, const N: usize>(p: &[bf16], stride: usize, valu
     let hd = C * 16;
     let mut acc = [[_mm512_setzero_ps(); C]; N];
     let p = p.as_ptr();
-    for (b, &block) in values.table.iter().enumerate() {
-        let base = values
-            .pool
-            .as_ptr()
-            .add(block as usize * values.block_stride + values.offset);
-        let slots = (values.ctx - b * BLOCK).min(BLOCK);
+    for (b, block, slots) in values.blocks() {
+        let base = block.as_ptr();
         let step = |acc: &mut [[__m512; C]; N], pair: usize, v: [__m512bh; C]| {
             let s = b * BLOCK + 2 * pair;
             for i in 0..N {

@@ -187,6 +187,15 @@ impl Values<'_> {
         let (block, lane) = (self.table[s / BLOCK] as usize, s % BLOCK);
         self.pool[block * self.block_stride + self.offset + (lane / 2) * hd * 2 + c * 2 + lane % 2]
     }
+
+    /// Per block of the context: its index, the kv head's values from the block's first
+    /// slot pair on, and how many of its slots the context fills.
+    fn blocks(&self) -> impl Iterator<Item = (usize, &[bf16], usize)> {
+        self.table.iter().enumerate().map(|(b, &block)| {
+            let values = &self.pool[block as usize * self.block_stride + self.offset..];
+            (b, values, (self.ctx - b * BLOCK).min(BLOCK))
+        })
+    }
 }
 
 /// Channel `d` of key lane `lane` in one kv head's block (channel pairs interleaved).
