@@ -1,4 +1,4 @@
-//! `e^x` for 16 floats at once, for SiLU, rounding exactly as the scalar `f32::exp` does here
+//! `e^x` for 8 or 16 floats at once (AVX2 or AVX-512), for SiLU, rounding exactly as the scalar `f32::exp` does here
 //! (glibc's `expf`, FMA variant): one prefill's SiLU is hundreds of millions of calls, 7% of
 //! prefill as function calls, and a polynomial of our own that differed by an ulp now and then
 //! moved the golden log-probabilities by over a nat.
@@ -58,27 +58,123 @@ const C2: f64 = 2.1660849396613134e-2;
 /// `silu(g) * u` for every lane: `out[i] = g[i] / (1 + e^-g[i]) * u[i]`, with the scalar
 /// expression's operations in its order.
 pub fn silu_mul_row(g: &[f32], u: &[f32], out: &mut [f32]) {
+    silu_mul_with(Vector::pick(), g, u, out)
+}
+
+/// The vector width the CPU offers for this: both widths run the same f64 operations, so
+/// they agree with the scalar expression, and with each other, bit for bit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Vector {
+    Scalar,
+    Avx2,
+    Avx512,
+}
+
+impl Vector {
+    fn pick() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            // Bit-exact only beside an FMA libm, which both paths require.
+            if is_x86_feature_detected!("fma") {
+                if is_x86_feature_detected!("avx512f") {
+                    return Vector::Avx512;
+                }
+                if is_x86_feature_detected!("avx2") {
+                    return Vector::Avx2;
+                }
+            }
+        }
+        Vector::Scalar
+    }
+
+    fn lanes(self) -> usize {
+        match self {
+            Vector::Scalar => 1,
+            Vector::Avx2 => 8,
+            Vector::Avx512 => 16,
+        }
+    }
+}
+
+fn silu_mul_with(v: Vector, g: &[f32], u: &[f32], out: &mut [f32]) {
     debug_assert!(g.len() == u.len() && g.len() == out.len());
-    let mut done = 0;
+    let done = g.len() / v.lanes() * v.lanes();
     #[cfg(target_arch = "x86_64")]
-    if available() {
-        done = g.len() / 16 * 16;
-        // SAFETY: AVX-512F is present; the slices hold `done` floats each.
-        unsafe { x86::silu_mul(&g[..done], &u[..done], &mut out[..done]) };
+    // SAFETY: `Vector::pick` found the features each path needs; the slices hold `done`
+    // floats each.
+    unsafe {
+        match v {
+            Vector::Avx512 => x86::silu_mul(&g[..done], &u[..done], &mut out[..done]),
+            Vector::Avx2 => avx2::silu_mul(&g[..done], &u[..done], &mut out[..done]),
+            Vector::Scalar => {}
+        }
     }
     for ((o, &g), &u) in out[done..].iter_mut().zip(&g[done..]).zip(&u[done..]) {
         *o = g / (1.0 + (-g).exp()) * u;
     }
 }
 
-fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        // Bit-exact only beside an FMA libm; every AVX-512 CPU has FMA.
-        is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma")
+/// Eight lanes, four f64 at a time: the table entry comes from a gather instead of a
+/// two-register permute, every other operation is the AVX-512 path's.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn silu_mul(g: &[f32], u: &[f32], out: &mut [f32]) {
+        let one = _mm256_set1_ps(1.0);
+        let sign = _mm256_set1_ps(-0.0);
+        for ((g, u), o) in g.chunks_exact(8).zip(u.chunks_exact(8)).zip(out.chunks_exact_mut(8)) {
+            let gv = _mm256_loadu_ps(g.as_ptr());
+            let e = exp8(_mm256_xor_ps(gv, sign));
+            let s = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+            _mm256_storeu_ps(o.as_mut_ptr(), _mm256_mul_ps(s, _mm256_loadu_ps(u.as_ptr())));
+        }
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn exp8(x: __m256) -> __m256 {
+        // Exponent and top mantissa bits at or above 88's take the scalar path.
+        let top = _mm256_and_si256(
+            _mm256_srli_epi32::<20>(_mm256_castps_si256(x)),
+            _mm256_set1_epi32(0x7ff),
+        );
+        let special = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(top, _mm256_set1_epi32(0x42a))));
+        let lo = _mm256_cvtpd_ps(exp4(_mm256_cvtps_pd(_mm256_castps256_ps128(x))));
+        let hi = _mm256_cvtpd_ps(exp4(_mm256_cvtps_pd(_mm256_extractf128_ps::<1>(x))));
+        let mut y = _mm256_set_m128(hi, lo);
+        if special != 0 {
+            let (mut xs, mut ys) = ([0f32; 8], [0f32; 8]);
+            _mm256_storeu_ps(xs.as_mut_ptr(), x);
+            _mm256_storeu_ps(ys.as_mut_ptr(), y);
+            for i in (0..8).filter(|i| special & (1 << i) != 0) {
+                ys[i] = xs[i].exp();
+            }
+            y = _mm256_loadu_ps(ys.as_ptr());
+        }
+        y
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn exp4(x: __m256d) -> __m256d {
+        let shift = _mm256_set1_pd(SHIFT);
+        let inv = _mm256_set1_pd(INV_LN2_N);
+        let kd = _mm256_fmadd_pd(inv, x, shift);
+        let ki = _mm256_castpd_si256(kd);
+        let kd = _mm256_sub_pd(kd, shift);
+        let r = _mm256_fmsub_pd(inv, x, kd);
+        let idx = _mm256_and_si256(ki, _mm256_set1_epi64x(31));
+        let t = _mm256_i64gather_epi64::<8>(TABLE.as_ptr() as *const i64, idx);
+        // Minus (k mod 32) << 47 and plus k << 47: the exponent gains k div 32.
+        let unit = _mm256_sub_epi64(t, _mm256_slli_epi64::<47>(idx));
+        let s = _mm256_castsi256_pd(_mm256_add_epi64(unit, _mm256_slli_epi64::<47>(ki)));
+        let z = _mm256_fmadd_pd(_mm256_set1_pd(C0), r, _mm256_set1_pd(C1));
+        let r2 = _mm256_mul_pd(r, r);
+        let y = _mm256_fmadd_pd(r, _mm256_set1_pd(C2), _mm256_set1_pd(1.0));
+        let y = _mm256_fmadd_pd(z, r2, y);
+        _mm256_mul_pd(y, s)
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -153,11 +249,16 @@ mod tests {
     use super::*;
 
     /// Every float whose bits are a multiple of 61 (70 million, across every exponent and
-    /// special value) through the vector SiLU and the scalar expression.
+    /// special value) through each vector SiLU this CPU has and the scalar expression.
     #[test]
     fn vector_silu_matches_the_scalar_expression_bit_for_bit() {
-        if !available() {
-            eprintln!("skipping: no AVX-512 here, the scalar expression is all there is");
+        let paths = match Vector::pick() {
+            Vector::Avx512 => vec![Vector::Avx2, Vector::Avx512],
+            Vector::Avx2 => vec![Vector::Avx2],
+            Vector::Scalar => vec![],
+        };
+        if paths.is_empty() {
+            eprintln!("skipping: no AVX2 with FMA here, the scalar expression is all there is");
             return;
         }
         let (mut g, mut u) = (Vec::with_capacity(1 << 16), Vec::with_capacity(1 << 16));
@@ -171,16 +272,18 @@ mod tests {
                 u.push(1.0 + (bits % 7) as f32 * 0.25);
                 bits += 61;
             }
-            let n = g.len() / 16 * 16;
-            silu_mul_row(&g[..n], &u[..n], &mut out[..n]);
-            for i in 0..n {
-                let want = g[i] / (1.0 + (-g[i]).exp()) * u[i];
-                let got = out[i];
-                assert!(
-                    got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
-                    "silu({:e}) = {got:e}, scalar {want:e}",
-                    g[i]
-                );
+            for &path in &paths {
+                let n = g.len();
+                silu_mul_with(path, &g, &u[..n], &mut out[..n]);
+                for i in 0..n {
+                    let want = g[i] / (1.0 + (-g[i]).exp()) * u[i];
+                    let got = out[i];
+                    assert!(
+                        got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                        "{path:?}: silu({:e}) = {got:e}, scalar {want:e}",
+                        g[i]
+                    );
+                }
             }
         }
     }

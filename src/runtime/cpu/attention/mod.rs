@@ -115,9 +115,7 @@ fn attend(kernels: Kernels, shape: &AttentionShape, input: &AttentionInput, out:
                 scratch.q.clear();
                 for r in 0..rows {
                     let at = (run.first_token + r / group) * input.q_stride + (g * group + r % group) * hd;
-                    scratch
-                        .q
-                        .extend(input.q[at..at + hd].iter().map(|&x| bf16::from_f32(x)));
+                    kernels.extend_bf16(&mut scratch.q, &input.q[at..at + hd]);
                 }
                 // Every score up to `stride` is written below, and every weight up to the row's
                 // own context: only the weights past it need clearing, not whole buffers.
@@ -285,12 +283,29 @@ impl Kernels {
         }
     }
 
+    /// Appends the query row `x` to `out` as bf16.
+    fn extend_bf16(self, out: &mut Vec<bf16>, x: &[f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if self == Kernels::Avx2 {
+            // SAFETY: `pick` checked the CPU.
+            unsafe { avx2::extend_bf16(out, x) };
+            return;
+        }
+        out.extend(x.iter().map(|&v| bf16::from_f32(v)));
+    }
+
     /// Normalizes the scores `s` into the weights `p`.
     fn softmax(self, s: &mut [f32], p: &mut [bf16]) {
         #[cfg(target_arch = "x86_64")]
         if self == Kernels::Avx512 {
             // SAFETY: `pick` checked the CPU; the two rows have the same length.
             unsafe { avx512::softmax(s, p) };
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if self == Kernels::Avx2 {
+            // SAFETY: `pick` checked the CPU; the two rows have the same length.
+            unsafe { avx2::softmax(s, p) };
             return;
         }
         let max = s.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
@@ -506,6 +521,25 @@ mod tests {
             }
             if picked == Kernels::Portable {
                 eprintln!("no AVX2 or AVX-512 BF16 here: only the portable kernels were checked");
+            }
+        }
+    }
+
+    /// The vector conversion of query rows rounds as `bf16::from_f32` does, on every finite
+    /// float whose bits are a multiple of 101, in rows of a length that leaves a tail.
+    #[test]
+    fn query_rows_round_to_bf16_as_the_scalar_conversion_does() {
+        let kernels = Kernels::pick(64);
+        let finite: Vec<f32> = (0..=u32::MAX / 101)
+            .map(|i| f32::from_bits(i * 101))
+            .filter(|x| x.is_finite())
+            .collect();
+        let mut out = Vec::new();
+        for row in finite.chunks(67) {
+            out.clear();
+            kernels.extend_bf16(&mut out, row);
+            for (&x, &got) in row.iter().zip(&out) {
+                assert_eq!(got.to_bits(), bf16::from_f32(x).to_bits(), "{kernels:?}: {x:e}");
             }
         }
     }
