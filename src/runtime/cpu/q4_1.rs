@@ -67,6 +67,12 @@ pub fn quantize_row_q8_1(x: &[f32], out: &mut [BlockQ8_1]) {
         unsafe { x86::quantize_row_q8_1(x, out) };
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c") {
+        // SAFETY: the CPU has the features; the lengths match.
+        unsafe { x86::quantize_row_q8_1_avx2(x, out) };
+        return;
+    }
     quantize_row_q8_1_scalar(x, out);
 }
 
@@ -262,6 +268,34 @@ mod x86 {
             yb.s = half::f16::from_f32(d * sum as f32);
         }
     }
+
+    /// The same, 8 values at a time, for CPUs without AVX-512.
+    #[target_feature(enable = "avx2,f16c")]
+    pub unsafe fn quantize_row_q8_1_avx2(x: &[f32], out: &mut [super::BlockQ8_1]) {
+        let magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+        for (xb, yb) in x.chunks_exact(super::QK).zip(out.iter_mut()) {
+            let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(xb.as_ptr().add(8 * i)));
+            let m = v.map(|v| _mm256_and_ps(v, magnitude));
+            let m = _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3]));
+            let mut lanes = [0f32; 8];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), m);
+            let amax = lanes.iter().fold(0f32, |a, &v| a.max(v));
+            let d = amax / 127.0;
+            let id = _mm256_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
+            const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+            let q = v.map(|v| _mm256_cvtps_epi32(_mm256_round_ps::<NEAREST>(_mm256_mul_ps(v, id))));
+            let sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+            let mut sums = [0i32; 8];
+            _mm256_storeu_si256(sums.as_mut_ptr() as *mut __m256i, sum);
+            // |q| <= 127, so the saturating packs are exact; they interleave 128-bit lanes,
+            // which the final permute puts back in order.
+            let bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            let bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256(yb.qs.as_mut_ptr() as *mut __m256i, bytes);
+            yb.d = half::f16::from_f32(d);
+            yb.s = half::f16::from_f32(d * sums.iter().sum::<i32>() as f32);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -284,13 +318,23 @@ mod tests {
         }
         x[63] = 127.0;
         let (mut a, mut b) = (vec![BlockQ8_1::ZERO; 40], vec![BlockQ8_1::ZERO; 40]);
-        quantize_row_q8_1(&x, &mut a);
         quantize_row_q8_1_scalar(&x, &mut b);
-        for (p, q) in a.iter().zip(&b) {
-            assert_eq!(
-                (p.d.to_bits(), p.s.to_bits(), p.qs),
-                (q.d.to_bits(), q.s.to_bits(), q.qs)
-            );
+        let same = |a: &[BlockQ8_1]| {
+            for (p, q) in a.iter().zip(&b) {
+                assert_eq!(
+                    (p.d.to_bits(), p.s.to_bits(), p.qs),
+                    (q.d.to_bits(), q.s.to_bits(), q.qs)
+                );
+            }
+        };
+        quantize_row_q8_1(&x, &mut a);
+        same(&a);
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c") {
+            a.fill(BlockQ8_1::ZERO);
+            // SAFETY: the CPU has the features; the lengths match.
+            unsafe { x86::quantize_row_q8_1_avx2(&x, &mut a) };
+            same(&a);
         }
     }
 
