@@ -8,6 +8,7 @@ use candle_core::{Device, Module, Tensor};
 use super::pool::{parallel_for, SyncPtr};
 use super::q4_1::{self, BlockQ4_1x4, BlockQ8_1, QK};
 use super::q4_1_x16::{self, BlockQ4_1x16, OutRows};
+use super::q4_1_x8::{self, BlockQ4_1x8};
 use super::q8_0_x16::{self, BlockQ8_0x16};
 use crate::runtime::error::{Result, RuntimeError};
 
@@ -36,7 +37,9 @@ enum Weight {
     Q4_1x16(Vec<BlockQ4_1x16>),
     /// 16-row groups for the AVX-512 kernel (`q8_0_x16::interleave16`).
     Q8_0x16(Vec<BlockQ8_0x16>),
-    /// Row quads interleaved (`q4_1::interleave4`), where AVX-512 is missing.
+    /// 8-row groups for the AVX2 kernel (`q4_1_x8::interleave8`), where AVX-512 is missing.
+    Q4_1x8(Vec<BlockQ4_1x8>),
+    /// Row quads interleaved (`q4_1::interleave4`), where neither group kernel runs.
     Q4_1(Vec<BlockQ4_1x4>),
     Candle(QMatMul),
     /// Different dtypes that could not be concatenated: run one after the other.
@@ -60,6 +63,8 @@ impl Linear {
             let blocks = q4_1::blocks_from_bytes(&bytes).ok_or_else(|| bad("ragged Q4_1 data".into()))?;
             if out_features % 16 == 0 && q4_1_x16::available() {
                 Weight::Q4_1x16(q4_1_x16::interleave16(&blocks, out_features, in_features / QK))
+            } else if out_features % 8 == 0 && q4_1_x8::available() {
+                Weight::Q4_1x8(q4_1_x8::interleave8(&blocks, out_features, in_features / QK))
             } else {
                 Weight::Q4_1(q4_1::interleave4(&blocks, out_features, in_features / QK))
             }
@@ -113,6 +118,14 @@ impl Linear {
                 }
             }
             Weight::Q4_1x16(blocks)
+        } else if parts.iter().all(|p| matches!(p.weight, Weight::Q4_1x8(_))) {
+            let mut blocks = Vec::new();
+            for p in &parts {
+                if let Weight::Q4_1x8(b) = &p.weight {
+                    blocks.extend_from_slice(b);
+                }
+            }
+            Weight::Q4_1x8(blocks)
         } else if parts.iter().all(|p| matches!(p.weight, Weight::Q4_1(_))) {
             let mut blocks = Vec::new();
             for p in &parts {
@@ -138,6 +151,7 @@ impl Linear {
         debug_assert_eq!(out.len(), m * self.out_features);
         match &self.weight {
             Weight::Q4_1x16(w) => self.forward_q4_1x16(w, x, m, out),
+            Weight::Q4_1x8(w) => self.forward_q4_1x8(w, x, m, out),
             Weight::Q8_0x16(w) => self.forward_q8_0x16(w, x, m, out),
             Weight::Q4_1(w) => self.forward_q4_1(w, x, m, out),
             Weight::Candle(mm) => {
@@ -203,10 +217,23 @@ impl Linear {
         ACTIVATIONS.with_borrow_mut(|acts| {
             self.quantize(x, m, false, acts);
             let (xq, sc) = (&acts.q, &acts.scales);
-            self.tiled(m, 2, out, |groups, rows, dst| {
+            self.tiled(m, 16, 2, out, |groups, rows, dst| {
                 let (x, s) = (&xq[rows.start * kb..rows.end * kb], &sc[rows.start * kb..rows.end * kb]);
                 // SAFETY: `tiled` hands each (rows, groups) block of the output to one call.
                 unsafe { q4_1_x16::group_dot(&w[groups.start * kb..groups.end * kb], kb, x, s, dst) };
+            });
+        });
+    }
+
+    fn forward_q4_1x8(&self, w: &[BlockQ4_1x8], x: &[f32], m: usize, out: &mut [f32]) {
+        let kb = self.in_features / QK;
+        ACTIVATIONS.with_borrow_mut(|acts| {
+            self.quantize(x, m, false, acts);
+            let (xq, sc) = (&acts.q, &acts.scales);
+            self.tiled(m, 8, 4, out, |groups, rows, dst| {
+                let (x, s) = (&xq[rows.start * kb..rows.end * kb], &sc[rows.start * kb..rows.end * kb]);
+                // SAFETY: as above.
+                unsafe { q4_1_x8::group_dot(&w[groups.start * kb..groups.end * kb], kb, x, s, dst) };
             });
         });
     }
@@ -216,7 +243,7 @@ impl Linear {
         ACTIVATIONS.with_borrow_mut(|acts| {
             self.quantize(x, m, true, acts);
             let (sh, sc) = (&acts.shifted, &acts.scales);
-            self.tiled(m, 1, out, |groups, rows, dst| {
+            self.tiled(m, 16, 1, out, |groups, rows, dst| {
                 let (x, s) = (&sh[rows.start * kb..rows.end * kb], &sc[rows.start * kb..rows.end * kb]);
                 // SAFETY: as above.
                 unsafe { q8_0_x16::group_dot(&w[groups.start * kb..groups.end * kb], x, s, dst) };
@@ -225,12 +252,13 @@ impl Linear {
     }
 
     /// Runs `dot(groups, activation rows, where their results go)` over every run of `span`
-    /// 16-row weight groups (one at the end where they do not divide) and every tile of
+    /// weight groups of `group_rows` rows (one at the end where they do not divide) and every tile of
     /// activation rows. Work items are (block of rows, groups): small enough that the threads
     /// finish together, and within one the groups' weights stay in L1 and the rows in L2.
     fn tiled(
         &self,
         m: usize,
+        group_rows: usize,
         span: usize,
         out: &mut [f32],
         dot: impl Fn(std::ops::Range<usize>, std::ops::Range<usize>, OutRows) + Sync,
@@ -241,7 +269,7 @@ impl Linear {
         const ROW_BLOCK: usize = 128;
         let n = self.out_features;
         debug_assert_eq!(out.len(), m * n);
-        let groups = n / 16;
+        let groups = n / group_rows;
         let spans = groups.div_ceil(span);
         let dst = SyncPtr(out.as_mut_ptr());
         parallel_for(m.div_ceil(ROW_BLOCK) * spans, |items| {
@@ -250,8 +278,8 @@ impl Linear {
                 let gs = s * span..groups.min((s + 1) * span);
                 for r0 in (block * ROW_BLOCK..m.min((block + 1) * ROW_BLOCK)).step_by(TILE) {
                     let rows = TILE.min(m - r0);
-                    // SAFETY: rows r0.. and columns 16 * gs.start.. of the output, inside it.
-                    let ptr = unsafe { dst.at(r0 * n + gs.start * 16) };
+                    // SAFETY: rows r0.. and columns group_rows * gs.start.. of the output, inside it.
+                    let ptr = unsafe { dst.at(r0 * n + gs.start * group_rows) };
                     dot(gs.clone(), r0..r0 + rows, OutRows { ptr, stride: n });
                 }
             }

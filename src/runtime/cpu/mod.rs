@@ -10,6 +10,7 @@ mod pool;
 pub use pool::prefer_parking;
 pub mod q4_1;
 pub mod q4_1_x16;
+pub mod q4_1_x8;
 pub mod q8_0_x16;
 mod weights;
 
