@@ -25,6 +25,10 @@ thread_local! {
     static ACTIVATIONS: std::cell::RefCell<Activations> = std::cell::RefCell::new(Activations::default());
 }
 
+/// A grouped Q4_1 layout's kernel: `(weight groups, blocks per row, activation rows, their
+/// scales, where the results go)`, as `q4_1_x16::group_dot` and `q4_1_x8::group_dot`.
+type GroupDot<W> = unsafe fn(&[W], usize, &[BlockQ8_1], &[[f32; 2]], OutRows);
+
 pub struct Linear {
     out_features: usize,
     in_features: usize,
@@ -108,31 +112,20 @@ impl Linear {
         } else {
             None
         };
-        // Every part has whole groups (quads) of rows, so its groups simply follow the
-        // previous part's.
-        let weight = if parts.iter().all(|p| matches!(p.weight, Weight::Q4_1x16(_))) {
-            let mut blocks = Vec::new();
-            for p in &parts {
-                if let Weight::Q4_1x16(b) = &p.weight {
-                    blocks.extend_from_slice(b);
-                }
-            }
+        let weight = if let Some(blocks) = concat(&parts, |w| match w {
+            Weight::Q4_1x16(b) => Some(b),
+            _ => None,
+        }) {
             Weight::Q4_1x16(blocks)
-        } else if parts.iter().all(|p| matches!(p.weight, Weight::Q4_1x8(_))) {
-            let mut blocks = Vec::new();
-            for p in &parts {
-                if let Weight::Q4_1x8(b) = &p.weight {
-                    blocks.extend_from_slice(b);
-                }
-            }
+        } else if let Some(blocks) = concat(&parts, |w| match w {
+            Weight::Q4_1x8(b) => Some(b),
+            _ => None,
+        }) {
             Weight::Q4_1x8(blocks)
-        } else if parts.iter().all(|p| matches!(p.weight, Weight::Q4_1(_))) {
-            let mut blocks = Vec::new();
-            for p in &parts {
-                if let Weight::Q4_1(b) = &p.weight {
-                    blocks.extend_from_slice(b);
-                }
-            }
+        } else if let Some(blocks) = concat(&parts, |w| match w {
+            Weight::Q4_1(b) => Some(b),
+            _ => None,
+        }) {
             Weight::Q4_1(blocks)
         } else {
             Weight::Stacked(parts.into_iter().map(|p| Linear { bias: None, ..p }).collect())
@@ -213,27 +206,36 @@ impl Linear {
     }
 
     fn forward_q4_1x16(&self, w: &[BlockQ4_1x16], x: &[f32], m: usize, out: &mut [f32]) {
-        let kb = self.in_features / QK;
-        ACTIVATIONS.with_borrow_mut(|acts| {
-            self.quantize(x, m, false, acts);
-            let (xq, sc) = (&acts.q, &acts.scales);
-            self.tiled(m, 16, 2, out, |groups, rows, dst| {
-                let (x, s) = (&xq[rows.start * kb..rows.end * kb], &sc[rows.start * kb..rows.end * kb]);
-                // SAFETY: `tiled` hands each (rows, groups) block of the output to one call.
-                unsafe { q4_1_x16::group_dot(&w[groups.start * kb..groups.end * kb], kb, x, s, dst) };
-            });
-        });
+        // Two groups a work item: the pair kernel loads each activation byte once for both.
+        self.forward_q4_1_groups(w, 16, 2, q4_1_x16::group_dot, x, m, out)
     }
 
     fn forward_q4_1x8(&self, w: &[BlockQ4_1x8], x: &[f32], m: usize, out: &mut [f32]) {
+        self.forward_q4_1_groups(w, 8, 4, q4_1_x8::group_dot, x, m, out)
+    }
+
+    /// Q4_1 weights regrouped `group_rows` rows at a time, through that layout's `group_dot`,
+    /// `span` groups a work item.
+    #[allow(clippy::too_many_arguments)]
+    fn forward_q4_1_groups<W: Sync>(
+        &self,
+        w: &[W],
+        group_rows: usize,
+        span: usize,
+        group_dot: GroupDot<W>,
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+    ) {
         let kb = self.in_features / QK;
         ACTIVATIONS.with_borrow_mut(|acts| {
             self.quantize(x, m, false, acts);
             let (xq, sc) = (&acts.q, &acts.scales);
-            self.tiled(m, 8, 4, out, |groups, rows, dst| {
+            self.tiled(m, group_rows, span, out, |groups, rows, dst| {
                 let (x, s) = (&xq[rows.start * kb..rows.end * kb], &sc[rows.start * kb..rows.end * kb]);
-                // SAFETY: as above.
-                unsafe { q4_1_x8::group_dot(&w[groups.start * kb..groups.end * kb], kb, x, s, dst) };
+                // SAFETY: `tiled` hands each (rows, groups) block of the output to one call;
+                // the weights are in the layout `group_dot` reads.
+                unsafe { group_dot(&w[groups.start * kb..groups.end * kb], kb, x, s, dst) };
             });
         });
     }
@@ -245,7 +247,7 @@ impl Linear {
             let (sh, sc) = (&acts.shifted, &acts.scales);
             self.tiled(m, 16, 1, out, |groups, rows, dst| {
                 let (x, s) = (&sh[rows.start * kb..rows.end * kb], &sc[rows.start * kb..rows.end * kb]);
-                // SAFETY: as above.
+                // SAFETY: `tiled` hands each (rows, groups) block of the output to one call.
                 unsafe { q8_0_x16::group_dot(&w[groups.start * kb..groups.end * kb], x, s, dst) };
             });
         });
@@ -318,4 +320,14 @@ impl Linear {
             }
         });
     }
+}
+
+/// Every part's blocks, one after the other, when every part holds the layout `pick` finds:
+/// each part has whole groups of rows, so its groups simply follow the previous part's.
+fn concat<T: Clone>(parts: &[Linear], pick: impl Fn(&Weight) -> Option<&Vec<T>>) -> Option<Vec<T>> {
+    let mut blocks = Vec::new();
+    for p in parts {
+        blocks.extend_from_slice(pick(&p.weight)?);
+    }
+    Some(blocks)
 }
