@@ -1,5 +1,5 @@
-//! A projection `y = x W^T (+ b)` over quantized weights. Q4_1 goes through our SIMD kernel;
-//! every other GGUF dtype through candle's `QMatMul`. Projections that read the same input
+//! A projection `y = x W^T (+ b)` over quantized weights. Q4_1 and Q8_0 go through our SIMD
+//! kernels; every other GGUF dtype through candle's `QMatMul`. Projections that read the same input
 //! (q/k/v, gate/up) are stacked into one matrix so a decode step makes one parallel pass.
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
@@ -10,6 +10,7 @@ use super::q4_1::{self, BlockQ4_1x4, BlockQ8_1, QK};
 use super::q4_1_x16::{self, BlockQ4_1x16, OutRows};
 use super::q4_1_x8::{self, BlockQ4_1x8};
 use super::q8_0_x16::{self, BlockQ8_0x16};
+use super::q8_0_x8::{self, BlockQ8_0x8};
 use crate::runtime::error::{Result, RuntimeError};
 
 /// Quantized activations of the current call, kept per thread between calls: a prefill chunk's
@@ -25,8 +26,9 @@ thread_local! {
     static ACTIVATIONS: std::cell::RefCell<Activations> = std::cell::RefCell::new(Activations::default());
 }
 
-/// A grouped Q4_1 layout's kernel: `(weight groups, blocks per row, activation rows, their
-/// scales, where the results go)`, as `q4_1_x16::group_dot` and `q4_1_x8::group_dot`.
+/// A grouped layout's kernel over Q8_1 activations: `(weight groups, blocks per row,
+/// activation rows, their scales, where the results go)`, as `q4_1_x16::group_dot`,
+/// `q4_1_x8::group_dot` and `q8_0_x8::group_dot`.
 type GroupDot<W> = unsafe fn(&[W], usize, &[BlockQ8_1], &[[f32; 2]], OutRows);
 
 pub struct Linear {
@@ -43,6 +45,8 @@ enum Weight {
     Q8_0x16(Vec<BlockQ8_0x16>),
     /// 8-row groups for the AVX2 kernel (`q4_1_x8::interleave8`), where AVX-512 is missing.
     Q4_1x8(Vec<BlockQ4_1x8>),
+    /// 8-row groups for the AVX2 kernel (`q8_0_x8::interleave8`), where AVX-512 is missing.
+    Q8_0x8(Vec<BlockQ8_0x8>),
     /// Row quads interleaved (`q4_1::interleave4`), where neither group kernel runs.
     Q4_1(Vec<BlockQ4_1x4>),
     Candle(QMatMul),
@@ -81,6 +85,12 @@ impl Linear {
             let groups = q8_0_x16::interleave16(&bytes, out_features, in_features / QK)
                 .ok_or_else(|| bad("ragged Q8_0 data".into()))?;
             Weight::Q8_0x16(groups)
+        } else if t.dtype() == GgmlDType::Q8_0 && in_features % QK == 0 && out_features % 8 == 0 && q8_0_x8::available()
+        {
+            let bytes = t.data().map_err(|e| bad(e.to_string()))?;
+            let groups = q8_0_x8::interleave8(&bytes, out_features, in_features / QK)
+                .ok_or_else(|| bad("ragged Q8_0 data".into()))?;
+            Weight::Q8_0x8(groups)
         } else {
             Weight::Candle(QMatMul::from_qtensor(t).map_err(|e| bad(e.to_string()))?)
         };
@@ -146,6 +156,7 @@ impl Linear {
             Weight::Q4_1x16(w) => self.forward_q4_1x16(w, x, m, out),
             Weight::Q4_1x8(w) => self.forward_q4_1x8(w, x, m, out),
             Weight::Q8_0x16(w) => self.forward_q8_0x16(w, x, m, out),
+            Weight::Q8_0x8(w) => self.forward_groups(w, 8, 4, q8_0_x8::group_dot, x, m, out),
             Weight::Q4_1(w) => self.forward_q4_1(w, x, m, out),
             Weight::Candle(mm) => {
                 let xt = Tensor::from_slice(x, (m, self.in_features), &Device::Cpu)?;
@@ -207,17 +218,17 @@ impl Linear {
 
     fn forward_q4_1x16(&self, w: &[BlockQ4_1x16], x: &[f32], m: usize, out: &mut [f32]) {
         // Two groups a work item: the pair kernel loads each activation byte once for both.
-        self.forward_q4_1_groups(w, 16, 2, q4_1_x16::group_dot, x, m, out)
+        self.forward_groups(w, 16, 2, q4_1_x16::group_dot, x, m, out)
     }
 
     fn forward_q4_1x8(&self, w: &[BlockQ4_1x8], x: &[f32], m: usize, out: &mut [f32]) {
-        self.forward_q4_1_groups(w, 8, 4, q4_1_x8::group_dot, x, m, out)
+        self.forward_groups(w, 8, 4, q4_1_x8::group_dot, x, m, out)
     }
 
-    /// Q4_1 weights regrouped `group_rows` rows at a time, through that layout's `group_dot`,
+    /// Weights regrouped `group_rows` rows at a time, through that layout's `group_dot`,
     /// `span` groups a work item.
     #[allow(clippy::too_many_arguments)]
-    fn forward_q4_1_groups<W: Sync>(
+    fn forward_groups<W: Sync>(
         &self,
         w: &[W],
         group_rows: usize,

@@ -12,6 +12,7 @@ pub mod q4_1;
 pub mod q4_1_x16;
 pub mod q4_1_x8;
 pub mod q8_0_x16;
+pub mod q8_0_x8;
 mod weights;
 
 use std::path::Path;
