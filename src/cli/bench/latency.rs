@@ -50,6 +50,13 @@ struct Run {
     name: &'static str,
     seconds: Vec<f64>,
     output_tokens: usize,
+    /// Of those, appended without the model (the grammar's forced text under jump-forward).
+    forced_tokens: usize,
+    /// Time to each request's first token, and from it to the last, summed over requests.
+    ttft: f64,
+    decode: f64,
+    /// Output tokens after each request's first.
+    decoded_tokens: usize,
     drafts: DraftCounts,
     outputs: Vec<Vec<u32>>,
 }
@@ -59,13 +66,24 @@ impl Run {
         self.output_tokens as f64 / self.seconds.iter().sum::<f64>()
     }
 
+    /// Output tokens per second of decoding: after each request's first token, which waits for
+    /// its prefill (and speculation cannot hasten).
+    fn decode_tok_s(&self) -> f64 {
+        self.decoded_tokens as f64 / self.decode.max(f64::MIN_POSITIVE)
+    }
+
+    fn requests(&self) -> usize {
+        self.outputs.len().max(1)
+    }
+
     fn to_json(&self) -> serde_json::Value {
         let mut s = self.seconds.clone();
         let mean = s.iter().sum::<f64>() / s.len() as f64;
         json!({"run": self.name, "latency_s_mean": mean, "latency_s_p50": percentile(&mut s, 50.0),
             "latency_s_p90": percentile(&mut s, 90.0), "latency_s_p99": percentile(&mut s, 99.0),
             "output_tokens": self.output_tokens, "output_tok_s": self.output_tok_s(),
-            "drafts": drafts_json(&self.drafts)})
+            "forced_tokens": self.forced_tokens, "ttft_s_mean": self.ttft / self.requests() as f64,
+            "decode_tok_s": self.decode_tok_s(), "drafts": drafts_json(&self.drafts)})
     }
 }
 
@@ -108,6 +126,7 @@ pub fn run(args: LatencyArgs) -> anyhow::Result<()> {
         runs.push(with);
     }
     let ratio = runs.get(1).map(|s| s.output_tok_s() / runs[0].output_tok_s());
+    let decode_ratio = runs.get(1).map(|s| s.decode_tok_s() / runs[0].decode_tok_s());
     let differ = runs.get(1).map(|s| differing(&s.outputs, &runs[0].outputs));
     if args.json {
         println!(
@@ -115,7 +134,8 @@ pub fn run(args: LatencyArgs) -> anyhow::Result<()> {
             json!({"engine": "quarry", "device": device, "batch_size": args.batch_size,
                 "input_len": args.input_len, "output_len": args.output_len, "iters": args.iters,
                 "runs": runs.iter().map(Run::to_json).collect::<Vec<_>>(),
-                "speculative_over_plain": ratio, "speculative_outputs_differing": differ})
+                "speculative_over_plain": ratio, "speculative_over_plain_decode": decode_ratio,
+                "speculative_outputs_differing": differ})
         );
         return Ok(());
     }
@@ -124,25 +144,28 @@ pub fn run(args: LatencyArgs) -> anyhow::Result<()> {
         args.batch_size, args.iters
     );
     println!(
-        "{:<22}{:>10}{:>10}{:>10}{:>10}{:>12}",
-        "run", "mean s", "p50 s", "p99 s", "output", "out tok/s"
+        "{:<22}{:>10}{:>10}{:>10}{:>10}{:>9}{:>12}{:>10}{:>12}",
+        "run", "mean s", "p50 s", "p99 s", "output", "forced", "out tok/s", "ttft s", "decode t/s"
     );
     for r in &runs {
         let v = r.to_json();
         let f = |k: &str| v[k].as_f64().unwrap_or(0.0);
         println!(
-            "{:<22}{:>10.3}{:>10.3}{:>10.3}{:>10}{:>12.1}",
+            "{:<22}{:>10.3}{:>10.3}{:>10.3}{:>10}{:>9}{:>12.1}{:>10.3}{:>12.1}",
             r.name,
             f("latency_s_mean"),
             f("latency_s_p50"),
             f("latency_s_p99"),
             r.output_tokens,
-            r.output_tok_s()
+            r.forced_tokens,
+            r.output_tok_s(),
+            f("ttft_s_mean"),
+            r.decode_tok_s()
         );
     }
-    if let Some(r) = ratio {
+    if let (Some(r), Some(d)) = (ratio, decode_ratio) {
         println!(
-            "speculative / without output tok/s: {r:.2}; {}",
+            "speculative / without output tok/s: {r:.2} (decoding alone: {d:.2}); {}",
             same_outputs_line(differ.unwrap_or(0), runs[1].outputs.len())
         );
         print_drafts("speculative", &runs[1].drafts);
@@ -165,6 +188,10 @@ fn iterate(
         name,
         seconds: Vec::new(),
         output_tokens: 0,
+        forced_tokens: 0,
+        ttft: 0.0,
+        decode: 0.0,
+        decoded_tokens: 0,
         drafts: DraftCounts::default(),
         outputs: Vec::new(),
     };
@@ -179,6 +206,10 @@ fn iterate(
             run.seconds.push(started.elapsed().as_secs_f64());
             for c in done {
                 run.output_tokens += c.tokens.len();
+                run.forced_tokens += c.metrics.forced_tokens;
+                run.ttft += c.metrics.ttft.as_secs_f64();
+                run.decode += c.metrics.e2e.saturating_sub(c.metrics.ttft).as_secs_f64();
+                run.decoded_tokens += c.tokens.len().saturating_sub(1);
                 run.drafts.add(&c.metrics.drafts);
                 run.outputs.push(c.tokens);
             }
