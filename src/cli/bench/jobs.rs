@@ -53,15 +53,18 @@ pub fn random(n: usize, input_len: usize, output_len: usize, tokenizer: &Tokeniz
         .collect()
 }
 
-/// One extraction of `document` into `schema`, as `quarry extract` asks it.
+/// One extraction of `document` into `schema`, as `quarry extract` asks it (with `contrast` as
+/// its context-aware decoding weight where given).
 pub fn extraction(
     tokenizer: &Tokenizer,
     structured: &StructuredOutputs,
     schema: &Value,
     document: &str,
     max_tokens: usize,
+    contrast: Option<f32>,
 ) -> anyhow::Result<Job> {
-    let task = Task::new(schema.clone(), document.to_string());
+    let mut task = Task::new(schema.clone(), document.to_string());
+    task.contrast = contrast.unwrap_or(task.contrast);
     let compiled = structured.compile(&task.constraint())?;
     let constraint = compiled.with_document(document, false).unwrap_or(compiled);
     Ok(Job {
@@ -76,19 +79,25 @@ pub fn extraction(
 }
 
 /// `n` synthetic invoices of at least `input_len` tokens, each different.
-pub fn invoices(n: usize, input_len: usize, max_tokens: usize, tokenizer: &Tokenizer) -> anyhow::Result<Vec<Job>> {
+pub fn invoices(
+    n: usize,
+    input_len: usize,
+    max_tokens: usize,
+    contrast: Option<f32>,
+    tokenizer: &Tokenizer,
+) -> anyhow::Result<Vec<Job>> {
     let schema = workload::invoice_schema();
     let structured = StructuredOutputs::new(tokenizer);
     (0..n)
         .map(|i| {
             let document = workload::invoice_document(tokenizer, i, input_len)?;
-            extraction(tokenizer, &structured, &schema, &document, max_tokens)
+            extraction(tokenizer, &structured, &schema, &document, max_tokens, contrast)
         })
         .collect()
 }
 
 /// The cases of a JSONL file (`{schema, document}` per line, as `bench quality` reads them).
-pub fn cases(path: &Path, max_tokens: usize, tokenizer: &Tokenizer) -> anyhow::Result<Vec<Job>> {
+pub fn cases(path: &Path, max_tokens: usize, contrast: Option<f32>, tokenizer: &Tokenizer) -> anyhow::Result<Vec<Job>> {
     let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
     let structured = StructuredOutputs::new(tokenizer);
     let mut jobs = Vec::new();
@@ -98,7 +107,8 @@ pub fn cases(path: &Path, max_tokens: usize, tokenizer: &Tokenizer) -> anyhow::R
         let (Some(schema), Some(document)) = (v.get("schema"), v.get("document").and_then(Value::as_str)) else {
             return Err(at(&"needs `schema` and a string `document`"));
         };
-        jobs.push(extraction(tokenizer, &structured, schema, document, max_tokens).map_err(|e| at(&e))?);
+        let job = extraction(tokenizer, &structured, schema, document, max_tokens, contrast);
+        jobs.push(job.map_err(|e| at(&e))?);
     }
     anyhow::ensure!(!jobs.is_empty(), "{}: no cases", path.display());
     Ok(jobs)

@@ -15,7 +15,11 @@ use super::jobs::{self, Job};
 use super::percentile;
 use super::throughput::{differing, drafts_json, print_drafts, same_outputs_line, Workload};
 use crate::cli::ModelArgs;
+use crate::engine::proposers::NgramProposer;
 use crate::engine::{DraftCounts, EngineConfig};
+
+/// Drafts a step in the replay that bounds prompt lookup's speed-up.
+const LOOKUP_CEILING_DRAFTS: usize = 8;
 use crate::runtime::Backend;
 use crate::tokenizer::Tokenizer;
 
@@ -40,6 +44,10 @@ pub struct LatencyArgs {
     /// instead of synthetic invoices; taken in turn, one per request.
     #[arg(long)]
     cases: Option<PathBuf>,
+    /// Context-aware decoding's weight for the extractions [default: `quarry extract`'s];
+    /// 0 turns it off, and with it each request's second row per token.
+    #[arg(long)]
+    contrast: Option<f32>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -104,8 +112,8 @@ pub fn run(args: LatencyArgs) -> anyhow::Result<()> {
     let jobs = match (args.workload, &args.cases) {
         (Workload::Random, None) => jobs::random(n, args.input_len, args.output_len, &tokenizer),
         (Workload::Random, Some(_)) => anyhow::bail!("--cases goes with --workload extract"),
-        (Workload::Extract, None) => jobs::invoices(n, args.input_len, args.output_len, &tokenizer)?,
-        (Workload::Extract, Some(path)) => jobs::cases(path, args.output_len, &tokenizer)?,
+        (Workload::Extract, None) => jobs::invoices(n, args.input_len, args.output_len, args.contrast, &tokenizer)?,
+        (Workload::Extract, Some(path)) => jobs::cases(path, args.output_len, args.contrast, &tokenizer)?,
     };
     let plain = EngineConfig {
         speculative: None,
@@ -170,6 +178,19 @@ pub fn run(args: LatencyArgs) -> anyhow::Result<()> {
         );
         print_drafts("speculative", &runs[1].drafts);
     }
+    // The workload's own bound on prompt lookup, from the outputs without speculation.
+    let (mut decoded, mut steps) = (0, 0);
+    let lookup = NgramProposer::default();
+    for (i, output) in runs[0].outputs.iter().enumerate() {
+        let job = &jobs[(args.batch_size + i) % jobs.len()];
+        decoded += output.len().saturating_sub(1);
+        steps += lookup.replay_steps(&job.prompt, output, LOOKUP_CEILING_DRAFTS);
+    }
+    println!(
+        "prompt lookup's ceiling (up to {LOOKUP_CEILING_DRAFTS} drafts checked at no cost every step): \
+         {steps} steps for {decoded} tokens after the first, {:.2} tokens a step",
+        decoded as f64 / steps.max(1) as f64
+    );
     Ok(())
 }
 
@@ -201,7 +222,9 @@ fn iterate(
             let id = iter * args.batch_size + b;
             engine.add_request(jobs[id % jobs.len()].request(id as u64))?;
         }
-        let done = engine.run_until_idle(|_| {})?;
+        let mut done = engine.run_until_idle(|_| {})?;
+        // In the order they were sent, not finished: runs are compared output by output.
+        done.sort_by_key(|c| c.id);
         if iter > 0 {
             run.seconds.push(started.elapsed().as_secs_f64());
             for c in done {

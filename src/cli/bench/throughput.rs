@@ -43,6 +43,10 @@ pub struct ThroughputArgs {
     output_len: usize,
     #[arg(long, value_enum, default_value = "random")]
     workload: Workload,
+    /// Context-aware decoding's weight for extractions [default: `quarry extract`'s]; 0 turns
+    /// it off, and with it each request's second row per token.
+    #[arg(long)]
+    contrast: Option<f32>,
     /// Write each request (prompt token ids and output length) as JSON lines, so a peer can
     /// serve exactly the same work (scripts/bench-throughput).
     #[arg(long)]
@@ -198,6 +202,7 @@ fn jobs(args: &ThroughputArgs, tokenizer: &Tokenizer) -> anyhow::Result<Vec<Job>
             args.num_prompts,
             args.input_len,
             args.output_len.max(MIN_ANSWER_TOKENS),
+            args.contrast,
             tokenizer,
         ),
     }
