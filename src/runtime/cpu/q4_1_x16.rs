@@ -260,6 +260,69 @@ pub(crate) fn test_rng(mut seed: u64) -> impl FnMut() -> u32 {
     }
 }
 
+/// `TILE + 3` rows of `k` activations quantized to Q8_1, at the extremes too: every third row
+/// all at the top of its range (+127 after quantization), every third with each block's first
+/// value at the bottom, the rest random.
+#[cfg(test)]
+pub(crate) fn test_activations(next: &mut impl FnMut() -> u32, k: usize) -> Vec<Vec<BlockQ8_1>> {
+    (0..TILE + 3)
+        .map(|a| {
+            let x: Vec<f32> = (0..k)
+                .map(|j| match a % 3 {
+                    0 => 2.0,
+                    1 if j % 32 == 0 => -2.0,
+                    _ => (next() % 2000) as f32 / 500.0 - 2.0,
+                })
+                .collect();
+            let mut q = vec![BlockQ8_1::ZERO; k / 32];
+            super::q4_1::quantize_row_q8_1(&x, &mut q);
+            q
+        })
+        .collect()
+}
+
+/// `dot(activation rows, their scales, where 16 outputs per row go)` for every row of `acts`
+/// alone, and for tiles of 1 to `TILE` rows from row 3 on, each of which must give every row
+/// bit for bit what it gave alone. The rows' results alone.
+#[cfg(test)]
+pub(crate) fn alone_and_in_tiles(
+    acts: &[Vec<BlockQ8_1>],
+    dot: impl Fn(&[BlockQ8_1], &[[f32; 2]], OutRows),
+) -> Vec<[f32; 16]> {
+    let scs: Vec<Vec<[f32; 2]>> = acts.iter().map(|a| scales(a)).collect();
+    let alone: Vec<[f32; 16]> = (0..acts.len())
+        .map(|i| {
+            let mut o = [0f32; 16];
+            dot(
+                &acts[i],
+                &scs[i],
+                OutRows {
+                    ptr: o.as_mut_ptr(),
+                    stride: 16,
+                },
+            );
+            o
+        })
+        .collect();
+    for n in 1..=TILE {
+        let xs: Vec<BlockQ8_1> = acts[3..3 + n].concat();
+        let sc: Vec<[f32; 2]> = scs[3..3 + n].concat();
+        let mut out = vec![[0f32; 16]; n];
+        dot(
+            &xs,
+            &sc,
+            OutRows {
+                ptr: out.as_mut_ptr() as *mut f32,
+                stride: 16,
+            },
+        );
+        for (i, o) in out.iter().enumerate() {
+            assert_eq!(*o, alone[3 + i], "row {i} of {n}: bitwise the same as alone");
+        }
+    }
+    alone
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

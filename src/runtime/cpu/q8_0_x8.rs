@@ -127,8 +127,7 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::cpu::q4_1::quantize_row_q8_1;
-    use crate::runtime::cpu::q4_1_x16::{scales, test_rng, TILE};
+    use crate::runtime::cpu::q4_1_x16::{alone_and_in_tiles, test_activations, test_rng};
 
     #[test]
     fn tiles_match_a_plain_dot_product_for_any_row_count() {
@@ -142,8 +141,8 @@ mod tests {
         let mut raw = Vec::new();
         for i in 0..rows * kb {
             raw.extend(f16::from_f32((next() % 1000) as f32 / 1e4 + 1e-3).to_le_bytes());
-            // The extremes: a block of -128 (|w| = 128 against x = +-127 is the largest pair)
-            // and blocks holding both ends.
+            // The extremes: blocks of -128 (|w| = 128 against x = 127, the activations'
+            // all-top rows, is the largest pair) and blocks holding both ends.
             raw.extend((0..QK).map(|j| match (i % 4, j % 3) {
                 (0, _) => 0x80,
                 (1, 0) => 0x80,
@@ -152,46 +151,11 @@ mod tests {
             }));
         }
         let w = interleave8(&raw, rows, kb).unwrap();
-        let acts: Vec<Vec<BlockQ8_1>> = (0..TILE + 3)
-            .map(|a| {
-                let x: Vec<f32> = (0..k)
-                    .map(|j| match a % 3 {
-                        0 => 2.0,
-                        1 if j % 2 == 0 => -2.0,
-                        _ => (next() % 2000) as f32 / 500.0 - 2.0,
-                    })
-                    .collect();
-                let mut q = vec![BlockQ8_1::ZERO; kb];
-                quantize_row_q8_1(&x, &mut q);
-                q
-            })
-            .collect();
-        let scs: Vec<Vec<[f32; 2]>> = acts.iter().map(|a| scales(a)).collect();
-        // Groups 1 and 2, one activation row at a time.
-        let alone: Vec<[f32; 16]> = (0..acts.len())
-            .map(|i| {
-                let mut o = [0f32; 16];
-                let out = OutRows {
-                    ptr: o.as_mut_ptr(),
-                    stride: 16,
-                };
-                unsafe { group_dot(&w[kb..3 * kb], kb, &acts[i], &scs[i], out) };
-                o
-            })
-            .collect();
-        for n in 1..=TILE {
-            let xs: Vec<BlockQ8_1> = acts[3..3 + n].concat();
-            let sc: Vec<[f32; 2]> = scs[3..3 + n].concat();
-            let mut out = vec![[0f32; 16]; n];
-            let rows = OutRows {
-                ptr: out.as_mut_ptr() as *mut f32,
-                stride: 16,
-            };
-            unsafe { group_dot(&w[kb..3 * kb], kb, &xs, &sc, rows) };
-            for i in 0..n {
-                assert_eq!(out[i], alone[3 + i], "row {i} of {n}: bitwise the same as alone");
-            }
-        }
+        let acts = test_activations(&mut next, k);
+        // Groups 1 and 2.
+        let alone = alone_and_in_tiles(&acts, |xs, sc, out| unsafe {
+            group_dot(&w[kb..3 * kb], kb, xs, sc, out)
+        });
         for (i, a) in acts.iter().enumerate() {
             for r in 0..16 {
                 let mut want = 0f64;
