@@ -74,8 +74,8 @@ impl Run {
         self.output_tokens as f64 / self.seconds.iter().sum::<f64>()
     }
 
-    /// Output tokens per second of decoding: after each request's first token, which waits for
-    /// its prefill (and speculation cannot hasten).
+    /// Output tokens per second of one request's decoding (at batch 1, of the batch): after
+    /// each request's first token, which waits for its prefill (and speculation cannot hasten).
     fn decode_tok_s(&self) -> f64 {
         self.decoded_tokens as f64 / self.decode.max(f64::MIN_POSITIVE)
     }
@@ -91,7 +91,7 @@ impl Run {
             "latency_s_p90": percentile(&mut s, 90.0), "latency_s_p99": percentile(&mut s, 99.0),
             "output_tokens": self.output_tokens, "output_tok_s": self.output_tok_s(),
             "forced_tokens": self.forced_tokens, "ttft_s_mean": self.ttft / self.requests() as f64,
-            "decode_tok_s": self.decode_tok_s(), "drafts": drafts_json(&self.drafts)})
+            "decode_tok_s_per_request": self.decode_tok_s(), "drafts": drafts_json(&self.drafts)})
     }
 }
 
@@ -153,7 +153,7 @@ pub fn run(args: LatencyArgs) -> anyhow::Result<()> {
     );
     println!(
         "{:<22}{:>10}{:>10}{:>10}{:>10}{:>9}{:>12}{:>10}{:>12}",
-        "run", "mean s", "p50 s", "p99 s", "output", "forced", "out tok/s", "ttft s", "decode t/s"
+        "run", "mean s", "p50 s", "p99 s", "output", "forced", "out tok/s", "ttft s", "dec t/s/req"
     );
     for r in &runs {
         let v = r.to_json();

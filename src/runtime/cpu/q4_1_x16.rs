@@ -165,6 +165,30 @@ pub unsafe fn run_tiles<W, X>(
     }
 }
 
+/// `run_tiles` over each group of `w` (`kb` blocks of `group_rows` weight rows), each group's
+/// outputs `group_rows` columns after the previous group's.
+///
+/// # Safety
+/// As `run_tiles`, for `w.len() / kb * group_rows` outputs per activation row.
+pub unsafe fn run_groups<W, X>(
+    kernels: &[(usize, TileKernel<W, X>)],
+    kb: usize,
+    group_rows: usize,
+    w: &[W],
+    xs: &[X],
+    sc: &[[f32; 2]],
+    out: OutRows,
+) {
+    for (g, wg) in w.chunks_exact(kb).enumerate() {
+        let out = OutRows {
+            ptr: out.ptr.wrapping_add(group_rows * g),
+            ..out
+        };
+        // SAFETY: the caller's conditions, for this group's columns.
+        unsafe { run_tiles(kernels, kb, wg, xs, sc, out) };
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::{BlockQ4_1x16, BlockQ8_1, OutRows};

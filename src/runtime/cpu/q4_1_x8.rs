@@ -12,7 +12,7 @@
 use half::f16;
 
 use super::q4_1::{BlockQ4_1, BlockQ8_1};
-use super::q4_1_x16::{run_tiles, OutRows, TileKernel};
+use super::q4_1_x16::{run_groups, OutRows, TileKernel};
 
 /// One block (32 weights) of 8 consecutive rows. `qs[p]` byte `4 * r + j` holds row `r`'s
 /// weight `4 * p + j` in its low nibble and weight `4 * p + j + 16` in its high nibble.
@@ -79,13 +79,7 @@ pub unsafe fn group_dot(w: &[BlockQ4_1x8], kb: usize, xs: &[BlockQ8_1], sc: &[[f
             (2, x86::group_dot::<2>),
             (1, x86::group_dot::<1>),
         ];
-        for (g, wg) in w.chunks_exact(kb).enumerate() {
-            let out = OutRows {
-                ptr: out.ptr.wrapping_add(8 * g),
-                ..out
-            };
-            run_tiles(&kernels, kb, wg, xs, sc, out);
-        }
+        run_groups(&kernels, kb, 8, w, xs, sc, out)
     }
     #[cfg(not(target_arch = "x86_64"))]
     unreachable!("BlockQ4_1x8 weights exist only where the kernel runs");

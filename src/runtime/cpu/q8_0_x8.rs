@@ -14,7 +14,7 @@
 use half::f16;
 
 use super::q4_1::{BlockQ8_1, QK};
-use super::q4_1_x16::{run_tiles, OutRows, TileKernel};
+use super::q4_1_x16::{run_groups, OutRows, TileKernel};
 pub use super::q4_1_x8::available;
 
 /// Raw GGUF Q8_0 block: f16 scale, 32 signed quants.
@@ -76,13 +76,7 @@ pub unsafe fn group_dot(w: &[BlockQ8_0x8], kb: usize, xs: &[BlockQ8_1], sc: &[[f
             (2, x86::group_dot::<2>),
             (1, x86::group_dot::<1>),
         ];
-        for (g, wg) in w.chunks_exact(kb).enumerate() {
-            let out = OutRows {
-                ptr: out.ptr.wrapping_add(8 * g),
-                ..out
-            };
-            run_tiles(&kernels, kb, wg, xs, sc, out);
-        }
+        run_groups(&kernels, kb, 8, w, xs, sc, out)
     }
     #[cfg(not(target_arch = "x86_64"))]
     unreachable!("BlockQ8_0x8 weights exist only where the kernel runs");
