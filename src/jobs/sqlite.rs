@@ -4,7 +4,7 @@
 
 use std::path::Path;
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 
@@ -66,6 +66,16 @@ pub struct SqliteStore {
     conn: Mutex<Connection>,
 }
 
+/// How long a connection waits for another's lock.
+const BUSY_WAIT: Duration = Duration::from_secs(30);
+
+fn is_busy(e: &rusqlite::Error) -> bool {
+    matches!(
+        e.sqlite_error_code(),
+        Some(rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked)
+    )
+}
+
 fn backend(e: rusqlite::Error) -> StoreError {
     StoreError::Backend(e.to_string())
 }
@@ -78,11 +88,26 @@ impl SqliteStore {
         };
         let conn = Connection::open(path).map_err(|e| open_error(e.to_string()))?;
         // Another process may hold the write lock for a moment.
-        conn.busy_timeout(Duration::from_secs(30))
-            .map_err(|e| open_error(e.to_string()))?;
-        conn.execute_batch("PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL; PRAGMA foreign_keys=ON;")
-            .map_err(|e| open_error(e.to_string()))?;
-        migrate(&conn).map_err(|e| open_error(e.to_string()))?;
+        conn.busy_timeout(BUSY_WAIT).map_err(|e| open_error(e.to_string()))?;
+        // Some waits SQLite answers with "busy" at once, without its busy handler: switching a
+        // new file to WAL while another connection does the same, or a lock upgrade it judges
+        // a deadlock. Those are tried again, within the same wait.
+        let deadline = Instant::now() + BUSY_WAIT;
+        loop {
+            let set_up = conn
+                .execute_batch("PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL; PRAGMA foreign_keys=ON;")
+                .and_then(|()| migrate(&conn));
+            match set_up {
+                Ok(()) => break,
+                Err(e) if is_busy(&e) && Instant::now() < deadline => {
+                    if !conn.is_autocommit() {
+                        let _ = conn.execute_batch("ROLLBACK");
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => return Err(open_error(e.to_string())),
+            }
+        }
         Ok(SqliteStore { conn: Mutex::new(conn) })
     }
 
