@@ -17,11 +17,11 @@ use super::throughput::{differing, drafts_json, print_drafts, same_outputs_line,
 use crate::cli::ModelArgs;
 use crate::engine::proposers::NgramProposer;
 use crate::engine::{DraftCounts, EngineConfig};
+use crate::runtime::Backend;
+use crate::tokenizer::Tokenizer;
 
 /// Drafts a step in the replay that bounds prompt lookup's speed-up.
 const LOOKUP_CEILING_DRAFTS: usize = 8;
-use crate::runtime::Backend;
-use crate::tokenizer::Tokenizer;
 
 #[derive(Args)]
 pub struct LatencyArgs {
@@ -136,6 +136,14 @@ pub fn run(args: LatencyArgs) -> anyhow::Result<()> {
     let ratio = runs.get(1).map(|s| s.output_tok_s() / runs[0].output_tok_s());
     let decode_ratio = runs.get(1).map(|s| s.decode_tok_s() / runs[0].decode_tok_s());
     let differ = runs.get(1).map(|s| differing(&s.outputs, &runs[0].outputs));
+    // The workload's own bound on prompt lookup, from the outputs without speculation.
+    let (mut decoded, mut steps) = (0, 0);
+    let lookup = NgramProposer::default();
+    for (i, output) in runs[0].outputs.iter().enumerate() {
+        let job = &jobs[(args.batch_size + i) % jobs.len()];
+        decoded += output.len().saturating_sub(1);
+        steps += lookup.replay_steps(&job.prompt, output, LOOKUP_CEILING_DRAFTS);
+    }
     if args.json {
         println!(
             "{}",
@@ -143,7 +151,8 @@ pub fn run(args: LatencyArgs) -> anyhow::Result<()> {
                 "input_len": args.input_len, "output_len": args.output_len, "iters": args.iters,
                 "runs": runs.iter().map(Run::to_json).collect::<Vec<_>>(),
                 "speculative_over_plain": ratio, "speculative_over_plain_decode": decode_ratio,
-                "speculative_outputs_differing": differ})
+                "speculative_outputs_differing": differ,
+                "lookup_ceiling": {"drafts": LOOKUP_CEILING_DRAFTS, "steps": steps, "tokens": decoded}})
         );
         return Ok(());
     }
@@ -177,14 +186,6 @@ pub fn run(args: LatencyArgs) -> anyhow::Result<()> {
             same_outputs_line(differ.unwrap_or(0), runs[1].outputs.len())
         );
         print_drafts("speculative", &runs[1].drafts);
-    }
-    // The workload's own bound on prompt lookup, from the outputs without speculation.
-    let (mut decoded, mut steps) = (0, 0);
-    let lookup = NgramProposer::default();
-    for (i, output) in runs[0].outputs.iter().enumerate() {
-        let job = &jobs[(args.batch_size + i) % jobs.len()];
-        decoded += output.len().saturating_sub(1);
-        steps += lookup.replay_steps(&job.prompt, output, LOOKUP_CEILING_DRAFTS);
     }
     println!(
         "prompt lookup's ceiling (up to {LOOKUP_CEILING_DRAFTS} drafts checked at no cost every step): \
