@@ -6,7 +6,7 @@
 //! and none where no token does. Replayed over the development set's greedy outputs (`bench
 //! latency` prints this replay), a first token so guessed was right 72-89% of the time where
 //! every occurrence agreed and 6-31% where they split.
-//!
+
 use std::collections::HashMap;
 
 #[derive(Debug, Clone, Copy)]
