@@ -1,4 +1,5 @@
-// Paged attention for a flattened batch that mixes prefill chunks and decode tokens. One block
+// Paged attention for a flattened batch that mixes prefill chunks and decode tokens, for heads
+// the tensor-core kernel (flash_attention.cu) does not take. One block
 // per (query token, head, partition of the keys); the token at position p attends to positions
 // 0..=p of its own sequence, read through the sequence's block table. Each warp takes tiles of
 // 32 keys: a lane scores one key over the whole head (q from shared memory), the warp updates
@@ -39,7 +40,7 @@ __device__ __forceinline__ float dot_row(const float* q, const bf16* k_row) {
     return dot;
 }
 
-extern "C" __global__ void paged_attention(const float* qkv, int width, bf16* out,
+extern "C" __global__ void paged_attention(const bf16* q, bf16* out,
                                            const bf16* k_cache, const bf16* v_cache,
                                            const u32* token_seq, const u32* positions,
                                            const u32* block_tables, int max_blocks, int block_size,
@@ -57,8 +58,8 @@ extern "C" __global__ void paged_attention(const float* qkv, int width, bf16* ou
     int begin = blockIdx.z * part_keys;
     int end = min(len, begin + part_keys);
     const u32* table = block_tables + (size_t)token_seq[t] * max_blocks;
-    const float* q_row = qkv + (size_t)t * width + h * head_dim;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) q_s[d] = q_row[d] * scale;
+    const bf16* q_row = q + ((size_t)t * num_heads + h) * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) q_s[d] = bf16_to_f32(q_row[d]) * scale;
     __syncthreads();
 
     float acc[MAX_DIMS_PER_LANE];

@@ -1,12 +1,33 @@
-// Writes each token's k and v into its KV slot. The cache is slot-major, [slots, kv_heads *
-// head_dim] per layer (block b holds slots b * block_size ..), the layout paged FlashAttention
-// kernels read.
-extern "C" __global__ void reshape_and_cache(const float* qkv, int width, int k_offset, int v_offset,
-                                             int kv_size, const u32* slots, bf16* k_cache, bf16* v_cache) {
+// Rotary embedding fused with the write of K and V into the paged cache, one block per token:
+// the q heads are rotated and written as bf16 for attention ([tokens, heads * head_dim]), the k
+// heads rotated and the v heads copied, as bf16, into the token's KV slot. The cache is
+// slot-major, [slots, kv_heads * head_dim] per layer (block b holds slots b * block_size ..).
+// The rotation's tables of cos and sin per (position, pair) are built on the host exactly as
+// the CPU backend builds them. halves = 0: adjacent pairs (2j, 2j+1), GGUF llama; halves = 1:
+// (j, j + half), qwen2 and HF llama.
+extern "C" __global__ void rope_and_cache(const float* qkv, int width, const u32* positions, const float* cos_t,
+                                          const float* sin_t, int heads, int kv_heads, int head_dim, int halves,
+                                          const u32* slots, bf16* q_out, bf16* k_cache, bf16* v_cache) {
+    int half = head_dim / 2;
+    size_t p = positions[blockIdx.x];
+    const float* c = cos_t + p * half;
+    const float* s = sin_t + p * half;
     const float* row = qkv + (size_t)blockIdx.x * width;
-    size_t base = (size_t)slots[blockIdx.x] * kv_size;
+    int q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+    bf16* q_row = q_out + (size_t)blockIdx.x * q_size;
+    size_t slot = (size_t)slots[blockIdx.x] * kv_size;
+    for (int i = threadIdx.x; i < (heads + kv_heads) * half; i += blockDim.x) {
+        int h = i / half, j = i % half;
+        int a = halves ? j : 2 * j;
+        int b = halves ? j + half : 2 * j + 1;
+        float x0 = row[h * head_dim + a], x1 = row[h * head_dim + b];
+        bf16 ra = f32_to_bf16(x0 * c[j] - x1 * s[j]);
+        bf16 rb = f32_to_bf16(x0 * s[j] + x1 * c[j]);
+        bf16* dst = h < heads ? q_row + h * head_dim : k_cache + slot + (h - heads) * head_dim;
+        dst[a] = ra;
+        dst[b] = rb;
+    }
     for (int i = threadIdx.x; i < kv_size; i += blockDim.x) {
-        k_cache[base + i] = f32_to_bf16(row[k_offset + i]);
-        v_cache[base + i] = f32_to_bf16(row[v_offset + i]);
+        v_cache[slot + i] = f32_to_bf16(row[q_size + kv_size + i]);
     }
 }

@@ -50,6 +50,26 @@ pub enum Device {
     Cuda(usize),
 }
 
+/// Whether the GPU tests must run here: `QUARRY_TEST_DEVICE=cuda`, which scripts/gpu-check sets
+/// on the GPU machine. There a test that cannot find its GPU or model fails; elsewhere (CI has
+/// no GPU) it skips with a message.
+pub fn gpu_tests_required() -> bool {
+    std::env::var("QUARRY_TEST_DEVICE").is_ok_and(|d| d.trim().to_ascii_lowercase().starts_with("cuda"))
+}
+
+/// A GPU test's way in: the number of GPUs, or `None` after saying why the test skips; where
+/// the GPU tests are required, a missing GPU is a panic instead.
+pub fn cuda_for_test() -> Option<usize> {
+    match cuda_devices() {
+        Ok(n) => Some(n),
+        Err(why) if gpu_tests_required() => panic!("QUARRY_TEST_DEVICE asks for the GPU, but: {why}"),
+        Err(why) => {
+            eprintln!("skipping: {why}");
+            None
+        }
+    }
+}
+
 /// The oldest driver whose API the bindings are built for (the `cuda-13000` feature): calls
 /// into an older one can reach symbols it lacks.
 const MIN_DRIVER: i32 = 13000;

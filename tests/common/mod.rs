@@ -13,9 +13,9 @@ pub fn model_path() -> Option<PathBuf> {
     if path.is_file() {
         return Some(path);
     }
-    if std::env::var_os("CI").is_some() {
+    if std::env::var_os("CI").is_some() || quarry::runtime::device::gpu_tests_required() {
         panic!(
-            "model missing at {} in CI: .ci/run must call scripts/fetch-model",
+            "model missing at {} in CI or on the GPU machine: .ci/run and scripts/gpu-check bring it",
             path.display()
         );
     }
@@ -44,10 +44,7 @@ pub fn load_backend(kv_cache_tokens: usize) -> Option<(Box<dyn quarry::runtime::
         return Some((Box::new(backend), tokenizer));
     }
     let path = model_path()?;
-    if let Err(why) = quarry::runtime::device::cuda_devices() {
-        eprintln!("skipping: {why}");
-        return None;
-    }
+    quarry::runtime::device::cuda_for_test()?;
     let options = quarry::runtime::LoadOptions {
         kv_cache_tokens: Some(kv_cache_tokens),
         max_num_batched_tokens: 2048,

@@ -1,21 +1,74 @@
-//! Paged attention over a flattened batch (kernels/attention.cu), and how its keys are split:
-//! a batch of a few decode tokens over long contexts has too few (token, head) pairs to fill
-//! the GPU, so their keys are cut into partitions computed by separate blocks and merged after.
+//! Paged attention over a flattened batch. Heads of 64 and 128 take the tensor-core kernel
+//! (kernels/flash_attention.cu): rows of one sequence and one KV head in items of 64, keys in
+//! fixed partitions of 256 at absolute positions, folded in order either inside the block or,
+//! where too few blocks would fill the GPU, by a merge kernel; both give the same bits, so the
+//! choice, made per batch, never changes a request's output. Other head sizes take the general
+//! kernel (kernels/attention.cu), which splits keys by the batch's shape.
 
 use std::sync::Arc;
 
+use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::CudaStream;
 
 use super::kernels::Kernels;
-use crate::runtime::error::Result;
+use crate::runtime::batch::ForwardBatch;
+use crate::runtime::error::{Result, RuntimeError};
 
 /// kernels/attention.cu's MAX_PARTS.
 const MAX_PARTS: u32 = 1024;
 
-/// Device addresses and shapes of one layer's attention.
+/// kernels/flash_attention.cu's FA_ROWS, FA_KEYS, FA_PART and FA_THREADS.
+const FLASH_ROWS: usize = 64;
+const FLASH_KEYS: usize = 64;
+pub const FLASH_PART: usize = 256;
+const FLASH_THREADS: u32 = 128;
+
+/// Floats of scratch for split attention's partitions.
+pub const SCRATCH_FLOATS: usize = 8 << 20;
+
+/// Whether the tensor-core kernel takes heads of this size.
+pub fn flash_head(head_dim: usize) -> bool {
+    head_dim == 64 || head_dim == 128
+}
+
+/// Shared memory of a flash block: two stages of a K and a V tile, and in whole mode each
+/// warp's running total of 16 rows.
+fn flash_smem(head_dim: usize, whole: bool) -> u32 {
+    let stages = 4 * FLASH_KEYS * (head_dim + 8) * 2;
+    let running = if whole { 4 * 16 * head_dim * 4 } else { 0 };
+    (stages + running) as u32
+}
+
+/// Lets the flash kernels take the shared memory they need (over the 48 KB default).
+pub fn prepare(k: &Kernels) -> Result<()> {
+    for (f, dim) in [(&k.flash_attention_d64, 64), (&k.flash_attention_d128, 128)] {
+        f.set_attribute(
+            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            flash_smem(dim, true) as i32,
+        )
+        .map_err(|e| RuntimeError::Device(format!("shared memory for the attention kernel: {e}")))?;
+    }
+    Ok(())
+}
+
+/// The flash kernel's items for a batch, four words each: the sequence, its first token's
+/// index, the item's first row and the sequence's number of rows (tokens times the group).
+pub fn flash_items(batch: &ForwardBatch, group: usize) -> Vec<u32> {
+    let mut items = Vec::new();
+    for s in 0..batch.num_seqs() {
+        let (lo, hi) = (batch.query_start[s] as usize, batch.query_start[s + 1] as usize);
+        let rows = (hi - lo) * group;
+        for row0 in (0..rows).step_by(FLASH_ROWS) {
+            items.extend_from_slice(&[s as u32, lo as u32, row0 as u32, rows as u32]);
+        }
+    }
+    items
+}
+
+/// Device addresses and shapes of one layer's attention. `q` and `out` are bf16 `[tokens,
+/// heads * head_dim]`.
 pub struct AttentionArgs {
-    pub qkv: u64,
-    pub width: i32,
+    pub q: u64,
     pub out: u64,
     pub k_cache: u64,
     pub v_cache: u64,
@@ -28,6 +81,45 @@ pub struct AttentionArgs {
     pub kv_heads: i32,
     pub head_dim: i32,
     pub scale: f32,
+}
+
+/// How a step's attention runs, the same for every layer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Plan {
+    /// The tensor-core kernel over `items` (device address) of which there are `count`;
+    /// `split`: the number of partitions each computed by its own block, then merged.
+    Flash {
+        items: u64,
+        count: usize,
+        split: Option<usize>,
+    },
+    /// The general kernel, `part_keys` keys per block.
+    General { part_keys: usize },
+}
+
+impl Plan {
+    /// The plan for `tokens` query tokens whose longest context is `max_len`, `count` flash
+    /// items at `items`; `target_blocks` fill the GPU.
+    pub fn new(
+        head_dim: usize,
+        heads: usize,
+        kv_heads: usize,
+        tokens: usize,
+        max_len: usize,
+        items: u64,
+        count: usize,
+        target_blocks: usize,
+    ) -> Plan {
+        if !flash_head(head_dim) {
+            return Plan::General {
+                part_keys: partition_keys(tokens, heads, max_len, target_blocks),
+            };
+        }
+        let parts = max_len.max(1).div_ceil(FLASH_PART);
+        let records = tokens * heads * parts * (head_dim + 2);
+        let split = (parts > 1 && count * kv_heads < target_blocks && records <= SCRATCH_FLOATS).then_some(parts);
+        Plan::Flash { items, count, split }
+    }
 }
 
 /// Keys per partition (a multiple of 32, the kernel's tile) for `tokens` query tokens whose
@@ -43,16 +135,93 @@ pub fn partition_keys(tokens: usize, heads: usize, max_len: usize, target_blocks
     max_len.div_ceil(parts).next_multiple_of(32)
 }
 
-/// Floats of scratch the partitions of `partition_keys(.., target_blocks)` need at most: fewer
-/// than `2 * target_blocks` blocks write a record each.
-pub fn scratch_len(target_blocks: usize, head_dim: usize) -> usize {
+/// Floats of scratch the general kernel's partitions need at most: fewer than
+/// `2 * target_blocks` blocks write a record each.
+pub fn general_scratch_len(target_blocks: usize, head_dim: usize) -> usize {
     2 * target_blocks * (head_dim + 2)
 }
 
-/// Queues the attention of `tokens` query tokens, `part_keys` keys per block; `partials` holds
-/// `tokens * heads * ceil(max_len / part_keys) * (head_dim + 2)` floats when that is more than
-/// one partition.
+/// Queues the attention of `tokens` query tokens whose longest context is `max_len`.
 pub fn launch(
+    stream: &Arc<CudaStream>,
+    k: &Kernels,
+    a: &AttentionArgs,
+    plan: Plan,
+    tokens: usize,
+    max_len: usize,
+    partials: u64,
+) -> Result<()> {
+    match plan {
+        Plan::Flash { items, count, split } => launch_flash(stream, k, a, items, count, split, tokens, partials),
+        Plan::General { part_keys } => launch_general(stream, k, a, tokens, max_len, part_keys, partials),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn launch_flash(
+    stream: &Arc<CudaStream>,
+    k: &Kernels,
+    a: &AttentionArgs,
+    items: u64,
+    count: usize,
+    split: Option<usize>,
+    tokens: usize,
+    partials: u64,
+) -> Result<()> {
+    if count == 0 {
+        return Ok(());
+    }
+    let f = match a.head_dim {
+        64 => &k.flash_attention_d64,
+        128 => &k.flash_attention_d128,
+        d => {
+            return Err(RuntimeError::Backend(format!(
+                "no flash attention kernel for heads of {d}"
+            )))
+        }
+    };
+    let scale_log2 = a.scale * std::f32::consts::LOG2_E;
+    let parts = split.unwrap_or(1);
+    let (scratch, max_parts) = match split {
+        Some(p) => (partials, p as i32),
+        None => (0u64, 1i32),
+    };
+    super::launch_smem(
+        stream,
+        f,
+        (count as u32, a.kv_heads as u32, parts as u32),
+        FLASH_THREADS,
+        flash_smem(a.head_dim as usize, split.is_none()),
+        &[
+            &a.q,
+            &a.out,
+            &a.k_cache,
+            &a.v_cache,
+            &items,
+            &a.positions,
+            &a.tables,
+            &a.max_blocks,
+            &a.block_size,
+            &a.heads,
+            &a.kv_heads,
+            &scale_log2,
+            &scratch,
+            &max_parts,
+        ],
+    )?;
+    if split.is_some() {
+        super::launch(
+            stream,
+            &k.flash_merge,
+            (tokens as u32, a.heads as u32),
+            a.head_dim as u32,
+            &[&partials, &a.positions, &a.out, &a.heads, &a.head_dim, &max_parts],
+        )?;
+    }
+    Ok(())
+}
+
+fn launch_general(
     stream: &Arc<CudaStream>,
     k: &Kernels,
     a: &AttentionArgs,
@@ -63,7 +232,7 @@ pub fn launch(
 ) -> Result<()> {
     let parts = max_len.max(1).div_ceil(part_keys) as u32;
     if parts > MAX_PARTS {
-        return Err(crate::runtime::error::RuntimeError::InvalidBatch(format!(
+        return Err(RuntimeError::InvalidBatch(format!(
             "{parts} attention partitions, the merge takes {MAX_PARTS}"
         )));
     }
@@ -77,8 +246,7 @@ pub fn launch(
         grid,
         threads,
         &[
-            &a.qkv,
-            &a.width,
+            &a.q,
             &a.out,
             &a.k_cache,
             &a.v_cache,
@@ -128,5 +296,61 @@ mod tests {
             let parts = len.div_ceil(keys);
             assert!(t * h * parts < 2 * 528, "{t} {h} {len}: {parts} parts");
         }
+    }
+
+    #[test]
+    fn flash_items_cover_every_row_of_every_sequence_in_tiles_of_64() {
+        let mut batch = ForwardBatch::default();
+        batch.push_sequence(&[1; 40], 0, &[0, 1, 2], 16); // 40 tokens x 4 heads = 160 rows
+        batch.push_sequence(&[1], 99, &(3..10).collect::<Vec<_>>(), 16); // one decode token
+        let items = flash_items(&batch, 4);
+        assert_eq!(
+            items,
+            vec![0, 0, 0, 160, 0, 0, 64, 160, 0, 0, 128, 160, 1, 40, 0, 4],
+            "items of 64 rows, the last one short; a decode token is one item"
+        );
+    }
+
+    #[test]
+    fn split_only_where_whole_blocks_would_not_fill_the_gpu() {
+        let plan = |tokens, len, count| Plan::new(128, 32, 8, tokens, len, 0, count, 528);
+        // One decode token over 16k keys: 8 blocks whole, 64 partitions split.
+        assert_eq!(
+            plan(1, 16384, 1),
+            Plan::Flash {
+                items: 0,
+                count: 1,
+                split: Some(64)
+            }
+        );
+        // 64 decode tokens at 2k: 512 blocks whole, still under 528: split in 8.
+        assert_eq!(
+            plan(64, 2048, 64),
+            Plan::Flash {
+                items: 0,
+                count: 64,
+                split: Some(8)
+            }
+        );
+        // A 4k prefill: 256 items of 16 tokens make 2,048 blocks.
+        assert_eq!(
+            plan(4096, 4096, 256),
+            Plan::Flash {
+                items: 0,
+                count: 256,
+                split: None
+            }
+        );
+        // One partition: nothing to split.
+        assert_eq!(
+            plan(1, 200, 1),
+            Plan::Flash {
+                items: 0,
+                count: 1,
+                split: None
+            }
+        );
+        // Other head sizes take the general kernel.
+        assert!(matches!(Plan::new(36, 4, 2, 1, 100, 0, 1, 528), Plan::General { .. }));
     }
 }

@@ -1,9 +1,9 @@
 //! Matrix products: bf16 operands, f32 accumulation, row-major activations times a row-major
-//! `[out, in]` weight (the layout of checkpoints), as `y = x W^T`. cuBLAS computes them, except
-//! small weights times a few rows: there cuBLAS spends a fixed ~12 us whatever the size, and
-//! kernels/gemv.cu takes 4-8 us (measured on the H100, `test-quarry gemv_against_cublas
-//! --ignored`: SmolLM2's projections 0.4-0.65 of cuBLAS's time; from 8 MB of weights on, cuBLAS
-//! reads them at 1.9-2.8 TB/s and the GEMV kernel is the slower one).
+//! `[out, in]` weight (the layout of checkpoints), as `y = x W^T`. Up to 8 rows, the product is
+//! bound by reading the weights once and kernels/gemv.cu computes it (`gemv_mma` on the tensor
+//! cores where k is a multiple of 32, else `gemv_bf16`), with one order of summation over k
+//! whatever the number of rows; cuBLAS takes larger batches (`test-quarry kernel_speeds
+//! --ignored`, scripts/bench-gpu, compares them).
 
 use std::sync::Arc;
 
@@ -17,6 +17,7 @@ pub struct Gemm {
     blas: CudaBlas,
     stream: Arc<CudaStream>,
     gemv: CudaFunction,
+    gemv_mma: CudaFunction,
     /// cuBLAS's scratch space: Hopper kernels want one (NVIDIA suggests 32 MiB), and without
     /// it cuBLAS may choose slower ones.
     _workspace: cudarc::driver::CudaSlice<u8>,
@@ -27,11 +28,16 @@ const WORKSPACE_BYTES: usize = 32 << 20;
 /// kernels/gemv.cu's GEMV_MAX_ROWS.
 pub const GEMV_MAX_ROWS: usize = 8;
 
-/// Weights up to this many elements take the GEMV kernel at `GEMV_MAX_ROWS` rows or fewer.
+/// Weights up to this many elements take the CUDA-core GEMV kernel at `GEMV_MAX_ROWS` rows or
+/// fewer (from 8 MB of weights on, cuBLAS read them faster on the H100).
 const GEMV_MAX_WEIGHTS: usize = 4 << 20;
 
-/// Warps (output columns) per block of the GEMV kernel.
+/// Warps (output columns) per block of the CUDA-core GEMV kernel.
 const GEMV_WARPS: usize = 8;
+
+/// kernels/gemv.cu's GEMV_MMA_COLS and GEMV_MMA_WARPS.
+const GEMV_MMA_COLS: usize = 16;
+const GEMV_MMA_WARPS: usize = 8;
 
 /// The product's element type: f32 feeds the kernels that follow in full precision.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -40,7 +46,7 @@ pub enum OutType {
 }
 
 impl Gemm {
-    pub fn new(stream: Arc<CudaStream>, gemv: CudaFunction) -> Result<Self> {
+    pub fn new(stream: Arc<CudaStream>, gemv: CudaFunction, gemv_mma: CudaFunction) -> Result<Self> {
         let blas = CudaBlas::new(stream.clone()).map_err(|e| RuntimeError::Device(format!("starting cuBLAS: {e}")))?;
         let workspace = stream
             .alloc_zeros::<u8>(WORKSPACE_BYTES)
@@ -56,6 +62,7 @@ impl Gemm {
             blas,
             stream,
             gemv,
+            gemv_mma,
             _workspace: workspace,
         })
     }
@@ -64,8 +71,12 @@ impl Gemm {
     /// device addresses of buffers the caller keeps alive for the stream's work.
     #[allow(clippy::too_many_arguments)]
     pub fn matmul(&self, x: u64, w: u64, y: u64, out: OutType, rows: usize, n: usize, k: usize) -> Result<()> {
-        // The GEMV kernel reads rows of 8 bf16 at a time.
-        if rows <= GEMV_MAX_ROWS && n * k <= GEMV_MAX_WEIGHTS && k.is_multiple_of(8) && (x | w).is_multiple_of(16) {
+        // The GEMV kernels read rows 16 bytes at a time.
+        let aligned = (x | w).is_multiple_of(16);
+        if rows <= GEMV_MAX_ROWS && k.is_multiple_of(32) && aligned {
+            return self.gemv_mma(x, w, y, rows, n, k);
+        }
+        if rows <= GEMV_MAX_ROWS && n * k <= GEMV_MAX_WEIGHTS && k.is_multiple_of(8) && aligned {
             return self.gemv(x, w, y, rows, n, k);
         }
         self.cublas(x, w, y, out, rows, n, k)
@@ -79,6 +90,19 @@ impl Gemm {
             &self.gemv,
             (n.div_ceil(GEMV_WARPS) as u32, 1),
             (GEMV_WARPS * 32) as u32,
+            &[&x, &w, &y, &r, &n32, &k32],
+        )
+    }
+
+    /// `matmul` through the tensor-core GEMV kernel (`rows <= GEMV_MAX_ROWS`, `k` a multiple of
+    /// 32).
+    pub fn gemv_mma(&self, x: u64, w: u64, y: u64, rows: usize, n: usize, k: usize) -> Result<()> {
+        let (r, n32, k32) = (rows as i32, n as i32, k as i32);
+        super::launch(
+            &self.stream,
+            &self.gemv_mma,
+            (n.div_ceil(GEMV_MMA_COLS) as u32, 1),
+            (GEMV_MMA_WARPS * 32) as u32,
             &[&x, &w, &y, &r, &n32, &k32],
         )
     }

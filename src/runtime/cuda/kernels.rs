@@ -20,22 +20,27 @@ const SOURCES: &[(&str, &str, &[&str])] = &[
         &["embedding"],
     ),
     ("norm.cu", include_str!("../../../kernels/norm.cu"), &["add_rms_norm"]),
-    (
-        "rope.cu",
-        include_str!("../../../kernels/rope.cu"),
-        &["rope", "add_bias"],
-    ),
+    ("bias.cu", include_str!("../../../kernels/bias.cu"), &["add_bias"]),
     (
         "cache.cu",
         include_str!("../../../kernels/cache.cu"),
-        &["reshape_and_cache"],
+        &["rope_and_cache"],
     ),
     (
         "attention.cu",
         include_str!("../../../kernels/attention.cu"),
         &["paged_attention", "attention_merge"],
     ),
-    ("gemv.cu", include_str!("../../../kernels/gemv.cu"), &["gemv_bf16"]),
+    (
+        "flash_attention.cu",
+        include_str!("../../../kernels/flash_attention.cu"),
+        &["flash_attention_d64", "flash_attention_d128", "flash_merge"],
+    ),
+    (
+        "gemv.cu",
+        include_str!("../../../kernels/gemv.cu"),
+        &["gemv_bf16", "gemv_mma"],
+    ),
     (
         "activation.cu",
         include_str!("../../../kernels/activation.cu"),
@@ -66,12 +71,15 @@ const SOURCES: &[(&str, &str, &[&str])] = &[
 pub struct Kernels {
     pub embedding: CudaFunction,
     pub add_rms_norm: CudaFunction,
-    pub rope: CudaFunction,
     pub add_bias: CudaFunction,
-    pub reshape_and_cache: CudaFunction,
+    pub rope_and_cache: CudaFunction,
     pub paged_attention: CudaFunction,
     pub attention_merge: CudaFunction,
+    pub flash_attention_d64: CudaFunction,
+    pub flash_attention_d128: CudaFunction,
+    pub flash_merge: CudaFunction,
     pub gemv_bf16: CudaFunction,
+    pub gemv_mma: CudaFunction,
     pub silu_mul: CudaFunction,
     pub apply_bitmask: CudaFunction,
     pub add_bias_where: CudaFunction,
@@ -131,15 +139,18 @@ impl Kernels {
             }
         }
         let mut take = |name: &str| functions.remove(name).expect("every listed kernel was loaded");
-        Ok(Kernels {
+        let kernels = Kernels {
             embedding: take("embedding"),
             add_rms_norm: take("add_rms_norm"),
-            rope: take("rope"),
             add_bias: take("add_bias"),
-            reshape_and_cache: take("reshape_and_cache"),
+            rope_and_cache: take("rope_and_cache"),
             paged_attention: take("paged_attention"),
             attention_merge: take("attention_merge"),
+            flash_attention_d64: take("flash_attention_d64"),
+            flash_attention_d128: take("flash_attention_d128"),
+            flash_merge: take("flash_merge"),
             gemv_bf16: take("gemv_bf16"),
+            gemv_mma: take("gemv_mma"),
             silu_mul: take("silu_mul"),
             apply_bitmask: take("apply_bitmask"),
             add_bias_where: take("add_bias_where"),
@@ -151,7 +162,9 @@ impl Kernels {
             sample_rows: take("sample_rows"),
             philox_raw: take("philox_raw"),
             fill_uniform_bf16: take("fill_uniform_bf16"),
-        })
+        };
+        super::attention::prepare(&kernels)?;
+        Ok(kernels)
     }
 }
 

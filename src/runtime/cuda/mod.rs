@@ -1,8 +1,8 @@
 //! The CUDA backend: bf16 weights and a paged bf16 KV cache in device memory, kernels compiled
 //! by NVRTC (kernels/*.cu), projections through cuBLAS. The layer loop is the CPU backend's:
-//! embed, then per layer norm, qkv, rope, cache write, paged attention, output projection,
-//! norm, gate|up, SiLU-and-multiply, down; the last norm and the head run only on the rows
-//! whose logits are wanted.
+//! embed, then per layer norm, qkv, rope fused with the cache write, paged attention, output
+//! projection, norm, gate|up, SiLU-and-multiply, down; the last norm and the head run only on
+//! the rows whose logits are wanted.
 
 mod attention;
 mod gemm;
@@ -109,6 +109,8 @@ struct Buffers {
     branch: CudaSlice<f32>,
     normed: CudaSlice<u16>,
     qkv: CudaSlice<f32>,
+    /// The rotated queries, bf16, for attention.
+    q: CudaSlice<u16>,
     attn: CudaSlice<u16>,
     gate_up: CudaSlice<f32>,
     act: CudaSlice<u16>,
@@ -140,13 +142,14 @@ impl Buffers {
             branch: stream.alloc_zeros(tokens * d).map_err(oom)?,
             normed: stream.alloc_zeros(tokens * d).map_err(oom)?,
             qkv: stream.alloc_zeros(tokens * width).map_err(oom)?,
+            q: stream.alloc_zeros(tokens * cfg.q_size()).map_err(oom)?,
             attn: stream.alloc_zeros(tokens * cfg.q_size()).map_err(oom)?,
             gate_up: stream.alloc_zeros(tokens * 2 * inter).map_err(oom)?,
             act: stream.alloc_zeros(tokens * inter).map_err(oom)?,
             head_in: stream.alloc_zeros(rows * d).map_err(oom)?,
             logits: stream.alloc_zeros(rows * cfg.vocab_size).map_err(oom)?,
             partials: stream
-                .alloc_zeros(attention::scratch_len(target_blocks, cfg.head_dim))
+                .alloc_zeros(attention::general_scratch_len(target_blocks, cfg.head_dim).max(attention::SCRATCH_FLOATS))
                 .map_err(oom)?,
         })
     }
@@ -207,7 +210,7 @@ impl CudaBackend {
             options.max_num_seqs.max(1),
             target_blocks,
         )?;
-        let gemm = Gemm::new(stream.clone(), kernels.gemv_bf16.clone())?;
+        let gemm = Gemm::new(stream.clone(), kernels.gemv_bf16.clone(), kernels.gemv_mma.clone())?;
         stream.synchronize().map_err(device_err("loading the weights"))?;
 
         // The KV cache takes what is left of the memory budget.
@@ -306,10 +309,22 @@ fn launch(stream: &CudaStream, f: &CudaFunction, grid: (u32, u32), block: u32, a
 
 /// `launch` with a grid of three dimensions.
 fn launch3(stream: &CudaStream, f: &CudaFunction, grid: (u32, u32, u32), block: u32, args: &[&dyn Arg]) -> Result<()> {
+    launch_smem(stream, f, grid, block, 0, args)
+}
+
+/// `launch3` with `smem` bytes of dynamic shared memory per block.
+fn launch_smem(
+    stream: &CudaStream,
+    f: &CudaFunction,
+    grid: (u32, u32, u32),
+    block: u32,
+    smem: u32,
+    args: &[&dyn Arg],
+) -> Result<()> {
     let cfg = LaunchConfig {
         grid_dim: grid,
         block_dim: (block, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: smem,
     };
     let mut builder = stream.launch_builder(f);
     for a in args {
@@ -429,29 +444,42 @@ impl Backend for CudaBackend {
             }
         })?;
         let picked = st.push(if rows > 0 { &batch.logits_rows } else { &[0] })?;
+        let flash_items = attention::flash_items(batch, cfg.num_heads / cfg.num_kv_heads);
+        let items = st.push(if flash_items.is_empty() { &[0] } else { &flash_items })?;
         let base = st.send(s)?;
         let addr = |offset: usize| Staging::addr(base, offset);
-        let (ids, positions, slots, seqs, tables, picked) = (
+        let (ids, positions, slots, seqs, tables, picked, items) = (
             addr(ids),
             addr(positions),
             addr(slots),
             addr(seqs),
             addr(tables),
             addr(picked),
+            addr(items),
         );
         let max_len = batch.context_lens.iter().copied().max().unwrap_or(1) as usize;
-        let part_keys = attention::partition_keys(t, cfg.num_heads, max_len, self.target_blocks);
+        let plan = attention::Plan::new(
+            cfg.head_dim,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            t,
+            max_len,
+            items,
+            flash_items.len() / 4,
+            self.target_blocks,
+        );
 
         let (d, inter) = (cfg.hidden_size as i32, cfg.intermediate_size as i32);
         let (q_size, kv_size) = (cfg.q_size() as i32, cfg.kv_size() as i32);
         let width = q_size + 2 * kv_size;
         let eps = cfg.rms_norm_eps;
         let b = &self.buffers;
-        let (x, branch, normed, qkv, attn, gate_up, act) = (
+        let (x, branch, normed, qkv, q, attn, gate_up, act) = (
             self.ptr(&b.x),
             self.ptr(&b.branch),
             self.ptr(&b.normed),
             self.ptr(&b.qkv),
+            self.ptr(&b.q),
             self.ptr(&b.attn),
             self.ptr(&b.gate_up),
             self.ptr(&b.act),
@@ -504,35 +532,31 @@ impl Backend for CudaBackend {
             if let Some(bias) = &layer.qkv_bias {
                 self.launch(&k.add_bias, (tt, 1), ROW_THREADS, &[&qkv, &self.ptr(bias), &width])?;
             }
-            let rotated = heads + kv_heads;
+            let (kc, vc) = (self.ptr(&self.k_cache[li]), self.ptr(&self.v_cache[li]));
             self.mark(Phase::Elementwise);
             self.launch(
-                &k.rope,
+                &k.rope_and_cache,
                 (tt, 1),
                 ROW_THREADS,
                 &[
                     &qkv,
+                    &width,
                     &positions,
                     &self.ptr(&self.rope_cos),
                     &self.ptr(&self.rope_sin),
-                    &width,
-                    &rotated,
+                    &heads,
+                    &kv_heads,
                     &head_dim,
                     &halves,
+                    &slots,
+                    &q,
+                    &kc,
+                    &vc,
                 ],
-            )?;
-            let (kc, vc) = (self.ptr(&self.k_cache[li]), self.ptr(&self.v_cache[li]));
-            let v_offset = q_size + kv_size;
-            self.launch(
-                &k.reshape_and_cache,
-                (tt, 1),
-                ROW_THREADS,
-                &[&qkv, &width, &q_size, &v_offset, &kv_size, &slots, &kc, &vc],
             )?;
             self.mark(Phase::Attention);
             let args = attention::AttentionArgs {
-                qkv,
-                width,
+                q,
                 out: attn,
                 k_cache: kc,
                 v_cache: vc,
@@ -546,7 +570,7 @@ impl Backend for CudaBackend {
                 head_dim,
                 scale,
             };
-            attention::launch(s, k, &args, t, max_len, part_keys, self.ptr(&b.partials))?;
+            attention::launch(s, k, &args, plan, t, max_len, self.ptr(&b.partials))?;
             self.mark(Phase::Gemm);
             self.gemm.matmul(
                 attn,
@@ -590,7 +614,7 @@ impl Backend for CudaBackend {
 
         if rows == 0 {
             if let Some(timing) = &self.timing {
-                timing.finish(s, started, false, t);
+                timing.finish(s, started, false, t, t == batch.num_seqs());
             }
             return Ok(());
         }
@@ -619,7 +643,7 @@ impl Backend for CudaBackend {
             .matmul(head_in, head, logits, OutType::F32, rows, cfg.vocab_size, d as usize)?;
         self.rows = rows;
         if let Some(timing) = &self.timing {
-            timing.finish(s, started, false, t);
+            timing.finish(s, started, false, t, t == batch.num_seqs());
         }
         Ok(())
     }

@@ -141,7 +141,7 @@ impl CudaBackend {
         s.synchronize().map_err(device_err("sampling"))?;
         self.in_flight = false;
         if let Some(timing) = &self.timing {
-            timing.finish(&s, started, true, 0);
+            timing.finish(&s, started, true, 0, false);
         }
         let (tokens, logprobs) = decided
             .into_iter()

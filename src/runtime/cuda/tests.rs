@@ -1,6 +1,7 @@
 //! Every kernel against a plain CPU reference, on shapes that hit the edges (one token, block
 //! boundaries, a context of thousands, a vocabulary that is not a multiple of 32, rows with and
-//! without masks). Skipped, with a message, where there is no GPU.
+//! without masks). Skipped, with a message, where there is no GPU; failed there under
+//! `QUARRY_TEST_DEVICE=cuda`.
 
 use half::bf16;
 
@@ -14,16 +15,13 @@ struct Gpu {
 }
 
 fn gpu() -> Option<Gpu> {
-    if let Err(why) = crate::runtime::device::cuda_devices() {
-        eprintln!("skipping: {why}");
-        return None;
-    }
+    crate::runtime::device::cuda_for_test()?;
     let ctx = CudaContext::new(0).expect("context");
     // SAFETY: one stream.
     unsafe { ctx.disable_event_tracking() };
     let stream = ctx.default_stream();
     let k = Kernels::load(&ctx).expect("kernels compile");
-    let gemm = Gemm::new(stream.clone(), k.gemv_bf16.clone()).expect("cublas");
+    let gemm = Gemm::new(stream.clone(), k.gemv_bf16.clone(), k.gemv_mma.clone()).expect("cublas");
     Some(Gpu {
         _ctx: ctx,
         stream,
@@ -164,29 +162,51 @@ fn rms_norm_with_residual_add_matches_the_reference() {
 }
 
 #[test]
-fn rope_rotates_adjacent_pairs_and_halves() {
+fn rope_and_cache_rotates_queries_and_keys_and_writes_the_cache() {
     let Some(g) = gpu() else { return };
-    let (head_dim, heads, theta, max_pos) = (64usize, 5usize, 10_000f32, 4096usize);
+    let (head_dim, heads, kv_heads, theta, max_pos) = (64usize, 5usize, 2usize, 10_000f32, 4096usize);
+    let (q_size, kv_size) = (heads * head_dim, kv_heads * head_dim);
     let (cos, sin) = crate::runtime::cpu::rope_tables(head_dim, theta, max_pos);
     let (cos_d, sin_d) = (g.f32s(&cos), g.f32s(&sin));
-    let width = heads * head_dim + 7; // trailing columns (v) must not move
+    let width = q_size + 2 * kv_size;
     let positions = [0u32, 1, 15, 16, 4095];
+    let slots = [7u32, 0, 3, 12, 5];
     let rows = values(positions.len() * width, 4);
     for halves in [0i32, 1] {
-        let qkv = g.f32s(&rows);
-        let pos = g.u32s(&positions);
-        let (w, h, hd) = (width as i32, heads as i32, head_dim as i32);
+        let (qkv, pos, slots_d) = (g.f32s(&rows), g.u32s(&positions), g.u32s(&slots));
+        let (q, kc, vc) = (
+            g.zeros_bf16(positions.len() * q_size),
+            g.zeros_bf16(16 * kv_size),
+            g.zeros_bf16(16 * kv_size),
+        );
+        let (w, h, kvh, hd) = (width as i32, heads as i32, kv_heads as i32, head_dim as i32);
         g.run(
-            &g.k.rope,
+            &g.k.rope_and_cache,
             (positions.len() as u32, 1),
             ROW_THREADS,
-            &[&g.p(&qkv), &g.p(&pos), &g.p(&cos_d), &g.p(&sin_d), &w, &h, &hd, &halves],
+            &[
+                &g.p(&qkv),
+                &w,
+                &g.p(&pos),
+                &g.p(&cos_d),
+                &g.p(&sin_d),
+                &h,
+                &kvh,
+                &hd,
+                &halves,
+                &g.p(&slots_d),
+                &g.p(&q),
+                &g.p(&kc),
+                &g.p(&vc),
+            ],
         );
-        let got = g.read_f32(&qkv);
-        let mut want: Vec<f64> = rows.iter().map(|&v| v as f64).collect();
+        let (got_q, got_k, got_v) = (g.read_bf16(&q), g.read_bf16(&kc), g.read_bf16(&vc));
         for (t, &p) in positions.iter().enumerate() {
-            for hi in 0..heads {
-                let base = t * width + hi * head_dim;
+            let row = &rows[t * width..][..width];
+            // Every q and k head rotated, as the CPU's tables say.
+            let mut want: Vec<f64> = row[..q_size + kv_size].iter().map(|&v| v as f64).collect();
+            for hi in 0..heads + kv_heads {
+                let base = hi * head_dim;
                 for j in 0..head_dim / 2 {
                     let angle = p as f64 * (theta as f64).powf(-2.0 * j as f64 / head_dim as f64);
                     let (a, b) = if halves == 1 {
@@ -194,179 +214,331 @@ fn rope_rotates_adjacent_pairs_and_halves() {
                     } else {
                         (2 * j, 2 * j + 1)
                     };
-                    let (x0, x1) = (rows[base + a] as f64, rows[base + b] as f64);
+                    let (x0, x1) = (row[base + a] as f64, row[base + b] as f64);
                     want[base + a] = x0 * angle.cos() - x1 * angle.sin();
                     want[base + b] = x0 * angle.sin() + x1 * angle.cos();
                 }
             }
-        }
-        // f32 angles at position 4095 carry ~1e-4 of error; the rest is exact arithmetic.
-        let err = got
-            .iter()
-            .zip(&want)
-            .map(|(&a, &b)| (a as f64 - b).abs())
-            .fold(0.0, f64::max);
-        assert!(err < 2e-3, "rope (halves={halves}): max error {err}");
-        for t in 0..positions.len() {
-            for c in heads * head_dim..width {
-                assert_eq!(got[t * width + c], rows[t * width + c], "column {c} is not rotated");
-            }
+            // f32 angles at position 4095 carry ~1e-4 of error.
+            let what = format!("halves={halves} position {p}");
+            assert_close(
+                &format!("q, {what}"),
+                &got_q[t * q_size..][..q_size],
+                &want[..q_size],
+                2e-3,
+            );
+            let slot = slots[t] as usize;
+            assert_close(
+                &format!("k, {what}"),
+                &got_k[slot * kv_size..][..kv_size],
+                &want[q_size..],
+                2e-3,
+            );
+            // v is copied, rounded to bf16, into the token's slot.
+            assert_eq!(
+                &got_v[slot * kv_size..][..kv_size],
+                &rounded(&row[q_size + kv_size..])[..],
+                "v of {what}"
+            );
         }
     }
 }
 
-/// A batch of three sequences in one flattened pass: a decode token at the end of a 3,000-token
-/// context, a prefill chunk that crosses a block boundary, and a lone first token; block tables
-/// scattered over the pool. Keys and values reach the cache through the cache-write kernel.
-#[test]
-fn paged_attention_matches_the_reference_over_a_mixed_batch() {
-    let Some(g) = gpu() else { return };
-    // 36: a head that is not a multiple of 8 takes the scalar path.
-    for (heads, kv_heads, head_dim) in [(9usize, 3usize, 64usize), (8, 8, 128), (28, 4, 128), (4, 2, 36)] {
-        let q_size = heads * head_dim;
-        let kv_size = kv_heads * head_dim;
-        let width = q_size + 2 * kv_size;
+/// A paged KV cache of several documents, their keys, values and queries drawn at random and
+/// rounded to bf16, their blocks scattered over the pool; a batch picks (document, context
+/// length, query tokens): the last tokens of that context, as a decode token, a prefill chunk
+/// against its cached prefix or a speculative check would be.
+struct KvFixture {
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    tables: Vec<Vec<u32>>,
+    /// Per slot, `[kv_heads * head_dim]`.
+    k: Vec<f32>,
+    v: Vec<f32>,
+    /// Per document, `[len, heads * head_dim]`.
+    q: Vec<Vec<f32>>,
+    kc: CudaSlice<u16>,
+    vc: CudaSlice<u16>,
+}
+
+/// How a test runs the attention of a batch.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Mode {
+    /// What the backend would choose (`Plan::new`).
+    Chosen,
+    /// The flash kernel with every partition its own block, then the merge.
+    Split,
+    /// The flash kernel, each block walking its partitions.
+    Whole,
+}
+
+impl KvFixture {
+    fn new(g: &Gpu, heads: usize, kv_heads: usize, head_dim: usize, lens: &[usize], seed: u64) -> Self {
         let block = BLOCK_SIZE;
-        let contexts = [3000usize, 28, 1];
-        let queries = [1usize, 18, 1]; // the last `queries[s]` positions of each context
-                                       // Block tables: sequences take blocks from a shuffled pool.
-        let total_blocks: usize = contexts.iter().map(|c| c.div_ceil(block)).sum::<usize>() + 5;
+        let kv_size = kv_heads * head_dim;
+        let total_blocks: usize = lens.iter().map(|l| l.div_ceil(block)).sum::<usize>() + 5;
         let mut pool: Vec<u32> = (0..total_blocks as u32).collect();
-        let mut seed = 7u64;
+        let mut state = seed;
         for i in (1..pool.len()).rev() {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
-            pool.swap(i, (seed >> 33) as usize % (i + 1));
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1);
+            pool.swap(i, (state >> 33) as usize % (i + 1));
         }
         let mut tables = Vec::new();
         let mut next = 0;
-        for &c in &contexts {
-            tables.push(pool[next..next + c.div_ceil(block)].to_vec());
-            next += c.div_ceil(block);
+        for &len in lens {
+            tables.push(pool[next..next + len.div_ceil(block)].to_vec());
+            next += len.div_ceil(block);
         }
-        // Write every position's k and v (one row per position of every sequence).
-        let all_rows: usize = contexts.iter().sum();
-        let qkv_all = values(all_rows * width, 11);
-        let mut slots = Vec::new();
-        for (s, &c) in contexts.iter().enumerate() {
-            for p in 0..c {
-                slots.push(tables[s][p / block] * block as u32 + (p % block) as u32);
-            }
-        }
-        let num_slots = total_blocks * block;
-        let (kc, vc) = (g.zeros_bf16(num_slots * kv_size), g.zeros_bf16(num_slots * kv_size));
-        let (qkv_d, slots_d) = (g.f32s(&qkv_all), g.u32s(&slots));
-        let (w, qs, vo, ks) = (width as i32, q_size as i32, (q_size + kv_size) as i32, kv_size as i32);
-        g.run(
-            &g.k.reshape_and_cache,
-            (all_rows as u32, 1),
-            ROW_THREADS,
-            &[&g.p(&qkv_d), &w, &qs, &vo, &ks, &g.p(&slots_d), &g.p(&kc), &g.p(&vc)],
-        );
-        // The cache holds each row's k and v, rounded to bf16, at its slot.
-        let k_cache = g.read_bf16(&kc);
-        for (r, &slot) in slots.iter().enumerate().step_by(97) {
-            let want = rounded(&qkv_all[r * width + q_size..][..kv_size]);
-            assert_eq!(
-                &k_cache[slot as usize * kv_size..][..kv_size],
-                &want[..],
-                "k of row {r}"
+        // Slots no document uses hold NaN: a kernel that reads past a sequence shows it.
+        let slots = total_blocks * block;
+        let mut k = vec![f32::NAN; slots * kv_size];
+        let mut v = vec![f32::NAN; slots * kv_size];
+        let mut q = Vec::new();
+        for (d, &len) in lens.iter().enumerate() {
+            let (kd, vd) = (
+                rounded(&values(len * kv_size, seed + 100 + d as u64)),
+                rounded(&values(len * kv_size, seed + 200 + d as u64)),
             );
-        }
-
-        // The queries: rows of the positions asked for.
-        let mut q_rows = Vec::new();
-        let (mut token_seq, mut positions) = (Vec::new(), Vec::new());
-        let mut row_start = 0;
-        for (s, (&c, &n)) in contexts.iter().zip(&queries).enumerate() {
-            for p in c - n..c {
-                q_rows.extend_from_slice(&qkv_all[(row_start + p) * width..][..width]);
-                token_seq.push(s as u32);
-                positions.push(p as u32);
+            for p in 0..len {
+                let slot = tables[d][p / block] as usize * block + p % block;
+                k[slot * kv_size..][..kv_size].copy_from_slice(&kd[p * kv_size..][..kv_size]);
+                v[slot * kv_size..][..kv_size].copy_from_slice(&vd[p * kv_size..][..kv_size]);
             }
-            row_start += c;
+            q.push(rounded(&values(len * heads * head_dim, seed + 300 + d as u64)));
         }
-        let tokens = positions.len();
-        let max_blocks = tables.iter().map(Vec::len).max().unwrap();
-        let mut flat = vec![0u32; tables.len() * max_blocks];
-        for (s, t) in tables.iter().enumerate() {
+        let (kc, vc) = (g.bf16s(&k), g.bf16s(&v));
+        KvFixture {
+            heads,
+            kv_heads,
+            head_dim,
+            tables,
+            k,
+            v,
+            q,
+            kc,
+            vc,
+        }
+    }
+
+    fn batch(&self, picks: &[(usize, usize, usize)]) -> ForwardBatch {
+        let mut batch = ForwardBatch::default();
+        for &(doc, ctx, n) in picks {
+            batch.push_sequence(&vec![0; n], ctx - n, &self.tables[doc], BLOCK_SIZE);
+        }
+        batch
+    }
+
+    /// The attention output of every query row of `picks`, as bf16 bits.
+    fn run(&self, g: &Gpu, picks: &[(usize, usize, usize)], mode: Mode) -> Vec<u16> {
+        let batch = self.batch(picks);
+        let q_size = self.heads * self.head_dim;
+        let mut q = Vec::new();
+        for &(doc, ctx, n) in picks {
+            q.extend_from_slice(&self.q[doc][(ctx - n) * q_size..ctx * q_size]);
+        }
+        let tokens = batch.num_tokens();
+        let mut token_seq = Vec::new();
+        for s in 0..batch.num_seqs() {
+            token_seq.extend(std::iter::repeat_n(
+                s as u32,
+                (batch.query_start[s + 1] - batch.query_start[s]) as usize,
+            ));
+        }
+        let max_blocks = batch.block_tables.iter().map(Vec::len).max().unwrap();
+        let mut flat = vec![0u32; batch.num_seqs() * max_blocks];
+        for (s, t) in batch.block_tables.iter().enumerate() {
             flat[s * max_blocks..][..t.len()].copy_from_slice(t);
         }
-        let (q_d, seq_d, pos_d, tab_d) = (g.f32s(&q_rows), g.u32s(&token_seq), g.u32s(&positions), g.u32s(&flat));
-        let scale = 1.0 / (head_dim as f32).sqrt();
-        let max_len = *contexts.iter().max().unwrap();
-        // Whole (one partition), split as the backend would for these tokens, and in small
-        // partitions that leave most of the short sequences' blocks empty.
-        let splits = [
-            max_len.next_multiple_of(32),
-            attention::partition_keys(tokens, heads, max_len, 528),
-            64,
-        ];
-        let outs: Vec<Vec<f32>> = splits
-            .iter()
-            .map(|&part_keys| {
-                let out = g.zeros_bf16(tokens * q_size);
-                let parts = max_len.div_ceil(part_keys);
-                let partials = g.zeros_f32(tokens * heads * parts * (head_dim + 2));
-                let args = attention::AttentionArgs {
-                    qkv: g.p(&q_d),
-                    width: w,
-                    out: g.p(&out),
-                    k_cache: g.p(&kc),
-                    v_cache: g.p(&vc),
-                    token_seq: g.p(&seq_d),
-                    positions: g.p(&pos_d),
-                    tables: g.p(&tab_d),
-                    max_blocks: max_blocks as i32,
-                    block_size: block as i32,
-                    heads: heads as i32,
-                    kv_heads: kv_heads as i32,
-                    head_dim: head_dim as i32,
-                    scale,
-                };
-                attention::launch(&g.stream, &g.k, &args, tokens, max_len, part_keys, g.p(&partials)).unwrap();
-                g.stream.synchronize().unwrap();
-                g.read_bf16(&out)
-            })
-            .collect();
+        let items = attention::flash_items(&batch, self.heads / self.kv_heads);
+        let (q_d, seq_d, pos_d, tab_d, items_d) = (
+            g.bf16s(&q),
+            g.u32s(&token_seq),
+            g.u32s(&batch.positions),
+            g.u32s(&flat),
+            g.u32s(&items),
+        );
+        let max_len = *batch.context_lens.iter().max().unwrap() as usize;
+        let chosen = attention::Plan::new(
+            self.head_dim,
+            self.heads,
+            self.kv_heads,
+            tokens,
+            max_len,
+            g.p(&items_d),
+            items.len() / 4,
+            528,
+        );
+        let parts = max_len.div_ceil(attention::FLASH_PART);
+        let plan = match (mode, chosen) {
+            (Mode::Chosen, plan) => plan,
+            (Mode::Split, attention::Plan::Flash { items, count, .. }) => attention::Plan::Flash {
+                items,
+                count,
+                split: (parts > 1).then_some(parts),
+            },
+            (Mode::Whole, attention::Plan::Flash { items, count, .. }) => attention::Plan::Flash {
+                items,
+                count,
+                split: None,
+            },
+            (mode, plan) => panic!("{mode:?} asked of {plan:?}"),
+        };
+        let out: CudaSlice<u16> = g.stream.clone_htod(&vec![0xffffu16; tokens * q_size]).unwrap(); // NaN
+        let partials = g.zeros_f32(attention::SCRATCH_FLOATS);
+        let args = attention::AttentionArgs {
+            q: g.p(&q_d),
+            out: g.p(&out),
+            k_cache: g.p(&self.kc),
+            v_cache: g.p(&self.vc),
+            token_seq: g.p(&seq_d),
+            positions: g.p(&pos_d),
+            tables: g.p(&tab_d),
+            max_blocks: max_blocks as i32,
+            block_size: BLOCK_SIZE as i32,
+            heads: self.heads as i32,
+            kv_heads: self.kv_heads as i32,
+            head_dim: self.head_dim as i32,
+            scale: 1.0 / (self.head_dim as f32).sqrt(),
+        };
+        attention::launch(&g.stream, &g.k, &args, plan, tokens, max_len, g.p(&partials)).unwrap();
+        g.stream.synchronize().unwrap();
+        g.stream.clone_dtoh(&out).unwrap()
+    }
 
-        let mut want = vec![0f64; tokens * q_size];
-        let mut starts = vec![0usize];
-        for &c in &contexts {
-            starts.push(starts.last().unwrap() + c);
-        }
-        for t in 0..tokens {
-            let (s, p) = (token_seq[t] as usize, positions[t] as usize);
-            for hi in 0..heads {
-                let kvh = hi / (heads / kv_heads);
-                let q = &q_rows[t * width + hi * head_dim..][..head_dim];
-                let key = |j: usize, off: usize| -> Vec<f64> {
-                    rounded(&qkv_all[(starts[s] + j) * width + off + kvh * head_dim..][..head_dim])
-                        .into_iter()
-                        .map(f64::from)
-                        .collect()
-                };
-                let scores: Vec<f64> = (0..=p)
-                    .map(|j| key(j, q_size).iter().zip(q).map(|(k, &qv)| k * qv as f64).sum::<f64>() * scale as f64)
-                    .collect();
-                let top = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let weights: Vec<f64> = scores.iter().map(|s| (s - top).exp()).collect();
-                let total: f64 = weights.iter().sum();
-                for (j, wj) in weights.iter().enumerate() {
-                    let v = key(j, q_size + kv_size);
-                    for dd in 0..head_dim {
-                        want[t * q_size + hi * head_dim + dd] += wj / total * v[dd];
+    /// Softmax attention in f64 over the same bf16 values.
+    fn reference(&self, picks: &[(usize, usize, usize)]) -> Vec<f64> {
+        let (hd, q_size, kv_size) = (self.head_dim, self.heads * self.head_dim, self.kv_heads * self.head_dim);
+        let scale = 1.0 / (hd as f64).sqrt();
+        let mut want = Vec::new();
+        for &(doc, ctx, n) in picks {
+            let slot = |p: usize| self.tables[doc][p / BLOCK_SIZE] as usize * BLOCK_SIZE + p % BLOCK_SIZE;
+            for p in ctx - n..ctx {
+                for h in 0..self.heads {
+                    let kvh = h / (self.heads / self.kv_heads);
+                    let q = &self.q[doc][p * q_size + h * hd..][..hd];
+                    let scores: Vec<f64> = (0..=p)
+                        .map(|j| {
+                            let k = &self.k[slot(j) * kv_size + kvh * hd..][..hd];
+                            k.iter().zip(q).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() * scale
+                        })
+                        .collect();
+                    let top = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let weights: Vec<f64> = scores.iter().map(|s| (s - top).exp()).collect();
+                    let total: f64 = weights.iter().sum();
+                    let mut out = vec![0f64; hd];
+                    for (j, w) in weights.iter().enumerate() {
+                        let v = &self.v[slot(j) * kv_size + kvh * hd..][..hd];
+                        for d in 0..hd {
+                            out[d] += w / total * v[d] as f64;
+                        }
                     }
+                    want.extend(out);
                 }
             }
         }
-        for (got, keys) in outs.iter().zip(splits) {
-            assert_close(
-                &format!("attention {heads}/{kv_heads}x{head_dim}, {keys} keys per partition"),
-                got,
-                &want,
-                2e-3,
-            );
+        want
+    }
+}
+
+fn bf16_bits_to_f32(bits: &[u16]) -> Vec<f32> {
+    bits.iter().map(|&b| bf16::from_bits(b).to_f32()).collect()
+}
+
+/// Every GQA ratio of the models we run (1, 3, 4, 7, 8) at heads of 64 and 128, and a head of
+/// 36 (the general kernel), over a batch of a decode token at the end of 3,000 keys, a prefill
+/// chunk against its cached prefix across a partition boundary, a lone first token, a prefill
+/// from position 0, and a speculative check of 9 rows across a partition boundary.
+#[test]
+fn attention_matches_the_reference_for_every_gqa_ratio_and_head_size() {
+    let Some(g) = gpu() else { return };
+    let lens = [3000usize, 300, 1, 64, 265];
+    let picks = [
+        (0usize, 3000usize, 1usize),
+        (1, 300, 37),
+        (2, 1, 1),
+        (3, 64, 64),
+        (4, 265, 9),
+    ];
+    for (heads, kv_heads, head_dim) in [
+        (8usize, 8usize, 64usize),
+        (9, 3, 64),
+        (32, 8, 128),
+        (28, 4, 128),
+        (64, 8, 128),
+        (16, 2, 64),
+        (7, 1, 128),
+        (4, 2, 36),
+    ] {
+        let f = KvFixture::new(&g, heads, kv_heads, head_dim, &lens, head_dim as u64 + heads as u64);
+        let want = f.reference(&picks);
+        let what = format!("{heads} heads / {kv_heads} kv heads x {head_dim}");
+        if !attention::flash_head(head_dim) {
+            let got = bf16_bits_to_f32(&f.run(&g, &picks, Mode::Chosen));
+            assert_close(&format!("general kernel, {what}"), &got, &want, 2e-3);
+            continue;
         }
+        let (split, whole) = (f.run(&g, &picks, Mode::Split), f.run(&g, &picks, Mode::Whole));
+        // bf16 probabilities times values in [-1, 1]: at most 2^-9 of error before the output's
+        // own rounding.
+        assert_close(&format!("flash, split, {what}"), &bf16_bits_to_f32(&split), &want, 2e-3);
+        assert_close(&format!("flash, whole, {what}"), &bf16_bits_to_f32(&whole), &want, 2e-3);
+        let differ = split.iter().zip(&whole).filter(|(a, b)| a != b).count();
+        assert_eq!(
+            differ, 0,
+            "{what}: split and whole partitions differ in {differ} values"
+        );
+    }
+}
+
+/// A request's attention output is a function of the request alone: the same bits alone, in
+/// batches of 2 to 64 beside other requests (which move it in the batch and change how the
+/// keys are split across blocks), and, for a prefill, whatever its chunks.
+#[test]
+fn attention_is_bitwise_the_same_alone_in_any_batch_and_in_any_chunking() {
+    let Some(g) = gpu() else { return };
+    for (heads, kv_heads, head_dim) in [(32usize, 8usize, 128usize), (9, 3, 64), (28, 4, 128)] {
+        let mut lens = vec![2100usize, 700, 300];
+        lens.extend((0..64).map(|i| 17 + 61 * i));
+        let f = KvFixture::new(&g, heads, kv_heads, head_dim, &lens, 5);
+        let q_size = heads * head_dim;
+        let what = format!("{heads}/{kv_heads}x{head_dim}");
+        // A decode token, a prefill chunk against a cached prefix, a speculative check.
+        let targets = [(0usize, 2100usize, 1usize), (1, 700, 200), (2, 300, 9)];
+        for target in targets {
+            let alone = f.run(&g, &[target], Mode::Chosen);
+            for others in [1usize, 7, 31, 63] {
+                let mut picks: Vec<(usize, usize, usize)> = (0..others)
+                    .map(|i| {
+                        let doc = 3 + i;
+                        let len = lens[doc];
+                        (doc, len, if i % 3 == 0 { len.min(40) } else { 1 })
+                    })
+                    .collect();
+                let at = others / 2;
+                picks.insert(at, target);
+                let batch = f.run(&g, &picks, Mode::Chosen);
+                let offset: usize = picks[..at].iter().map(|p| p.2).sum::<usize>() * q_size;
+                assert!(
+                    batch[offset..][..alone.len()] == alone[..],
+                    "{what}: request {target:?} differs between alone and a batch of {}",
+                    others + 1
+                );
+            }
+        }
+        // One prefill of 700 tokens against chunks of 100, 250 and 350 tokens.
+        let whole = f.run(&g, &[(1, 700, 700)], Mode::Chosen);
+        let mut chunked = Vec::new();
+        for (ctx, n) in [(100usize, 100usize), (350, 250), (700, 350)] {
+            chunked.extend(f.run(&g, &[(1, ctx, n)], Mode::Chosen));
+        }
+        assert!(whole == chunked, "{what}: a prefill differs from its chunks");
+        // The prefill's last token equals the decode of that token.
+        let decode = f.run(&g, &[(1, 700, 1)], Mode::Chosen);
+        assert!(
+            whole[699 * q_size..] == decode[..],
+            "{what}: a prefill's last row differs from its decode"
+        );
     }
 }
 
@@ -407,9 +579,13 @@ fn embedding_and_silu_mul_match_the_reference() {
 #[test]
 fn gemm_is_x_times_w_transposed() {
     let Some(g) = gpu() else { return };
-    // Up to 8 rows, small weights and k a multiple of 8: the GEMV kernel; the others: cuBLAS.
+    // Up to 8 rows and k a multiple of 32: the tensor-core GEMV; of 8, with small weights: the
+    // CUDA-core GEMV; the others: cuBLAS.
     for (rows, n, k) in [
         (1usize, 300usize, 576usize),
+        (3, 17, 4096),
+        (8, 6144, 4096),
+        (2, 33, 14336),
         (37, 1000, 64),
         (5, 49155, 576),
         (8, 250, 14344),
@@ -431,6 +607,38 @@ fn gemm_is_x_times_w_transposed() {
         }
         // f32 accumulation of k products of size <= 1.
         assert_close(&format!("gemm {rows}x{n}x{k}"), &got, &want, 1e-4 * (k as f64).sqrt());
+    }
+}
+
+/// A row's product is the same bits whether it is computed alone or with up to 7 others, on
+/// both GEMV kernels (one order of summation over k whatever the number of rows).
+#[test]
+fn gemv_rows_are_bitwise_the_same_for_one_to_eight_rows() {
+    let Some(g) = gpu() else { return };
+    for (n, k) in [(6144usize, 4096usize), (960, 576), (100, 14344)] {
+        let (x, w) = (rounded(&values(8 * k, 21)), rounded(&values(n * k, 22)));
+        let (xd, wd) = (g.bf16s(&x), g.bf16s(&w));
+        let run = |rows: usize, mma: bool| -> Vec<u32> {
+            let y = g.zeros_f32(rows * n);
+            if mma {
+                g.gemm.gemv_mma(g.p(&xd), g.p(&wd), g.p(&y), rows, n, k).unwrap();
+            } else {
+                g.gemm.gemv(g.p(&xd), g.p(&wd), g.p(&y), rows, n, k).unwrap();
+            }
+            g.read_f32(&y).iter().map(|v| v.to_bits()).collect()
+        };
+        for mma in [true, false] {
+            if mma && k % 32 != 0 {
+                continue;
+            }
+            let all = run(8, mma);
+            for rows in 1..8 {
+                assert!(
+                    run(rows, mma)[..] == all[..rows * n],
+                    "{n}x{k}, mma {mma}: {rows} rows differ from the same rows among 8"
+                );
+            }
+        }
     }
 }
 
@@ -630,54 +838,198 @@ fn seeded_sampling_follows_the_filtered_distribution_and_depends_only_on_seed_an
     }
 }
 
-/// Not a test: the GEMV kernel's time against cuBLAS's on the projections of the models we run,
-/// for 1 to 8 rows (`test-quarry gemv_against_cublas --ignored --nocapture`). Decides where
-/// `Gemm::matmul` takes the GEMV kernel.
+/// Random bf16 values in [-1, 1) on the device (no zeros: they run faster than real data).
+fn random_bf16(g: &Gpu, n: usize, seed: u64) -> CudaSlice<u16> {
+    let out: CudaSlice<u16> = g.stream.alloc_zeros(n).unwrap();
+    let (n64, scale) = (n as u64, 1.0f32);
+    g.run(
+        &g.k.fill_uniform_bf16,
+        (1024, 1),
+        THREADS,
+        &[&g.p(&out), &n64, &seed, &scale],
+    );
+    out
+}
+
+/// Median milliseconds of `f` over `reps` timed runs after two warm-ups (CUDA events).
+fn median_ms(g: &Gpu, reps: usize, f: &dyn Fn(usize)) -> f64 {
+    let ctx = g.stream.context().clone();
+    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    f(0);
+    f(1);
+    let mut times: Vec<f64> = (0..reps)
+        .map(|i| {
+            let (a, b) = (ctx.new_event(flags).unwrap(), ctx.new_event(flags).unwrap());
+            a.record(&g.stream).unwrap();
+            f(i);
+            b.record(&g.stream).unwrap();
+            g.stream.synchronize().unwrap();
+            a.elapsed_ms(&b).unwrap() as f64
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    times[reps / 2]
+}
+
+/// Not a test: the kernels' speed on the Llama-3.1-8B shape against the card's limits, printed
+/// as a table (`test-quarry kernel_speeds --ignored --nocapture`; scripts/bench-gpu runs it).
+/// QUARRY_BENCH_BANDWIDTH (GB/s) and QUARRY_BENCH_MATMUL (TFLOP/s), measured in the same call,
+/// give the percentages. Random data throughout; weights rotate among copies larger than L2.
 #[test]
 #[ignore]
-fn gemv_against_cublas() {
+fn kernel_speeds() {
     let Some(g) = gpu() else { return };
-    let shapes = [
-        ("8B qkv", 6144usize, 4096usize),
-        ("8B o", 4096, 4096),
-        ("8B gate_up", 28672, 4096),
-        ("8B down", 4096, 14336),
-        ("8B head", 128256, 4096),
-        ("135M qkv", 960, 576),
-        ("135M gate_up", 3072, 576),
-        ("135M down", 576, 1536),
-        ("135M head", 49152, 576),
-    ];
-    let ctx = g.stream.context().clone();
-    let time = |f: &dyn Fn()| -> f64 {
-        f();
-        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-        let (a, b) = (ctx.new_event(flags).unwrap(), ctx.new_event(flags).unwrap());
-        a.record(&g.stream).unwrap();
-        for _ in 0..20 {
-            f();
+    let env = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<f64>().ok());
+    let (bw, mm) = (env("QUARRY_BENCH_BANDWIDTH"), env("QUARRY_BENCH_MATMUL"));
+    let pct = |v: f64, of: Option<f64>| of.map_or("-".to_string(), |o| format!("{:.0}%", 100.0 * v / o));
+    println!("{:<44}{:>10}{:>12}{:>10}", "kernel", "ms", "rate", "of limit");
+
+    // Attention, 8B shape: 32 heads, 8 KV heads of 128.
+    let (heads, kv_heads, hd) = (32usize, 8usize, 128usize);
+    let (q_size, kv_size) = (heads * hd, kv_heads * hd);
+    let attn = |name: &str, picks: Vec<(usize, usize)>, flops: bool| {
+        // picks: (context length, query tokens), each its own sequence.
+        let blocks: usize = picks.iter().map(|p| p.0.div_ceil(BLOCK_SIZE)).sum();
+        let (kc, vc) = (
+            random_bf16(&g, blocks * BLOCK_SIZE * kv_size, 1),
+            random_bf16(&g, blocks * BLOCK_SIZE * kv_size, 2),
+        );
+        let mut batch = ForwardBatch::default();
+        let mut next = 0u32;
+        for &(ctx, n) in &picks {
+            let table: Vec<u32> = (next..next + ctx.div_ceil(BLOCK_SIZE) as u32).collect();
+            next += table.len() as u32;
+            batch.push_sequence(&vec![0; n], ctx - n, &table, BLOCK_SIZE);
         }
-        b.record(&g.stream).unwrap();
-        g.stream.synchronize().unwrap();
-        a.elapsed_ms(&b).unwrap() as f64 / 20.0 * 1000.0
-    };
-    println!(
-        "{:<14}{:>5}{:>12}{:>12}{:>10}{:>12}",
-        "shape", "rows", "gemv us", "cublas us", "ratio", "gemv GB/s"
-    );
-    for (name, n, k) in shapes {
-        let w: CudaSlice<u16> = g.stream.alloc_zeros(n * k).unwrap();
-        let x: CudaSlice<u16> = g.stream.alloc_zeros(8 * k).unwrap();
-        let y: CudaSlice<f32> = g.stream.alloc_zeros(8 * n).unwrap();
-        for rows in [1usize, 2, 4, 8] {
-            let (xp, wp, yp) = (g.p(&x), g.p(&w), g.p(&y));
-            let gemv = time(&|| g.gemm.gemv(xp, wp, yp, rows, n, k).unwrap());
-            let cublas = time(&|| g.gemm.cublas(xp, wp, yp, OutType::F32, rows, n, k).unwrap());
-            let gbs = (n * k * 2) as f64 / gemv / 1e3;
+        let tokens = batch.num_tokens();
+        let max_blocks = batch.block_tables.iter().map(Vec::len).max().unwrap();
+        let mut flat = vec![0u32; batch.num_seqs() * max_blocks];
+        let mut token_seq = Vec::new();
+        for (s, t) in batch.block_tables.iter().enumerate() {
+            flat[s * max_blocks..][..t.len()].copy_from_slice(t);
+            token_seq.extend(std::iter::repeat_n(
+                s as u32,
+                (batch.query_start[s + 1] - batch.query_start[s]) as usize,
+            ));
+        }
+        let items = attention::flash_items(&batch, heads / kv_heads);
+        let q = random_bf16(&g, tokens * q_size, 3);
+        let out = g.zeros_bf16(tokens * q_size);
+        let (seq_d, pos_d, tab_d, items_d) = (
+            g.u32s(&token_seq),
+            g.u32s(&batch.positions),
+            g.u32s(&flat),
+            g.u32s(&items),
+        );
+        let partials = g.zeros_f32(attention::SCRATCH_FLOATS);
+        let max_len = *batch.context_lens.iter().max().unwrap() as usize;
+        let sms = g
+            .stream
+            .context()
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .unwrap() as usize;
+        let plan = attention::Plan::new(
+            hd,
+            heads,
+            kv_heads,
+            tokens,
+            max_len,
+            g.p(&items_d),
+            items.len() / 4,
+            4 * sms,
+        );
+        let args = attention::AttentionArgs {
+            q: g.p(&q),
+            out: g.p(&out),
+            k_cache: g.p(&kc),
+            v_cache: g.p(&vc),
+            token_seq: g.p(&seq_d),
+            positions: g.p(&pos_d),
+            tables: g.p(&tab_d),
+            max_blocks: max_blocks as i32,
+            block_size: BLOCK_SIZE as i32,
+            heads: heads as i32,
+            kv_heads: kv_heads as i32,
+            head_dim: hd as i32,
+            scale: 1.0 / (hd as f32).sqrt(),
+        };
+        let ms = median_ms(&g, 10, &|_| {
+            attention::launch(&g.stream, &g.k, &args, plan, tokens, max_len, g.p(&partials)).unwrap()
+        });
+        let mode = match plan {
+            attention::Plan::Flash { split: Some(p), .. } => format!("split {p}"),
+            attention::Plan::Flash { .. } => "whole".into(),
+            _ => "general".into(),
+        };
+        if flops {
+            // The causal half: each query row against the keys up to its position.
+            let pairs: f64 = picks
+                .iter()
+                .map(|&(ctx, n)| (ctx - n..ctx).map(|p| (p + 1) as f64).sum::<f64>())
+                .sum();
+            let tf = 4.0 * pairs * heads as f64 * hd as f64 / ms / 1e9;
             println!(
-                "{name:<14}{rows:>5}{gemv:>12.1}{cublas:>12.1}{:>10.2}{gbs:>12.0}",
-                gemv / cublas
+                "{:<44}{ms:>10.3}{:>12}{:>10}",
+                format!("{name} ({mode})"),
+                format!("{tf:.0} TF/s"),
+                pct(tf, mm)
             );
+        } else {
+            let bytes: f64 = picks.iter().map(|p| (p.0 * kv_size * 4) as f64).sum();
+            let gbs = bytes / ms / 1e6;
+            println!(
+                "{:<44}{ms:>10.3}{:>12}{:>10}",
+                format!("{name} ({mode})"),
+                format!("{gbs:.0} GB/s"),
+                pct(gbs, bw)
+            );
+        }
+    };
+    attn("attention decode, 64 x 2k context", vec![(2048, 1); 64], false);
+    attn("attention decode, 1 x 16k context", vec![(16384, 1)], false);
+    attn("attention decode, 1 x 576 context", vec![(576, 1)], false);
+    attn("attention prefill, 1 x 4k", vec![(4096, 4096)], true);
+    attn(
+        "attention prefill, 16k chunk of 2k at the end",
+        vec![(16384, 2048)],
+        true,
+    );
+    attn("attention prefill, 8 x 512", vec![(512, 512); 8], true);
+
+    // Projections of the 8B shape, 1 to 8 rows: the GEMV kernel and cuBLAS.
+    let shapes = [
+        ("qkv", 6144usize, 4096usize),
+        ("o", 4096, 4096),
+        ("gate_up", 28672, 4096),
+        ("down", 4096, 14336),
+        ("head", 128256, 4096),
+    ];
+    for (name, n, k) in shapes {
+        // Enough copies that each run reads weights L2 does not hold.
+        let copies = (256usize << 20).div_ceil(n * k * 2).clamp(1, 8);
+        let ws: Vec<CudaSlice<u16>> = (0..copies).map(|i| random_bf16(&g, n * k, 10 + i as u64)).collect();
+        let x = random_bf16(&g, 8 * k, 4);
+        let y = g.zeros_f32(8 * n);
+        for rows in [1usize, 2, 4, 8] {
+            let (xp, yp) = (g.p(&x), g.p(&y));
+            let bytes = (n * k * 2) as f64;
+            for path in ["gemv_mma", "gemv", "cublas"] {
+                let ms = median_ms(&g, 20, &|i| {
+                    let wp = g.p(&ws[i % copies]);
+                    match path {
+                        "gemv_mma" => g.gemm.gemv_mma(xp, wp, yp, rows, n, k).unwrap(),
+                        "gemv" => g.gemm.gemv(xp, wp, yp, rows, n, k).unwrap(),
+                        _ => g.gemm.cublas(xp, wp, yp, OutType::F32, rows, n, k).unwrap(),
+                    }
+                });
+                let gbs = bytes / ms / 1e6;
+                println!(
+                    "{:<44}{ms:>10.4}{:>12}{:>10}",
+                    format!("{path} 8B {name} {n}x{k}, {rows} rows"),
+                    format!("{gbs:.0} GB/s"),
+                    pct(gbs, bw)
+                );
+            }
         }
     }
 }

@@ -29,6 +29,11 @@ const PHASES: [Phase; 5] = [
 #[derive(Default)]
 struct Totals {
     gpu_ms: [f64; 5],
+    /// The same, over steps whose every sequence has one query token (and their sampling).
+    decode_ms: [f64; 5],
+    decode_steps: usize,
+    /// Whether the last `run` was such a step (its sampling counts with it).
+    last_decode: bool,
     steps: usize,
     tokens: usize,
     run_wall: Duration,
@@ -62,11 +67,16 @@ impl Timing {
         }
     }
 
-    /// Closes the step: waits for the GPU, then adds each interval to its phase.
-    pub fn finish(&self, stream: &CudaStream, started: Instant, sampling: bool, tokens: usize) {
+    /// Closes the step: waits for the GPU, then adds each interval to its phase. `decode`: each
+    /// of the step's sequences had one query token (ignored for sampling, which follows its run).
+    pub fn finish(&self, stream: &CudaStream, started: Instant, sampling: bool, tokens: usize, decode: bool) {
         self.mark(Phase::End, stream);
         let _ = stream.synchronize();
         let mut t = self.totals.borrow_mut();
+        if !sampling {
+            t.last_decode = decode;
+            t.decode_steps += decode as usize;
+        }
         let marks = std::mem::take(&mut *self.marks.borrow_mut());
         for pair in marks.windows(2) {
             if let (Some(i), Ok(ms)) = (
@@ -74,6 +84,9 @@ impl Timing {
                 pair[0].1.elapsed_ms(&pair[1].1),
             ) {
                 t.gpu_ms[i] += ms as f64;
+                if t.last_decode {
+                    t.decode_ms[i] += ms as f64;
+                }
             }
         }
         if sampling {
@@ -97,6 +110,15 @@ impl Timing {
         );
         for (p, ms) in PHASES.iter().zip(t.gpu_ms) {
             line.push_str(&format!(" {p:?} {:.2} ms", ms / steps));
+        }
+        let decode = t.decode_steps.max(1) as f64;
+        line.push_str(&format!(
+            "\nquarry cuda timing, the {} decode steps alone: GPU {:.2} ms a step:",
+            t.decode_steps,
+            t.decode_ms.iter().sum::<f64>() / decode
+        ));
+        for (p, ms) in PHASES.iter().zip(t.decode_ms) {
+            line.push_str(&format!(" {p:?} {:.2} ms", ms / decode));
         }
         line
     }

@@ -1,0 +1,388 @@
+// Paged attention on tensor cores, for every row of a flattened batch: decode tokens, prefill
+// chunks against their cached prefix, speculative checks. One kernel computes all of them, so a
+// token's output does not depend on which of these it arrived as, nor on the batch around it.
+//
+// Rows. A sequence's query tokens times the query heads of one KV head (its GQA group) make
+// rows, token-major: row r is token r / group, head r % group. A block takes 64 consecutive rows
+// of one sequence and one KV head (an "item" from the host), so the heads of a group share
+// every read of a K or V tile; each of its 4 warps owns 16 rows. Decode (one token, a group of
+// 1 to 8 heads) fills one warp; the others help load.
+//
+// Keys. Tiles of 64 keys at absolute positions 64i, loaded through the block table into shared
+// memory by cp.async, two stages deep. Scores are bf16 mma.sync (m16n8k16) with f32
+// accumulation; the online softmax runs in base 2; the probabilities, rounded to bf16, multiply
+// V on the tensor cores too. A row ignores keys past its position (causal), and a tile with
+// none of its keys leaves its state exactly as it was, so where a row's tile ends does not
+// matter.
+//
+// Partitions. Keys are also cut into fixed partitions of FA_PART at absolute positions. Each
+// partition's (max, sum, unnormalized values) is computed from scratch and folded into the
+// row's total, partition after partition, by `fold`. A block either walks all partitions itself
+// (whole mode: `partials` null) or computes one (split mode: blockIdx.z, for few rows over long
+// contexts) and writes it for flash_merge, which folds them in the same order with the same
+// arithmetic: the two modes give the same bits.
+#define FA_WARPS 4
+#define FA_THREADS (32 * FA_WARPS)
+#define FA_ROWS (16 * FA_WARPS)
+#define FA_KEYS 64
+#define FA_PART 256
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+
+// 16 bytes global -> shared; bytes = 0 writes zeros and reads nothing.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+
+// Waits until at most one group is still in flight.
+__device__ __forceinline__ void cp_async_wait_one() {
+    asm volatile("cp.async.wait_group 1;\n" ::);
+}
+
+__device__ __forceinline__ void ldmatrix_x4(const bf16* p, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(smem_u32(p)));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(const bf16* p, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(smem_u32(p)));
+}
+
+// c += a * b: a 16x16 (rows x k), b 16x8 (k x cols), c 16x8 f32.
+__device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats as bf16 (round to nearest even), lo in the low half.
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// The fold of one partition (max m, sum l, values a) into a row's total (M, L, A): the only
+// arithmetic that joins partitions, in whole and split mode alike. Explicit roundings keep the
+// compiler from contracting it differently in the two kernels. Returns the weights of the old
+// total and of the partition; a first partition is taken as it is.
+struct FoldWeights {
+    float old_w, part_w;
+    bool first;
+};
+
+__device__ __forceinline__ FoldWeights fold_scalars(float& M, float& L, float m, float l) {
+    FoldWeights w;
+    w.first = L == 0.0f;
+    if (w.first) {
+        M = m;
+        L = l;
+        w.old_w = 0.0f;
+        w.part_w = 1.0f;
+        return w;
+    }
+    float big = fmaxf(M, m);
+    w.old_w = exp2f(M - big);
+    w.part_w = exp2f(m - big);
+    L = __fmaf_rn(L, w.old_w, __fmul_rn(l, w.part_w));
+    M = big;
+    return w;
+}
+
+__device__ __forceinline__ float fold_value(FoldWeights w, float total, float part) {
+    return w.first ? part : __fmaf_rn(total, w.old_w, __fmul_rn(part, w.part_w));
+}
+
+template <int D>
+__device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const bf16* k_cache, const bf16* v_cache,
+                                          const u32* table, int block_size, size_t kv_size, int kv_head, int k0,
+                                          int last) {
+    constexpr int CHUNKS = D / 8;
+    for (int i = threadIdx.x; i < FA_KEYS * CHUNKS; i += FA_THREADS) {
+        int r = i / CHUNKS, c = i % CHUNKS;
+        int j = k0 + r;
+        const bf16* sk = k_cache;
+        const bf16* sv = v_cache;
+        int bytes = 0;
+        // Keys past the block's last position may lie past the sequence: zeros, never read.
+        if (j <= last) {
+            size_t slot = (size_t)table[j / block_size] * block_size + j % block_size;
+            size_t off = slot * kv_size + (size_t)kv_head * D + c * 8;
+            sk += off;
+            sv += off;
+            bytes = 16;
+        }
+        cp_async16(ks + r * (D + 8) + c * 8, sk, bytes);
+        cp_async16(vs + r * (D + 8) + c * 8, sv, bytes);
+    }
+}
+
+template <int D>
+__device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16* __restrict__ out,
+                                                const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
+                                                const u32* __restrict__ items, const u32* __restrict__ positions,
+                                                const u32* __restrict__ block_tables, int max_blocks, int block_size,
+                                                int num_heads, int num_kv_heads, float scale_log2,
+                                                float* __restrict__ partials, int max_parts) {
+    constexpr int STRIDE = D + 8;  // a 16-byte pad puts the 8 rows of an ldmatrix in distinct banks
+    constexpr int TILE = FA_KEYS * STRIDE;
+    constexpr int NT = D / 8;   // 8-wide column tiles of the output
+    constexpr int KC = D / 16;  // 16-wide chunks of a head
+    extern __shared__ __align__(16) unsigned char fa_smem[];
+    bf16* stages = reinterpret_cast<bf16*>(fa_smem);                                 // [2][K, V]
+    float* running = reinterpret_cast<float*>(fa_smem + 4 * TILE * sizeof(bf16));  // [warps][16][D]
+
+    const u32* item = items + 4 * blockIdx.x;
+    int seq = item[0], token0 = item[1], row0 = item[2], row_end = item[3];
+    int kv_head = blockIdx.y;
+    int group = num_heads / num_kv_heads;
+    int rows_here = min(FA_ROWS, row_end - row0);
+    int last = positions[token0 + (row0 + rows_here - 1) / group];
+    bool split = partials != nullptr;
+    int z_begin = split ? (int)blockIdx.z : 0;
+    int z_end = split ? z_begin + 1 : last / FA_PART + 1;
+    if (z_begin * FA_PART > last) return;
+
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int g = lane >> 2, t = lane & 3;
+    bool warp_active = row0 + warp * 16 < row_end;
+    // This thread's two rows: g and g + 8 of its warp's sixteen.
+    int tok[2], head[2], pos[2];
+#pragma unroll
+    for (int rr = 0; rr < 2; rr++) {
+        int r = row0 + warp * 16 + g + 8 * rr;
+        tok[rr] = -1;
+        head[rr] = 0;
+        pos[rr] = -1;
+        if (r < row_end) {
+            tok[rr] = token0 + r / group;
+            head[rr] = kv_head * group + r % group;
+            pos[rr] = positions[tok[rr]];
+        }
+    }
+    // The rows' queries as A fragments, for the whole kernel.
+    u32 qf[KC][4];
+    size_t q_stride = (size_t)num_heads * D;
+#pragma unroll
+    for (int c = 0; c < KC; c++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int rr = e & 1, dim = c * 16 + 2 * t + (e >> 1) * 8;
+            qf[c][e] = tok[rr] < 0 ? 0u
+                                   : *reinterpret_cast<const u32*>(q + tok[rr] * q_stride + head[rr] * D + dim);
+        }
+    }
+
+    size_t kv_size = (size_t)num_kv_heads * D;
+    const u32* table = block_tables + (size_t)seq * max_blocks;
+    int first_key = z_begin * FA_PART;
+    int end_key = min(z_end * FA_PART, last + 1);
+    int tiles = (end_key - first_key + FA_KEYS - 1) / FA_KEYS;
+
+    float M[2] = {NEG_INF, NEG_INF}, L[2] = {0.0f, 0.0f};  // the total of partitions folded so far
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};  // the current partition's
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[j][e] = 0.0f;
+    float* run = running + (size_t)warp * 16 * D;
+
+    load_tile<D>(stages, stages + TILE, k_cache, v_cache, table, block_size, kv_size, kv_head, first_key, last);
+    cp_async_commit();
+    for (int i = 0; i < tiles; i++) {
+        int k0 = first_key + i * FA_KEYS;
+        if (i + 1 < tiles) {
+            bf16* next = stages + ((i + 1) & 1) * 2 * TILE;
+            load_tile<D>(next, next + TILE, k_cache, v_cache, table, block_size, kv_size, kv_head, k0 + FA_KEYS,
+                         last);
+        }
+        cp_async_commit();
+        cp_async_wait_one();
+        __syncthreads();
+        if (warp_active) {
+            const bf16* ks = stages + (i & 1) * 2 * TILE;
+            const bf16* vs = ks + TILE;
+            float s[8][4];
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) s[j][e] = 0.0f;
+            int mi = lane >> 3;
+#pragma unroll
+            for (int c = 0; c < KC; c++) {
+#pragma unroll
+                for (int np = 0; np < 4; np++) {
+                    u32 b0, b1, b2, b3;
+                    int key = np * 16 + (mi >> 1) * 8 + (lane & 7);
+                    ldmatrix_x4(ks + key * STRIDE + c * 16 + (mi & 1) * 8, b0, b1, b2, b3);
+                    mma_bf16(s[2 * np], qf[c], b0, b1);
+                    mma_bf16(s[2 * np + 1], qf[c], b2, b3);
+                }
+            }
+            // Element e of column tile j: row g + 8 * (e >> 1), key k0 + 8j + 2t + (e & 1).
+            float tile_max[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    int rr = e >> 1, key = k0 + 8 * j + 2 * t + (e & 1);
+                    float v = key <= pos[rr] ? s[j][e] * scale_log2 : NEG_INF;
+                    s[j][e] = v;
+                    tile_max[rr] = fmaxf(tile_max[rr], v);
+                }
+            float corr[2], base[2], sum[2] = {0.0f, 0.0f};
+#pragma unroll
+            for (int rr = 0; rr < 2; rr++) {
+                float mx = fmaxf(tile_max[rr], __shfl_xor_sync(0xffffffffu, tile_max[rr], 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                float m_new = fmaxf(m[rr], mx);
+                // No key yet: nothing to correct, and every p is exp2(-inf) = 0.
+                bool none = m_new == NEG_INF;
+                corr[rr] = none ? 1.0f : exp2f(m[rr] - m_new);
+                base[rr] = none ? 0.0f : m_new;
+                m[rr] = m_new;
+            }
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    float p = exp2f(s[j][e] - base[e >> 1]);
+                    s[j][e] = p;
+                    sum[e >> 1] += p;
+                }
+#pragma unroll
+            for (int rr = 0; rr < 2; rr++) l[rr] = __fmaf_rn(l[rr], corr[rr], sum[rr]);
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                acc[j][0] *= corr[0];
+                acc[j][1] *= corr[0];
+                acc[j][2] *= corr[1];
+                acc[j][3] *= corr[1];
+            }
+            // The scores' accumulator layout is the A fragment layout of P for 16 keys at a time.
+#pragma unroll
+            for (int kc = 0; kc < 4; kc++) {
+                u32 pa[4] = {pack_bf16x2(s[2 * kc][0], s[2 * kc][1]), pack_bf16x2(s[2 * kc][2], s[2 * kc][3]),
+                             pack_bf16x2(s[2 * kc + 1][0], s[2 * kc + 1][1]),
+                             pack_bf16x2(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+#pragma unroll
+                for (int dp = 0; dp < D / 16; dp++) {
+                    u32 b0, b1, b2, b3;
+                    int key = kc * 16 + (mi & 1) * 8 + (lane & 7);
+                    ldmatrix_x4_trans(vs + key * STRIDE + dp * 16 + (mi >> 1) * 8, b0, b1, b2, b3);
+                    mma_bf16(acc[2 * dp], pa, b0, b1);
+                    mma_bf16(acc[2 * dp + 1], pa, b2, b3);
+                }
+            }
+        }
+        __syncthreads();
+
+        bool partition_ends = i + 1 == tiles || (k0 + FA_KEYS) % FA_PART == 0;
+        if (partition_ends && warp_active) {
+            int z = k0 / FA_PART;
+            float lp[2];
+#pragma unroll
+            for (int rr = 0; rr < 2; rr++) {
+                float v = l[rr] + __shfl_xor_sync(0xffffffffu, l[rr], 1);
+                lp[rr] = v + __shfl_xor_sync(0xffffffffu, v, 2);
+            }
+            if (split) {
+#pragma unroll
+                for (int rr = 0; rr < 2; rr++) {
+                    if (pos[rr] < z * FA_PART) continue;  // no key of this partition
+                    float* rec = partials + (((size_t)tok[rr] * num_heads + head[rr]) * max_parts + z) * (D + 2);
+                    if (t == 0) {
+                        rec[0] = m[rr];
+                        rec[1] = lp[rr];
+                    }
+#pragma unroll
+                    for (int j = 0; j < NT; j++) {
+                        rec[2 + 8 * j + 2 * t] = acc[j][2 * rr];
+                        rec[2 + 8 * j + 2 * t + 1] = acc[j][2 * rr + 1];
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int rr = 0; rr < 2; rr++) {
+                    if (lp[rr] == 0.0f) continue;  // no key of this partition
+                    FoldWeights w = fold_scalars(M[rr], L[rr], m[rr], lp[rr]);
+                    float* row = run + (g + 8 * rr) * D;
+#pragma unroll
+                    for (int j = 0; j < NT; j++) {
+#pragma unroll
+                        for (int e = 0; e < 2; e++) {
+                            int dim = 8 * j + 2 * t + e;
+                            row[dim] = fold_value(w, row[dim], acc[j][2 * rr + e]);
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int rr = 0; rr < 2; rr++) {
+                m[rr] = NEG_INF;
+                l[rr] = 0.0f;
+            }
+#pragma unroll
+            for (int j = 0; j < NT; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[j][e] = 0.0f;
+        }
+    }
+
+    if (!split && warp_active) {
+#pragma unroll
+        for (int rr = 0; rr < 2; rr++) {
+            if (tok[rr] < 0) continue;
+            const float* row = run + (g + 8 * rr) * D;
+            bf16* o = out + tok[rr] * q_stride + head[rr] * D;
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    int dim = 8 * j + 2 * t + e;
+                    o[dim] = f32_to_bf16(__fdiv_rn(row[dim], L[rr]));
+                }
+            }
+        }
+    }
+}
+
+#define FLASH_ENTRY(D)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_d##D(                              \
+        const bf16* q, bf16* out, const bf16* k_cache, const bf16* v_cache, const u32* items,                 \
+        const u32* positions, const u32* block_tables, int max_blocks, int block_size, int num_heads,           \
+        int num_kv_heads, float scale_log2, float* partials, int max_parts) {                                   \
+        flash_attention<D>(q, out, k_cache, v_cache, items, positions, block_tables, max_blocks, block_size,   \
+                           num_heads, num_kv_heads, scale_log2, partials, max_parts);                           \
+    }
+FLASH_ENTRY(64)
+FLASH_ENTRY(128)
+
+// Folds the partitions split mode wrote, in order, with `fold`: one block per (token, head),
+// one thread per dimension of the head.
+extern "C" __global__ void flash_merge(const float* __restrict__ partials, const u32* __restrict__ positions,
+                                       bf16* __restrict__ out, int num_heads, int head_dim, int max_parts) {
+    int tok = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
+    if (d >= head_dim) return;
+    int parts = (int)positions[tok] / FA_PART + 1;
+    const float* recs = partials + ((size_t)tok * num_heads + head) * max_parts * (head_dim + 2);
+    float M = NEG_INF, L = 0.0f, A = 0.0f;
+    for (int p = 0; p < parts; p++) {
+        const float* rec = recs + (size_t)p * (head_dim + 2);
+        FoldWeights w = fold_scalars(M, L, rec[0], rec[1]);
+        A = fold_value(w, A, rec[2 + d]);
+    }
+    out[((size_t)tok * num_heads + head) * head_dim + d] = f32_to_bf16(__fdiv_rn(A, L));
+}
