@@ -8,8 +8,9 @@
 // every read of a K or V tile; each of its 4 warps owns 16 rows. Decode (one token, a group of
 // 1 to 8 heads) fills one warp; the others help load.
 //
-// Keys. Tiles of 64 keys at absolute positions 64i, loaded through the block table into shared
-// memory by cp.async, two stages deep. Scores are bf16 mma.sync (m16n8k16) with f32
+// Keys. Tiles of 64 keys at absolute positions 64i, loaded through the block table (blocks of 16
+// tokens, each sequence's row padded to a multiple of 4 entries) into shared memory by cp.async,
+// two stages deep. Scores are bf16 mma.sync (m16n8k16) with f32
 // accumulation; the online softmax runs in base 2; the probabilities, rounded to bf16, multiply
 // V on the tensor cores too. A row ignores keys past its position (causal), and a tile with
 // none of its keys leaves its state exactly as it was, so where a row's tile ends does not
@@ -21,6 +22,7 @@
 // (whole mode: `partials` null) or computes one (split mode: blockIdx.z, for few rows over long
 // contexts) and writes it for flash_merge, which folds them in the same order with the same
 // arithmetic: the two modes give the same bits.
+#define FA_BLOCK 16  // tokens per KV block: the host sends only such caches here
 #define FA_WARPS 4
 #define FA_THREADS (32 * FA_WARPS)
 #define FA_ROWS (16 * FA_WARPS)
@@ -66,6 +68,14 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// 2^x, the hardware's approximation (flushing subnormals): deterministic, and every row's
+// arithmetic in every kernel here goes through it alike.
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // Two floats as bf16 (round to nearest even), lo in the low half.
 __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     u32 r;
@@ -93,8 +103,8 @@ __device__ __forceinline__ FoldWeights fold_scalars(float& M, float& L, float m,
         return w;
     }
     float big = fmaxf(M, m);
-    w.old_w = exp2f(M - big);
-    w.part_w = exp2f(m - big);
+    w.old_w = fast_exp2(__fsub_rn(M, big));
+    w.part_w = fast_exp2(__fsub_rn(m, big));
     L = __fmaf_rn(L, w.old_w, __fmul_rn(l, w.part_w));
     M = big;
     return w;
@@ -104,11 +114,14 @@ __device__ __forceinline__ float fold_value(FoldWeights w, float total, float pa
     return w.first ? part : __fmaf_rn(total, w.old_w, __fmul_rn(part, w.part_w));
 }
 
+// The tile's four KV blocks come in one 16-byte read of the block table (the host pads each
+// sequence's table to a multiple of four entries, and tiles start at multiples of 64 keys).
 template <int D>
 __device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const bf16* k_cache, const bf16* v_cache,
-                                          const u32* table, int block_size, size_t kv_size, int kv_head, int k0,
-                                          int last) {
+                                          const u32* table, size_t kv_size, int kv_head, int k0, int last) {
     constexpr int CHUNKS = D / 8;
+    uint4 blocks = *reinterpret_cast<const uint4*>(table + k0 / FA_BLOCK);
+#pragma unroll
     for (int i = threadIdx.x; i < FA_KEYS * CHUNKS; i += FA_THREADS) {
         int r = i / CHUNKS, c = i % CHUNKS;
         int j = k0 + r;
@@ -117,7 +130,9 @@ __device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const bf16* k_cach
         int bytes = 0;
         // Keys past the block's last position may lie past the sequence: zeros, never read.
         if (j <= last) {
-            size_t slot = (size_t)table[j / block_size] * block_size + j % block_size;
+            int q = r / FA_BLOCK;
+            u32 block = q == 0 ? blocks.x : q == 1 ? blocks.y : q == 2 ? blocks.z : blocks.w;
+            size_t slot = (size_t)block * FA_BLOCK + r % FA_BLOCK;
             size_t off = slot * kv_size + (size_t)kv_head * D + c * 8;
             sk += off;
             sv += off;
@@ -132,8 +147,8 @@ template <int D>
 __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16* __restrict__ out,
                                                 const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
                                                 const u32* __restrict__ items, const u32* __restrict__ positions,
-                                                const u32* __restrict__ block_tables, int max_blocks, int block_size,
-                                                int num_heads, int num_kv_heads, float scale_log2,
+                                                const u32* __restrict__ block_tables, int max_blocks, int num_heads,
+                                                int num_kv_heads, float scale_log2,
                                                 float* __restrict__ partials, int max_parts) {
     constexpr int STRIDE = D + 8;  // a 16-byte pad puts the 8 rows of an ldmatrix in distinct banks
     constexpr int TILE = FA_KEYS * STRIDE;
@@ -171,6 +186,10 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
             pos[rr] = positions[tok[rr]];
         }
     }
+    // The earliest position among the warp's rows (-1 where a row is missing).
+    int warp_min_pos = min(pos[0], pos[1]);
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) warp_min_pos = min(warp_min_pos, __shfl_xor_sync(0xffffffffu, warp_min_pos, o));
     // The rows' queries as A fragments, for the whole kernel.
     u32 qf[KC][4];
     size_t q_stride = (size_t)num_heads * D;
@@ -199,14 +218,13 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
         for (int e = 0; e < 4; e++) acc[j][e] = 0.0f;
     float* run = running + (size_t)warp * 16 * D;
 
-    load_tile<D>(stages, stages + TILE, k_cache, v_cache, table, block_size, kv_size, kv_head, first_key, last);
+    load_tile<D>(stages, stages + TILE, k_cache, v_cache, table, kv_size, kv_head, first_key, last);
     cp_async_commit();
     for (int i = 0; i < tiles; i++) {
         int k0 = first_key + i * FA_KEYS;
         if (i + 1 < tiles) {
             bf16* next = stages + ((i + 1) & 1) * 2 * TILE;
-            load_tile<D>(next, next + TILE, k_cache, v_cache, table, block_size, kv_size, kv_head, k0 + FA_KEYS,
-                         last);
+            load_tile<D>(next, next + TILE, k_cache, v_cache, table, kv_size, kv_head, k0 + FA_KEYS, last);
         }
         cp_async_commit();
         cp_async_wait_one();
@@ -231,14 +249,17 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
                     mma_bf16(s[2 * np + 1], qf[c], b2, b3);
                 }
             }
-            // Element e of column tile j: row g + 8 * (e >> 1), key k0 + 8j + 2t + (e & 1).
+            // Element e of column tile j: row g + 8 * (e >> 1), key k0 + 8j + 2t + (e & 1). Tiles
+            // wholly before every row of the warp skip the causal mask (the same values result).
             float tile_max[2] = {NEG_INF, NEG_INF};
+            bool full = k0 + FA_KEYS - 1 <= warp_min_pos;
 #pragma unroll
             for (int j = 0; j < 8; j++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     int rr = e >> 1, key = k0 + 8 * j + 2 * t + (e & 1);
-                    float v = key <= pos[rr] ? s[j][e] * scale_log2 : NEG_INF;
+                    float v = __fmul_rn(s[j][e], scale_log2);
+                    if (!full && key > pos[rr]) v = NEG_INF;
                     s[j][e] = v;
                     tile_max[rr] = fmaxf(tile_max[rr], v);
                 }
@@ -250,7 +271,7 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
                 float m_new = fmaxf(m[rr], mx);
                 // No key yet: nothing to correct, and every p is exp2(-inf) = 0.
                 bool none = m_new == NEG_INF;
-                corr[rr] = none ? 1.0f : exp2f(m[rr] - m_new);
+                corr[rr] = none ? 1.0f : fast_exp2(__fsub_rn(m[rr], m_new));
                 base[rr] = none ? 0.0f : m_new;
                 m[rr] = m_new;
             }
@@ -258,18 +279,18 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
             for (int j = 0; j < 8; j++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
-                    float p = exp2f(s[j][e] - base[e >> 1]);
+                    float p = fast_exp2(__fsub_rn(s[j][e], base[e >> 1]));
                     s[j][e] = p;
-                    sum[e >> 1] += p;
+                    sum[e >> 1] = __fadd_rn(sum[e >> 1], p);
                 }
 #pragma unroll
             for (int rr = 0; rr < 2; rr++) l[rr] = __fmaf_rn(l[rr], corr[rr], sum[rr]);
 #pragma unroll
             for (int j = 0; j < NT; j++) {
-                acc[j][0] *= corr[0];
-                acc[j][1] *= corr[0];
-                acc[j][2] *= corr[1];
-                acc[j][3] *= corr[1];
+                acc[j][0] = __fmul_rn(acc[j][0], corr[0]);
+                acc[j][1] = __fmul_rn(acc[j][1], corr[0]);
+                acc[j][2] = __fmul_rn(acc[j][2], corr[1]);
+                acc[j][3] = __fmul_rn(acc[j][3], corr[1]);
             }
             // The scores' accumulator layout is the A fragment layout of P for 16 keys at a time.
 #pragma unroll
@@ -295,8 +316,8 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
             float lp[2];
 #pragma unroll
             for (int rr = 0; rr < 2; rr++) {
-                float v = l[rr] + __shfl_xor_sync(0xffffffffu, l[rr], 1);
-                lp[rr] = v + __shfl_xor_sync(0xffffffffu, v, 2);
+                float v = __fadd_rn(l[rr], __shfl_xor_sync(0xffffffffu, l[rr], 1));
+                lp[rr] = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 2));
             }
             if (split) {
 #pragma unroll
@@ -362,10 +383,10 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
 #define FLASH_ENTRY(D)                                                                                          \
     extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_d##D(                              \
         const bf16* q, bf16* out, const bf16* k_cache, const bf16* v_cache, const u32* items,                 \
-        const u32* positions, const u32* block_tables, int max_blocks, int block_size, int num_heads,           \
-        int num_kv_heads, float scale_log2, float* partials, int max_parts) {                                   \
-        flash_attention<D>(q, out, k_cache, v_cache, items, positions, block_tables, max_blocks, block_size,   \
-                           num_heads, num_kv_heads, scale_log2, partials, max_parts);                           \
+        const u32* positions, const u32* block_tables, int max_blocks, int num_heads, int num_kv_heads,        \
+        float scale_log2, float* partials, int max_parts) {                                                     \
+        flash_attention<D>(q, out, k_cache, v_cache, items, positions, block_tables, max_blocks, num_heads,    \
+                           num_kv_heads, scale_log2, partials, max_parts);                                      \
     }
 FLASH_ENTRY(64)
 FLASH_ENTRY(128)

@@ -17,7 +17,8 @@ use crate::runtime::error::{Result, RuntimeError};
 /// kernels/attention.cu's MAX_PARTS.
 const MAX_PARTS: u32 = 1024;
 
-/// kernels/flash_attention.cu's FA_ROWS, FA_KEYS, FA_PART and FA_THREADS.
+/// kernels/flash_attention.cu's FA_BLOCK, FA_ROWS, FA_KEYS, FA_PART and FA_THREADS.
+pub const FLASH_BLOCK: usize = 16;
 const FLASH_ROWS: usize = 64;
 const FLASH_KEYS: usize = 64;
 pub const FLASH_PART: usize = 256;
@@ -25,6 +26,12 @@ const FLASH_THREADS: u32 = 128;
 
 /// Floats of scratch for split attention's partitions.
 pub const SCRATCH_FLOATS: usize = 8 << 20;
+
+/// The width of the block tables the flash kernel reads: each sequence's row padded to a
+/// multiple of four entries (it reads a tile's four blocks at once).
+pub fn table_width(longest: usize) -> usize {
+    longest.max(1).next_multiple_of(4)
+}
 
 /// Whether the tensor-core kernel takes heads of this size.
 pub fn flash_head(head_dim: usize) -> bool {
@@ -171,6 +178,12 @@ fn launch_flash(
     if count == 0 {
         return Ok(());
     }
+    if a.block_size as usize != FLASH_BLOCK || a.max_blocks % 4 != 0 {
+        return Err(RuntimeError::Backend(format!(
+            "the flash attention kernel reads blocks of {FLASH_BLOCK} tokens in tables padded to 4 entries, not {} in {}",
+            a.block_size, a.max_blocks
+        )));
+    }
     let f = match a.head_dim {
         64 => &k.flash_attention_d64,
         128 => &k.flash_attention_d128,
@@ -201,7 +214,6 @@ fn launch_flash(
             &a.positions,
             &a.tables,
             &a.max_blocks,
-            &a.block_size,
             &a.heads,
             &a.kv_heads,
             &scale_log2,

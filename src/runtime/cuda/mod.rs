@@ -424,7 +424,7 @@ impl Backend for CudaBackend {
         self.in_flight = true;
         let s = &self.stream;
         // The batch's metadata in one buffer, one copy.
-        let max_blocks = batch.block_tables.iter().map(Vec::len).max().unwrap_or(1).max(1);
+        let max_blocks = attention::table_width(batch.block_tables.iter().map(Vec::len).max().unwrap_or(1));
         let st = &mut self.run_staging;
         st.clear();
         let ids = st.push(&batch.token_ids)?;
@@ -436,6 +436,7 @@ impl Backend for CudaBackend {
                 dst[lo..hi].fill(i as u32);
             }
         })?;
+        st.align(4)?;
         let tables = st.push_with(batch.num_seqs() * max_blocks, |dst| {
             for (i, table) in batch.block_tables.iter().enumerate() {
                 let row = &mut dst[i * max_blocks..(i + 1) * max_blocks];

@@ -345,7 +345,7 @@ impl KvFixture {
                 (batch.query_start[s + 1] - batch.query_start[s]) as usize,
             ));
         }
-        let max_blocks = batch.block_tables.iter().map(Vec::len).max().unwrap();
+        let max_blocks = attention::table_width(batch.block_tables.iter().map(Vec::len).max().unwrap());
         let mut flat = vec![0u32; batch.num_seqs() * max_blocks];
         for (s, t) in batch.block_tables.iter().enumerate() {
             flat[s * max_blocks..][..t.len()].copy_from_slice(t);
@@ -851,8 +851,11 @@ fn random_bf16(g: &Gpu, n: usize, seed: u64) -> CudaSlice<u16> {
     out
 }
 
-/// Median milliseconds of `f` over `reps` timed runs after two warm-ups (CUDA events).
+/// Milliseconds of one call of `f`: the median over `reps` timings (CUDA events) of 10 calls
+/// queued back to back, as a step queues its kernels, after two warm-ups; `f` gets the call's
+/// index (to rotate its inputs).
 fn median_ms(g: &Gpu, reps: usize, f: &dyn Fn(usize)) -> f64 {
+    const CALLS: usize = 10;
     let ctx = g.stream.context().clone();
     let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
     f(0);
@@ -861,10 +864,12 @@ fn median_ms(g: &Gpu, reps: usize, f: &dyn Fn(usize)) -> f64 {
         .map(|i| {
             let (a, b) = (ctx.new_event(flags).unwrap(), ctx.new_event(flags).unwrap());
             a.record(&g.stream).unwrap();
-            f(i);
+            for c in 0..CALLS {
+                f(i * CALLS + c);
+            }
             b.record(&g.stream).unwrap();
             g.stream.synchronize().unwrap();
-            a.elapsed_ms(&b).unwrap() as f64
+            a.elapsed_ms(&b).unwrap() as f64 / CALLS as f64
         })
         .collect();
     times.sort_by(f64::total_cmp);
@@ -902,7 +907,7 @@ fn kernel_speeds() {
             batch.push_sequence(&vec![0; n], ctx - n, &table, BLOCK_SIZE);
         }
         let tokens = batch.num_tokens();
-        let max_blocks = batch.block_tables.iter().map(Vec::len).max().unwrap();
+        let max_blocks = attention::table_width(batch.block_tables.iter().map(Vec::len).max().unwrap());
         let mut flat = vec![0u32; batch.num_seqs() * max_blocks];
         let mut token_seq = Vec::new();
         for (s, t) in batch.block_tables.iter().enumerate() {
