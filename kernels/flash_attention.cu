@@ -158,7 +158,8 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
     bf16* stages = reinterpret_cast<bf16*>(fa_smem);                                 // [2][K, V]
     float* running = reinterpret_cast<float*>(fa_smem + 4 * TILE * sizeof(bf16));  // [warps][16][D]
 
-    const u32* item = items + 4 * blockIdx.x;
+    // Items come in sequence order, later rows with more keys: the heaviest start first.
+    const u32* item = items + 4 * (gridDim.x - 1 - blockIdx.x);
     int seq = item[0], token0 = item[1], row0 = item[2], row_end = item[3];
     int kv_head = blockIdx.y;
     int group = num_heads / num_kv_heads;

@@ -78,11 +78,11 @@ extern "C" __global__ void gemv_bf16(const bf16* __restrict__ x, const bf16* __r
 // order at the end. A lane reads 16 bytes of each of its two columns and 16 bytes of its row of
 // x per k-block: the 32 k of a block are permuted alike on both sides (lane t holds k 8t..8t+7,
 // which the mma sees as its k 2t, 2t+1, 2t+8, 2t+9 of two steps), which leaves the product
-// unchanged. Four k-blocks of loads are in flight per warp. Every row's sum over k is taken in
+// unchanged. Eight k-blocks of loads are in flight per warp. Every row's sum over k is taken in
 // the same order whatever the number of rows.
 #define GEMV_MMA_COLS 16
 #define GEMV_MMA_WARPS 8
-#define GEMV_MMA_UNROLL 4
+#define GEMV_MMA_UNROLL 8
 
 __device__ __forceinline__ void mma_m16n8k16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm volatile(

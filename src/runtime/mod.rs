@@ -10,6 +10,7 @@ pub mod device;
 pub mod error;
 pub mod gguf;
 pub mod hf;
+pub mod model;
 pub mod names;
 
 pub use batch::{ForwardBatch, KvLayout, Logits};

@@ -7,6 +7,7 @@ mod kv_cache;
 mod linear;
 mod ops;
 mod pool;
+mod step;
 pub use pool::prefer_parking;
 pub mod q4_1;
 pub mod q4_1_x16;
@@ -18,16 +19,17 @@ mod weights;
 use std::path::Path;
 
 pub use attention::MAX_GROUP as MAX_HEAD_GROUP;
-use attention::{paged_attention, AttentionInput, AttentionShape};
 use kv_cache::KvCache;
 pub use ops::rope_tables;
 use ops::Rope;
-use weights::ModelWeights;
+use step::CpuStep;
+use weights::{CpuWeights, ModelWeights};
 
 use super::batch::{ForwardBatch, KvLayout, Logits};
 use super::config::ModelConfig;
 use super::error::{Result, RuntimeError};
 use super::gguf::GgufFile;
+use super::model;
 use super::{Backend, RowRequest, Sampled};
 
 /// When the KV pool's pages are backed by memory.
@@ -73,7 +75,7 @@ pub struct CpuBackend {
 
 /// Activations of one forward pass, `[tokens, width]` each.
 #[derive(Default)]
-struct Buffers {
+pub(crate) struct Buffers {
     /// A normalized residual stream, the input of attention and of the MLP.
     normed: Vec<f32>,
     /// The output of attention or of the MLP, before it joins the residual stream.
@@ -84,11 +86,24 @@ struct Buffers {
     act: Vec<f32>,
 }
 
+impl Buffers {
+    fn get(&mut self, act: model::Act) -> &mut Vec<f32> {
+        match act {
+            model::Act::Normed => &mut self.normed,
+            model::Act::Qkv => &mut self.qkv,
+            model::Act::Attn => &mut self.attn,
+            model::Act::Branch => &mut self.branch,
+            model::Act::GateUp => &mut self.gate_up,
+            model::Act::Hidden => &mut self.act,
+        }
+    }
+}
+
 impl CpuBackend {
     pub fn load(path: &Path, options: &CpuOptions) -> Result<Self> {
         let mut gguf = GgufFile::open(path)?;
         let config = ModelConfig::from_gguf(&gguf)?;
-        let weights = ModelWeights::load(&mut gguf, &config)?;
+        let weights = CpuWeights::load(&mut gguf, &config)?;
         let rope = Rope::new(
             config.head_dim,
             config.rope_theta,
@@ -155,96 +170,10 @@ impl Backend for CpuBackend {
     }
 
     fn run(&mut self, batch: &ForwardBatch) -> Result<()> {
-        let cfg = &self.config;
-        batch.validate(self.kv.layout(), cfg.vocab_size, cfg.context_length)?;
-        let (t, d) = (batch.num_tokens(), cfg.hidden_size);
-        let (q_size, kv_size) = (cfg.q_size(), cfg.kv_size());
-        let qkv_width = q_size + 2 * kv_size;
-        let runs = attention::runs(
-            &batch.query_start,
-            &batch.positions,
-            attention::run_len(cfg.num_heads / cfg.num_kv_heads),
-        );
-        let shape = AttentionShape {
-            num_heads: cfg.num_heads,
-            num_kv_heads: cfg.num_kv_heads,
-            head_dim: cfg.head_dim,
-        };
-
-        let mut x = self.weights.embed(&batch.token_ids)?;
-        // Reused from pass to pass: fresh buffers would be page faults every step.
-        let b = &mut self.buffers;
-        let inter = cfg.intermediate_size;
-        for (buf, len) in [
-            (&mut b.normed, t * d),
-            (&mut b.branch, t * d),
-            (&mut b.qkv, t * qkv_width),
-            (&mut b.attn, t * q_size),
-            (&mut b.gate_up, t * 2 * inter),
-            (&mut b.act, t * inter),
-        ] {
-            buf.resize(len, 0.0);
-        }
-        let Buffers {
-            normed,
-            branch,
-            qkv,
-            attn,
-            gate_up,
-            act,
-        } = b;
-        for (li, layer) in self.weights.layers.iter().enumerate() {
-            // The previous layer's MLP output joins the residual stream here.
-            if li == 0 {
-                ops::rms_norm(&x, &layer.attn_norm, cfg.rms_norm_eps, normed);
-            } else {
-                ops::add_rms_norm(&mut x, branch, &layer.attn_norm, cfg.rms_norm_eps, normed);
-            }
-            layer.qkv.forward(normed, t, qkv)?;
-            // Every head of q and of k rotates; v does not.
-            ops::rope_rows(&self.rope, qkv, qkv_width, q_size + kv_size, &batch.positions);
-            let rows: &[f32] = qkv;
-            self.kv.write(
-                li,
-                &batch.slot_mapping,
-                |t| &rows[t * qkv_width + q_size..][..kv_size],
-                |t| &rows[t * qkv_width + q_size + kv_size..][..kv_size],
-            );
-            let (k_pool, v_pool) = self.kv.layer(li);
-            let input = AttentionInput {
-                q: qkv,
-                q_stride: qkv_width,
-                k_pool,
-                v_pool,
-                block_tables: &batch.block_tables,
-                runs: &runs,
-            };
-            paged_attention(&shape, &input, attn);
-            layer.attn_out.forward(attn, t, branch)?;
-            ops::add_rms_norm(&mut x, branch, &layer.ffn_norm, cfg.rms_norm_eps, normed);
-            layer.gate_up.forward(normed, t, gate_up)?;
-            ops::silu_mul(gate_up, inter, act);
-            layer.down.forward(act, t, branch)?;
-        }
-
-        // Only the rows whose logits are wanted go through the last residual add, the final
-        // norm and the head.
-        let rows = batch.logits_rows.len();
-        let mut picked = Vec::with_capacity(rows * d);
-        for &r in &batch.logits_rows {
-            let r = r as usize * d;
-            picked.extend(x[r..r + d].iter().zip(&branch[r..r + d]).map(|(a, b)| a + b));
-        }
-        let mut normed = vec![0f32; rows * d];
-        ops::rms_norm(&picked, &self.weights.output_norm, cfg.rms_norm_eps, &mut normed);
-        let mut data = vec![0f32; rows * cfg.vocab_size];
-        if rows > 0 {
-            self.weights.lm_head.forward(&normed, rows, &mut data)?;
-        }
-        self.logits = Logits {
-            vocab_size: cfg.vocab_size,
-            data,
-        };
+        batch.validate(self.kv.layout(), self.config.vocab_size, self.config.context_length)?;
+        let mut step = CpuStep::new(&self.config, batch, &self.rope, &mut self.kv, &mut self.buffers);
+        self.weights.forward(&mut step)?;
+        self.logits = step.logits;
         Ok(())
     }
 }

@@ -1,5 +1,6 @@
-//! The decoder weights of llama-family models, loaded from GGUF by tensor name. One struct
-//! serves llama and qwen2: they differ only in q/k/v biases and the rope style (see config).
+//! The decoder weights of llama-family models on the CPU, quantized as the GGUF file has them,
+//! loaded by tensor name into the shared model (runtime/model.rs). qwen2's q/k/v biases are
+//! folded into the stacked projection.
 
 use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
@@ -8,35 +9,30 @@ use super::linear::Linear;
 use crate::runtime::config::ModelConfig;
 use crate::runtime::error::{Result, RuntimeError};
 use crate::runtime::gguf::GgufFile;
+use crate::runtime::model::{Attention, Block, Mlp, Model, Weights};
 
-pub struct LayerWeights {
-    pub attn_norm: Vec<f32>,
-    /// `[q | k | v]` stacked.
-    pub qkv: Linear,
-    pub attn_out: Linear,
-    pub ffn_norm: Vec<f32>,
-    /// `[gate | up]` stacked.
-    pub gate_up: Linear,
-    pub down: Linear,
+/// The CPU's forms of weights: quantized projections, f32 vectors.
+pub struct CpuWeights;
+
+impl Weights for CpuWeights {
+    type Linear = Linear;
+    type Vector = Vec<f32>;
+    type Embedding = QTensor;
 }
 
-pub struct ModelWeights {
-    pub embedding: QTensor,
-    pub layers: Vec<LayerWeights>,
-    pub output_norm: Vec<f32>,
-    pub lm_head: Linear,
-}
+pub type ModelWeights = Model<CpuWeights>;
 
-impl ModelWeights {
-    pub fn load(gguf: &mut GgufFile, cfg: &ModelConfig) -> Result<Self> {
+impl CpuWeights {
+    pub fn load(gguf: &mut GgufFile, cfg: &ModelConfig) -> Result<ModelWeights> {
         let embedding = gguf.tensor("token_embd.weight")?;
         expect_shape("token_embd.weight", &embedding, &[cfg.vocab_size, cfg.hidden_size])?;
-        let mut layers = Vec::with_capacity(cfg.num_layers);
+        let mut blocks = Vec::with_capacity(cfg.num_layers);
         for i in 0..cfg.num_layers {
-            layers.push(load_layer(gguf, cfg, i)?);
+            blocks.push(load_layer(gguf, cfg, i)?);
         }
         let output_norm = vector(gguf, "output_norm.weight", cfg.hidden_size)?;
-        // Small models tie the output head to the embedding matrix.
+        // Small models tie the output head to the embedding matrix: the head is still a
+        // projection of its own here (the table is read as one).
         let head_name = if gguf.has_tensor("output.weight") {
             "output.weight"
         } else {
@@ -44,22 +40,22 @@ impl ModelWeights {
         };
         let head = gguf.tensor(head_name)?;
         expect_shape(head_name, &head, &[cfg.vocab_size, cfg.hidden_size])?;
-        Ok(ModelWeights {
+        Ok(Model {
             embedding,
-            layers,
+            blocks,
             output_norm,
-            lm_head: Linear::from_qtensor(head_name, head, None)?,
+            head: Some(Linear::from_qtensor(head_name, head, None)?),
         })
-    }
-
-    /// Dequantized embedding rows of `ids`, `[ids, hidden]`.
-    pub fn embed(&self, ids: &[u32]) -> Result<Vec<f32>> {
-        let ids = Tensor::from_slice(ids, ids.len(), &Device::Cpu)?;
-        Ok(self.embedding.embedding(&ids)?.flatten_all()?.to_vec1::<f32>()?)
     }
 }
 
-fn load_layer(gguf: &mut GgufFile, cfg: &ModelConfig, i: usize) -> Result<LayerWeights> {
+/// Dequantized embedding rows of `ids`, `[ids, hidden]`.
+pub fn embed(table: &QTensor, ids: &[u32]) -> Result<Vec<f32>> {
+    let ids = Tensor::from_slice(ids, ids.len(), &Device::Cpu)?;
+    Ok(table.embedding(&ids)?.flatten_all()?.to_vec1::<f32>()?)
+}
+
+fn load_layer(gguf: &mut GgufFile, cfg: &ModelConfig, i: usize) -> Result<Block<CpuWeights>> {
     let name = |t: &str| format!("blk.{i}.{t}");
     let d = cfg.hidden_size;
     let mut proj = |t: &str, rows: usize, cols: usize, bias: bool| -> Result<Linear> {
@@ -80,13 +76,18 @@ fn load_layer(gguf: &mut GgufFile, cfg: &ModelConfig, i: usize) -> Result<LayerW
     let gate = proj("ffn_gate", cfg.intermediate_size, d, false)?;
     let up = proj("ffn_up", cfg.intermediate_size, d, false)?;
     let down = proj("ffn_down", d, cfg.intermediate_size, false)?;
-    Ok(LayerWeights {
+    Ok(Block {
         attn_norm: vector(gguf, &name("attn_norm.weight"), d)?,
-        qkv: Linear::stack(vec![q, k, v])?,
-        attn_out,
+        attention: Attention {
+            qkv: Linear::stack(vec![q, k, v])?,
+            qkv_bias: None,
+            out: attn_out,
+        },
         ffn_norm: vector(gguf, &name("ffn_norm.weight"), d)?,
-        gate_up: Linear::stack(vec![gate, up])?,
-        down,
+        mlp: Mlp {
+            gate_up: Linear::stack(vec![gate, up])?,
+            down,
+        },
     })
 }
 

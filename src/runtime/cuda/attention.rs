@@ -107,6 +107,7 @@ pub enum Plan {
 impl Plan {
     /// The plan for `tokens` query tokens whose longest context is `max_len`, `count` flash
     /// items at `items`; `target_blocks` fill the GPU.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         head_dim: usize,
         heads: usize,

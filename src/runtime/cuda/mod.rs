@@ -1,14 +1,14 @@
 //! The CUDA backend: bf16 weights and a paged bf16 KV cache in device memory, kernels compiled
-//! by NVRTC (kernels/*.cu), projections through cuBLAS. The layer loop is the CPU backend's:
-//! embed, then per layer norm, qkv, rope fused with the cache write, paged attention, output
-//! projection, norm, gate|up, SiLU-and-multiply, down; the last norm and the head run only on
-//! the rows whose logits are wanted.
+//! by NVRTC (kernels/*.cu), projections through our GEMV kernels and cuBLAS. The layer loop is
+//! the shared model's (runtime/model.rs); step.rs queues its operations; the last norm and the
+//! head run only on the rows whose logits are wanted.
 
 mod attention;
 mod gemm;
 mod kernels;
 mod sample;
 mod staging;
+mod step;
 mod timing;
 mod weights;
 
@@ -17,13 +17,13 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 
-use self::gemm::{Gemm, OutType};
+use self::gemm::Gemm;
 use self::kernels::Kernels;
 use self::staging::Staging;
 use self::timing::{Phase, Timing};
-use self::weights::Weights;
+use self::weights::{CudaWeights, Weights};
 use super::batch::{ForwardBatch, KvLayout};
-use super::config::{ModelConfig, RopeStyle};
+use super::config::ModelConfig;
 use super::error::{Result, RuntimeError};
 use super::gguf::GgufFile;
 use super::{Backend, RowRequest, Sampled};
@@ -172,16 +172,16 @@ impl CudaBackend {
             WeightSource::Gguf(path) => {
                 let mut gguf = GgufFile::open(path)?;
                 let config = ModelConfig::from_gguf(&gguf)?;
-                let weights = Weights::from_gguf(&mut gguf, &config, &stream)?;
+                let weights = CudaWeights::from_gguf(&mut gguf, &config, &stream)?;
                 (config, weights)
             }
             WeightSource::HuggingFace(dir) => {
                 let (config, tied) = super::hf::config(dir)?;
-                let weights = Weights::from_hf(dir, &config, tied, &stream)?;
+                let weights = CudaWeights::from_hf(dir, &config, tied, &stream)?;
                 (config, weights)
             }
             WeightSource::Dummy(config) => {
-                let weights = Weights::dummy(&config, &stream, &kernels)?;
+                let weights = CudaWeights::dummy(&config, &stream, &kernels)?;
                 (config, weights)
             }
         };
@@ -289,10 +289,6 @@ impl CudaBackend {
 
     fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
         s.device_ptr(&self.stream).0
-    }
-
-    fn launch(&self, f: &CudaFunction, grid: (u32, u32), block: u32, args: &[&dyn Arg]) -> Result<()> {
-        launch(&self.stream, f, grid, block, args)
     }
 
     fn mark(&self, phase: Phase) {
@@ -469,182 +465,48 @@ impl Backend for CudaBackend {
             flash_items.len() / 4,
             self.target_blocks,
         );
-
-        let (d, inter) = (cfg.hidden_size as i32, cfg.intermediate_size as i32);
-        let (q_size, kv_size) = (cfg.q_size() as i32, cfg.kv_size() as i32);
-        let width = q_size + 2 * kv_size;
-        let eps = cfg.rms_norm_eps;
         let b = &self.buffers;
-        let (x, branch, normed, qkv, q, attn, gate_up, act) = (
-            self.ptr(&b.x),
-            self.ptr(&b.branch),
-            self.ptr(&b.normed),
-            self.ptr(&b.qkv),
-            self.ptr(&b.q),
-            self.ptr(&b.attn),
-            self.ptr(&b.gate_up),
-            self.ptr(&b.act),
-        );
-        let k = &self.kernels;
-        let tt = t as u32;
-        let null = 0u64;
-        let halves = (cfg.rope_style == RopeStyle::Halves) as i32;
-        let scale = 1.0 / (cfg.head_dim as f32).sqrt();
-        let (heads, kv_heads, head_dim) = (cfg.num_heads as i32, cfg.num_kv_heads as i32, cfg.head_dim as i32);
-        let (block_size, max_blocks) = (self.layout.block_size as i32, max_blocks as i32);
-
-        self.mark(Phase::Elementwise);
-        self.launch(
-            &k.embedding,
-            (tt, 1),
-            ROW_THREADS,
-            &[&ids, &self.ptr(&self.weights.embedding), &x, &d],
-        )?;
-        for (li, layer) in self.weights.layers.iter().enumerate() {
-            // The previous layer's MLP output joins the residual stream here.
-            let residual = if li == 0 { null } else { branch };
-            let one = 1i32;
-            self.mark(Phase::Elementwise);
-            self.launch(
-                &k.add_rms_norm,
-                (tt, 1),
-                ROW_THREADS,
-                &[
-                    &x,
-                    &residual,
-                    &null,
-                    &one,
-                    &self.ptr(&layer.attn_norm),
-                    &normed,
-                    &d,
-                    &eps,
-                ],
-            )?;
-            self.mark(Phase::Gemm);
-            self.gemm.matmul(
-                normed,
-                self.ptr(&layer.qkv),
-                qkv,
-                OutType::F32,
-                t,
-                width as usize,
-                d as usize,
-            )?;
-            if let Some(bias) = &layer.qkv_bias {
-                self.launch(&k.add_bias, (tt, 1), ROW_THREADS, &[&qkv, &self.ptr(bias), &width])?;
-            }
-            let (kc, vc) = (self.ptr(&self.k_cache[li]), self.ptr(&self.v_cache[li]));
-            self.mark(Phase::Elementwise);
-            self.launch(
-                &k.rope_and_cache,
-                (tt, 1),
-                ROW_THREADS,
-                &[
-                    &qkv,
-                    &width,
-                    &positions,
-                    &self.ptr(&self.rope_cos),
-                    &self.ptr(&self.rope_sin),
-                    &heads,
-                    &kv_heads,
-                    &head_dim,
-                    &halves,
-                    &slots,
-                    &q,
-                    &kc,
-                    &vc,
-                ],
-            )?;
-            self.mark(Phase::Attention);
-            let args = attention::AttentionArgs {
-                q,
-                out: attn,
-                k_cache: kc,
-                v_cache: vc,
-                token_seq: seqs,
+        let mut step = step::CudaStep {
+            stream: &self.stream,
+            kernels: &self.kernels,
+            gemm: &self.gemm,
+            cfg: &cfg,
+            timing: self.timing.as_ref(),
+            rope: (self.ptr(&self.rope_cos), self.ptr(&self.rope_sin)),
+            k_cache: &self.k_cache,
+            v_cache: &self.v_cache,
+            meta: step::Meta {
+                ids,
                 positions,
+                slots,
+                seqs,
                 tables,
                 max_blocks,
-                block_size,
-                heads,
-                kv_heads,
-                head_dim,
-                scale,
-            };
-            attention::launch(s, k, &args, plan, t, max_len, self.ptr(&b.partials))?;
-            self.mark(Phase::Gemm);
-            self.gemm.matmul(
-                attn,
-                self.ptr(&layer.attn_out),
-                branch,
-                OutType::F32,
-                t,
-                d as usize,
-                q_size as usize,
-            )?;
-            self.mark(Phase::Elementwise);
-            self.launch(
-                &k.add_rms_norm,
-                (tt, 1),
-                ROW_THREADS,
-                &[&x, &branch, &null, &one, &self.ptr(&layer.ffn_norm), &normed, &d, &eps],
-            )?;
-            self.mark(Phase::Gemm);
-            self.gemm.matmul(
-                normed,
-                self.ptr(&layer.gate_up),
-                gate_up,
-                OutType::F32,
-                t,
-                2 * inter as usize,
-                d as usize,
-            )?;
-            self.mark(Phase::Elementwise);
-            silu_mul(s, k, gate_up, act, t, inter as usize)?;
-            self.mark(Phase::Gemm);
-            self.gemm.matmul(
-                act,
-                self.ptr(&layer.down),
-                branch,
-                OutType::F32,
-                t,
-                d as usize,
-                inter as usize,
-            )?;
-        }
-
-        if rows == 0 {
-            if let Some(timing) = &self.timing {
-                timing.finish(s, started, false, t, t == batch.num_seqs());
-            }
-            return Ok(());
-        }
-        // Only the rows whose logits are wanted go through the last residual add, the final
-        // norm and the head.
-        self.mark(Phase::Head);
-        let (head_in, logits) = (self.ptr(&b.head_in), self.ptr(&b.logits));
-        let zero = 0i32;
-        self.launch(
-            &k.add_rms_norm,
-            (rows as u32, 1),
-            ROW_THREADS,
-            &[
-                &x,
-                &branch,
-                &picked,
-                &zero,
-                &self.ptr(&self.weights.output_norm),
-                &head_in,
-                &d,
-                &eps,
-            ],
-        )?;
-        let head = self.ptr(self.weights.lm_head.as_ref().unwrap_or(&self.weights.embedding));
-        self.gemm
-            .matmul(head_in, head, logits, OutType::F32, rows, cfg.vocab_size, d as usize)?;
+                block_size: self.layout.block_size,
+                picked,
+                tokens: t,
+                rows,
+                max_len,
+                plan,
+            },
+            buf: step::Buffers {
+                x: self.ptr(&b.x),
+                normed: self.ptr(&b.normed),
+                qkv: self.ptr(&b.qkv),
+                q: self.ptr(&b.q),
+                attn: self.ptr(&b.attn),
+                branch: self.ptr(&b.branch),
+                gate_up: self.ptr(&b.gate_up),
+                hidden: self.ptr(&b.act),
+                head_in: self.ptr(&b.head_in),
+                logits: self.ptr(&b.logits),
+                partials: self.ptr(&b.partials),
+            },
+        };
+        self.weights.forward(&mut step)?;
         self.rows = rows;
         if let Some(timing) = &self.timing {
-            timing.finish(s, started, false, t, t == batch.num_seqs());
+            timing.finish(&self.stream, started, false, t, t == batch.num_seqs());
         }
         Ok(())
     }

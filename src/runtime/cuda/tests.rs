@@ -5,6 +5,7 @@
 
 use half::bf16;
 
+use super::gemm::OutType;
 use super::*;
 
 struct Gpu {

@@ -1,7 +1,6 @@
 //! The decoder's weights in device memory, bf16 matrices and f32 norm vectors, from a GGUF file
 //! (dequantized on load) or deterministic random values of any shape (`--load-format dummy`).
-//! The names are GGUF's; the layer loop is the CPU backend's, with the same stacking of
-//! q|k|v and gate|up.
+//! They fill the shared model (runtime/model.rs), with the CPU's stacking of q|k|v and gate|up.
 
 use std::sync::Arc;
 
@@ -13,26 +12,38 @@ use super::kernels::Kernels;
 use crate::runtime::config::ModelConfig;
 use crate::runtime::error::{Result, RuntimeError};
 use crate::runtime::gguf::GgufFile;
+use crate::runtime::model::{Attention, Block, Mlp, Model};
 use crate::runtime::names::{Format, Part};
 
-pub struct LayerWeights {
-    pub attn_norm: CudaSlice<f32>,
-    /// `[q | k | v]` rows stacked, `[q_size + 2 kv_size, hidden]`.
-    pub qkv: CudaSlice<u16>,
-    pub qkv_bias: Option<CudaSlice<f32>>,
-    pub attn_out: CudaSlice<u16>,
-    pub ffn_norm: CudaSlice<f32>,
-    /// `[gate | up]` rows stacked, `[2 intermediate, hidden]`.
-    pub gate_up: CudaSlice<u16>,
-    pub down: CudaSlice<u16>,
+/// The GPU's forms of weights: bf16 matrices `[out, in]` (their shapes follow from the config
+/// and the activations they join), f32 vectors.
+pub struct CudaWeights;
+
+impl crate::runtime::model::Weights for CudaWeights {
+    type Linear = CudaSlice<u16>;
+    type Vector = CudaSlice<f32>;
+    type Embedding = CudaSlice<u16>;
 }
 
-pub struct Weights {
-    pub embedding: CudaSlice<u16>,
-    pub layers: Vec<LayerWeights>,
-    pub output_norm: CudaSlice<f32>,
-    /// None: tied to the embedding.
-    pub lm_head: Option<CudaSlice<u16>>,
+pub type Weights = Model<CudaWeights>;
+
+/// One layer's weights as the shared model holds them.
+#[allow(clippy::too_many_arguments)]
+fn block(
+    attn_norm: CudaSlice<f32>,
+    qkv: CudaSlice<u16>,
+    qkv_bias: Option<CudaSlice<f32>>,
+    out: CudaSlice<u16>,
+    ffn_norm: CudaSlice<f32>,
+    gate_up: CudaSlice<u16>,
+    down: CudaSlice<u16>,
+) -> Block<CudaWeights> {
+    Block {
+        attn_norm,
+        attention: Attention { qkv, qkv_bias, out },
+        ffn_norm,
+        mlp: Mlp { gate_up, down },
+    }
 }
 
 fn oom(what: &str, e: impl std::fmt::Display) -> RuntimeError {
@@ -51,8 +62,8 @@ fn upload_f32(stream: &Arc<CudaStream>, name: &str, values: &[f32]) -> Result<Cu
 /// Reads one tensor of exactly the given shape, as f32.
 pub type Reader<'a> = dyn FnMut(&str, &[usize]) -> Result<Vec<f32>> + 'a;
 
-impl Weights {
-    pub fn from_gguf(gguf: &mut GgufFile, cfg: &ModelConfig, stream: &Arc<CudaStream>) -> Result<Self> {
+impl CudaWeights {
+    pub fn from_gguf(gguf: &mut GgufFile, cfg: &ModelConfig, stream: &Arc<CudaStream>) -> Result<Weights> {
         let has_head = gguf.has_tensor(Format::Gguf.head());
         let mut read = |name: &str, shape: &[usize]| -> Result<Vec<f32>> {
             let t = gguf.tensor(name)?;
@@ -67,7 +78,7 @@ impl Weights {
         Self::load(&mut read, Format::Gguf, has_head, cfg, stream)
     }
 
-    pub fn from_hf(dir: &std::path::Path, cfg: &ModelConfig, tied: bool, stream: &Arc<CudaStream>) -> Result<Self> {
+    pub fn from_hf(dir: &std::path::Path, cfg: &ModelConfig, tied: bool, stream: &Arc<CudaStream>) -> Result<Weights> {
         let shards = crate::runtime::hf::Shards::open(dir)?;
         let has_head = !tied;
         let mut read = |name: &str, shape: &[usize]| shards.read(name, shape);
@@ -81,7 +92,7 @@ impl Weights {
         has_head: bool,
         cfg: &ModelConfig,
         stream: &Arc<CudaStream>,
-    ) -> Result<Self> {
+    ) -> Result<Weights> {
         let (d, inter, q, kv) = (cfg.hidden_size, cfg.intermediate_size, cfg.q_size(), cfg.kv_size());
         let embedding = upload_bf16(
             stream,
@@ -104,15 +115,15 @@ impl Weights {
             };
             let mut gate_up = read(&n(Part::Gate), &[inter, d])?;
             gate_up.extend(read(&n(Part::Up), &[inter, d])?);
-            layers.push(LayerWeights {
-                attn_norm: upload_f32(stream, &n(Part::AttnNorm), &read(&n(Part::AttnNorm), &[d])?)?,
-                qkv: upload_bf16(stream, &n(Part::Q), &qkv)?,
+            layers.push(block(
+                upload_f32(stream, &n(Part::AttnNorm), &read(&n(Part::AttnNorm), &[d])?)?,
+                upload_bf16(stream, &n(Part::Q), &qkv)?,
                 qkv_bias,
-                attn_out: upload_bf16(stream, &n(Part::AttnOut), &read(&n(Part::AttnOut), &[d, q])?)?,
-                ffn_norm: upload_f32(stream, &n(Part::FfnNorm), &read(&n(Part::FfnNorm), &[d])?)?,
-                gate_up: upload_bf16(stream, &n(Part::Gate), &gate_up)?,
-                down: upload_bf16(stream, &n(Part::Down), &read(&n(Part::Down), &[d, inter])?)?,
-            });
+                upload_bf16(stream, &n(Part::AttnOut), &read(&n(Part::AttnOut), &[d, q])?)?,
+                upload_f32(stream, &n(Part::FfnNorm), &read(&n(Part::FfnNorm), &[d])?)?,
+                upload_bf16(stream, &n(Part::Gate), &gate_up)?,
+                upload_bf16(stream, &n(Part::Down), &read(&n(Part::Down), &[d, inter])?)?,
+            ));
         }
         let output_norm = upload_f32(stream, names.output_norm(), &read(names.output_norm(), &[d])?)?;
         // Small models tie the output head to the embedding matrix.
@@ -125,17 +136,17 @@ impl Weights {
         } else {
             None
         };
-        Ok(Weights {
+        Ok(Model {
             embedding,
-            layers,
+            blocks: layers,
             output_norm,
-            lm_head,
+            head: lm_head,
         })
     }
 
     /// Uniform random matrices (the same on every run for a given shape), unit norms, an
     /// untied head: the memory traffic and arithmetic of the real model, for benchmarks.
-    pub fn dummy(cfg: &ModelConfig, stream: &Arc<CudaStream>, kernels: &Kernels) -> Result<Self> {
+    pub fn dummy(cfg: &ModelConfig, stream: &Arc<CudaStream>, kernels: &Kernels) -> Result<Weights> {
         let mut seed = 0u64;
         let mut matrix = |name: &str, rows: usize, cols: usize| -> Result<CudaSlice<u16>> {
             let n = rows * cols;
@@ -169,29 +180,30 @@ impl Weights {
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for i in 0..cfg.num_layers {
             let n = |t: &str| format!("layer {i} {t}");
-            layers.push(LayerWeights {
-                attn_norm: upload_f32(stream, &n("attn_norm"), &ones)?,
-                qkv: matrix(&n("qkv"), cfg.q_size() + 2 * cfg.kv_size(), d)?,
-                qkv_bias: if cfg.qkv_bias {
-                    Some(upload_f32(
-                        stream,
-                        &n("qkv bias"),
-                        &vec![0.0; cfg.q_size() + 2 * cfg.kv_size()],
-                    )?)
-                } else {
-                    None
-                },
-                attn_out: matrix(&n("attn_out"), d, cfg.q_size())?,
-                ffn_norm: upload_f32(stream, &n("ffn_norm"), &ones)?,
-                gate_up: matrix(&n("gate_up"), 2 * inter, d)?,
-                down: matrix(&n("down"), d, inter)?,
-            });
+            let qkv_bias = if cfg.qkv_bias {
+                Some(upload_f32(
+                    stream,
+                    &n("qkv bias"),
+                    &vec![0.0; cfg.q_size() + 2 * cfg.kv_size()],
+                )?)
+            } else {
+                None
+            };
+            layers.push(block(
+                upload_f32(stream, &n("attn_norm"), &ones)?,
+                matrix(&n("qkv"), cfg.q_size() + 2 * cfg.kv_size(), d)?,
+                qkv_bias,
+                matrix(&n("attn_out"), d, cfg.q_size())?,
+                upload_f32(stream, &n("ffn_norm"), &ones)?,
+                matrix(&n("gate_up"), 2 * inter, d)?,
+                matrix(&n("down"), d, inter)?,
+            ));
         }
-        Ok(Weights {
+        Ok(Model {
             embedding,
-            layers,
+            blocks: layers,
             output_norm: upload_f32(stream, "output_norm", &ones)?,
-            lm_head: Some(matrix("lm_head", cfg.vocab_size, d)?),
+            head: Some(matrix("lm_head", cfg.vocab_size, d)?),
         })
     }
 }

@@ -1,0 +1,243 @@
+//! One forward pass on the GPU: the shared model's operations (runtime/model.rs) queued on the
+//! backend's stream over its activation buffers, with the batch's metadata already on the
+//! device (one staged copy) and the step's attention plan made once for every layer.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+
+use super::attention::{self, AttentionArgs, Plan};
+use super::gemm::{Gemm, OutType};
+use super::kernels::Kernels;
+use super::timing::{Phase, Timing};
+use super::weights::CudaWeights;
+use super::{launch, silu_mul, Arg, ROW_THREADS};
+use crate::runtime::config::{ModelConfig, RopeStyle};
+use crate::runtime::error::Result;
+use crate::runtime::model::{Act, Head, Ops};
+
+/// Device addresses of the batch's metadata.
+pub struct Meta {
+    pub ids: u64,
+    pub positions: u64,
+    pub slots: u64,
+    /// Each token's sequence.
+    pub seqs: u64,
+    /// `[seqs, max_blocks]`.
+    pub tables: u64,
+    pub max_blocks: usize,
+    pub block_size: usize,
+    /// The rows whose logits are wanted.
+    pub picked: u64,
+    pub tokens: usize,
+    pub rows: usize,
+    pub max_len: usize,
+    pub plan: Plan,
+}
+
+/// Device addresses of the activations (runtime/model.rs's `Act`s and the backend's own).
+pub struct Buffers {
+    /// The residual stream, f32.
+    pub x: u64,
+    pub normed: u64,
+    pub qkv: u64,
+    /// The rotated queries, bf16.
+    pub q: u64,
+    pub attn: u64,
+    pub branch: u64,
+    pub gate_up: u64,
+    pub hidden: u64,
+    pub head_in: u64,
+    pub logits: u64,
+    pub partials: u64,
+}
+
+pub struct CudaStep<'a> {
+    pub stream: &'a Arc<CudaStream>,
+    pub kernels: &'a Kernels,
+    pub gemm: &'a Gemm,
+    pub cfg: &'a ModelConfig,
+    pub timing: Option<&'a Timing>,
+    pub rope: (u64, u64),
+    pub k_cache: &'a [CudaSlice<u16>],
+    pub v_cache: &'a [CudaSlice<u16>],
+    pub meta: Meta,
+    pub buf: Buffers,
+}
+
+impl CudaStep<'_> {
+    fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
+        s.device_ptr(self.stream).0
+    }
+
+    fn mark(&self, phase: Phase) {
+        if let Some(t) = self.timing {
+            t.mark(phase, self.stream);
+        }
+    }
+
+    /// A kernel with a block of `ROW_THREADS` per token.
+    fn per_token(&self, f: &cudarc::driver::CudaFunction, args: &[&dyn Arg]) -> Result<()> {
+        launch(self.stream, f, (self.meta.tokens as u32, 1), ROW_THREADS, args)
+    }
+
+    /// An activation's address and width.
+    fn act(&self, a: Act) -> (u64, usize) {
+        let c = self.cfg;
+        match a {
+            Act::Normed => (self.buf.normed, c.hidden_size),
+            Act::Qkv => (self.buf.qkv, c.q_size() + 2 * c.kv_size()),
+            Act::Attn => (self.buf.attn, c.q_size()),
+            Act::Branch => (self.buf.branch, c.hidden_size),
+            Act::GateUp => (self.buf.gate_up, 2 * c.intermediate_size),
+            Act::Hidden => (self.buf.hidden, c.intermediate_size),
+        }
+    }
+}
+
+impl Ops<CudaWeights> for CudaStep<'_> {
+    fn embed(&mut self, table: &CudaSlice<u16>) -> Result<()> {
+        self.mark(Phase::Elementwise);
+        let d = self.cfg.hidden_size as i32;
+        self.per_token(
+            &self.kernels.embedding,
+            &[&self.meta.ids, &self.ptr(table), &self.buf.x, &d],
+        )
+    }
+
+    fn add_rms_norm(&mut self, first: bool, weight: &CudaSlice<f32>) -> Result<()> {
+        self.mark(Phase::Elementwise);
+        let residual = if first { 0u64 } else { self.buf.branch };
+        let (null, write_back) = (0u64, 1i32);
+        let (d, eps) = (self.cfg.hidden_size as i32, self.cfg.rms_norm_eps);
+        self.per_token(
+            &self.kernels.add_rms_norm,
+            &[
+                &self.buf.x,
+                &residual,
+                &null,
+                &write_back,
+                &self.ptr(weight),
+                &self.buf.normed,
+                &d,
+                &eps,
+            ],
+        )
+    }
+
+    fn linear(&mut self, weight: &CudaSlice<u16>, input: Act, output: Act) -> Result<()> {
+        self.mark(Phase::Gemm);
+        let ((x, k), (y, n)) = (self.act(input), self.act(output));
+        self.gemm
+            .matmul(x, self.ptr(weight), y, OutType::F32, self.meta.tokens, n, k)
+    }
+
+    fn add_bias(&mut self, bias: &CudaSlice<f32>, to: Act) -> Result<()> {
+        self.mark(Phase::Elementwise);
+        let (x, width) = self.act(to);
+        let width = width as i32;
+        self.per_token(&self.kernels.add_bias, &[&x, &self.ptr(bias), &width])
+    }
+
+    fn rope_and_cache(&mut self, layer: usize) -> Result<()> {
+        self.mark(Phase::Elementwise);
+        let c = self.cfg;
+        let width = (c.q_size() + 2 * c.kv_size()) as i32;
+        let (heads, kv_heads, head_dim) = (c.num_heads as i32, c.num_kv_heads as i32, c.head_dim as i32);
+        let halves = (c.rope_style == RopeStyle::Halves) as i32;
+        let (kc, vc) = (self.ptr(&self.k_cache[layer]), self.ptr(&self.v_cache[layer]));
+        self.per_token(
+            &self.kernels.rope_and_cache,
+            &[
+                &self.buf.qkv,
+                &width,
+                &self.meta.positions,
+                &self.rope.0,
+                &self.rope.1,
+                &heads,
+                &kv_heads,
+                &head_dim,
+                &halves,
+                &self.meta.slots,
+                &self.buf.q,
+                &kc,
+                &vc,
+            ],
+        )
+    }
+
+    fn attention(&mut self, layer: usize) -> Result<()> {
+        self.mark(Phase::Attention);
+        let c = self.cfg;
+        let args = AttentionArgs {
+            q: self.buf.q,
+            out: self.buf.attn,
+            k_cache: self.ptr(&self.k_cache[layer]),
+            v_cache: self.ptr(&self.v_cache[layer]),
+            token_seq: self.meta.seqs,
+            positions: self.meta.positions,
+            tables: self.meta.tables,
+            max_blocks: self.meta.max_blocks as i32,
+            block_size: self.meta.block_size as i32,
+            heads: c.num_heads as i32,
+            kv_heads: c.num_kv_heads as i32,
+            head_dim: c.head_dim as i32,
+            scale: 1.0 / (c.head_dim as f32).sqrt(),
+        };
+        let m = &self.meta;
+        attention::launch(
+            self.stream,
+            self.kernels,
+            &args,
+            m.plan,
+            m.tokens,
+            m.max_len,
+            self.buf.partials,
+        )
+    }
+
+    fn silu_mul(&mut self) -> Result<()> {
+        self.mark(Phase::Elementwise);
+        let inter = self.cfg.intermediate_size;
+        silu_mul(
+            self.stream,
+            self.kernels,
+            self.buf.gate_up,
+            self.buf.hidden,
+            self.meta.tokens,
+            inter,
+        )
+    }
+
+    fn logits(&mut self, norm: &CudaSlice<f32>, head: Head<'_, CudaWeights>) -> Result<()> {
+        let rows = self.meta.rows;
+        if rows == 0 {
+            return Ok(());
+        }
+        self.mark(Phase::Head);
+        // The last layer's branch joins the stream only in the rows read here.
+        let (d, eps, write_back) = (self.cfg.hidden_size as i32, self.cfg.rms_norm_eps, 0i32);
+        launch(
+            self.stream,
+            &self.kernels.add_rms_norm,
+            (rows as u32, 1),
+            ROW_THREADS,
+            &[
+                &self.buf.x,
+                &self.buf.branch,
+                &self.meta.picked,
+                &write_back,
+                &self.ptr(norm),
+                &self.buf.head_in,
+                &d,
+                &eps,
+            ],
+        )?;
+        let head = match head {
+            Head::Linear(w) | Head::Tied(w) => self.ptr(w),
+        };
+        let (vocab, d) = (self.cfg.vocab_size, self.cfg.hidden_size);
+        self.gemm
+            .matmul(self.buf.head_in, head, self.buf.logits, OutType::F32, rows, vocab, d)
+    }
+}
