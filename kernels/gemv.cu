@@ -74,14 +74,14 @@ extern "C" __global__ void gemv_bf16(const bf16* __restrict__ x, const bf16* __r
 
 // The same product on the tensor cores, for k a multiple of 32: a block takes 16 output columns
 // (the M side of mma.m16n8k16), the rows of x are its N side (up to 8; missing rows are zeros),
-// and its 8 warps take the k-blocks of 32 in turn (warp w: blocks w, w + 8, ...), summed in warp
-// order at the end. A lane reads 16 bytes of each of its two columns and 16 bytes of its row of
+// and its W warps (8 or 16, the host's choice by the weight's shape alone) take the k-blocks of
+// 32 in turn (warp w: blocks w, w + W, ...), summed in warp order at the end. A lane reads 16 bytes of each of its two columns and 16 bytes of its row of
 // x per k-block: the 32 k of a block are permuted alike on both sides (lane t holds k 8t..8t+7,
 // which the mma sees as its k 2t, 2t+1, 2t+8, 2t+9 of two steps), which leaves the product
 // unchanged. Eight k-blocks of loads are in flight per warp. Every row's sum over k is taken in
 // the same order whatever the number of rows.
 #define GEMV_MMA_COLS 16
-#define GEMV_MMA_WARPS 8
+#define GEMV_MMA_MAX_WARPS 16
 #define GEMV_MMA_UNROLL 8
 
 __device__ __forceinline__ void mma_m16n8k16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
@@ -98,10 +98,10 @@ __device__ __forceinline__ void gemv_mma_block(float* c, uint4 wa, uint4 wb, uin
     mma_m16n8k16(c, wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
 }
 
-extern "C" __global__ void __launch_bounds__(GEMV_MMA_WARPS * 32)
+extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32)
     gemv_mma(const bf16* __restrict__ x, const bf16* __restrict__ w, float* __restrict__ y, int rows, int n, int k) {
-    __shared__ float part[GEMV_MMA_WARPS][32][4];
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __shared__ float part[GEMV_MMA_MAX_WARPS][32][4];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     int g = lane >> 2, t = lane & 3;
     int ca = blockIdx.x * GEMV_MMA_COLS + g, cb = ca + 8;
     // Columns past n read the last one; their sums are never written.
@@ -113,11 +113,11 @@ extern "C" __global__ void __launch_bounds__(GEMV_MMA_WARPS * 32)
     int blocks = k >> 5;
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     int b = warp;
-    for (; b + (GEMV_MMA_UNROLL - 1) * GEMV_MMA_WARPS < blocks; b += GEMV_MMA_UNROLL * GEMV_MMA_WARPS) {
+    for (; b + (GEMV_MMA_UNROLL - 1) * warps < blocks; b += GEMV_MMA_UNROLL * warps) {
         uint4 va[GEMV_MMA_UNROLL], vb[GEMV_MMA_UNROLL], vx[GEMV_MMA_UNROLL];
 #pragma unroll
         for (int u = 0; u < GEMV_MMA_UNROLL; u++) {
-            int chunk = (b + u * GEMV_MMA_WARPS) * 4;
+            int chunk = (b + u * warps) * 4;
             va[u] = load_streaming(wa + chunk);
             vb[u] = load_streaming(wb + chunk);
             vx[u] = has_row ? xr[chunk] : zero;
@@ -125,7 +125,7 @@ extern "C" __global__ void __launch_bounds__(GEMV_MMA_WARPS * 32)
 #pragma unroll
         for (int u = 0; u < GEMV_MMA_UNROLL; u++) gemv_mma_block(c, va[u], vb[u], vx[u]);
     }
-    for (; b < blocks; b += GEMV_MMA_WARPS) {
+    for (; b < blocks; b += warps) {
         int chunk = b * 4;
         gemv_mma_block(c, load_streaming(wa + chunk), load_streaming(wb + chunk), has_row ? xr[chunk] : zero);
     }
@@ -134,7 +134,7 @@ extern "C" __global__ void __launch_bounds__(GEMV_MMA_WARPS * 32)
     __syncthreads();
     if (warp == 0) {
         float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int v = 0; v < GEMV_MMA_WARPS; v++)
+        for (int v = 0; v < warps; v++)
 #pragma unroll
             for (int e = 0; e < 4; e++) s[e] += part[v][lane][e];
         // c0, c1: column ca, rows 2t and 2t + 1; c2, c3: column cb, the same rows.

@@ -119,8 +119,12 @@ fn a_failed_step_ends_its_requests_as_internal_and_the_engine_goes_on() {
     assert_eq!(alone(&mut engine, 4), before);
 }
 
+/// Where two greedy GPU runs may part: their choices within this many nats (tests/engine_client.rs).
+const NEAR_TIE: f32 = 0.5;
+
 /// A draft model that fails mid-run costs the speed-up, never a request: the engine drops it
-/// and decodes on, and every request ends as it would have without speculation.
+/// and decodes on, and every request ends as it would have without speculation (on the GPU, up
+/// to a near-tie: checks of several rows take other matrix kernels than single decode steps).
 #[test]
 fn a_failed_draft_model_ends_no_request() {
     let Some((backend, tok)) = common::load_backend(4096) else {
@@ -134,11 +138,13 @@ fn a_failed_draft_model_ends_no_request() {
         fail_at: fail_at.clone(),
     };
     let tok = Arc::new(tok);
+    let on_gpu = common::test_device() != quarry::runtime::DeviceChoice::Cpu;
     let request = |id, text: &str| EngineRequest {
         id,
         prompt: tok.encode(text, false).unwrap(),
         params: SamplingParams {
             ignore_eos: true,
+            logprobs: on_gpu.then_some(quarry::sampling::MAX_LOGPROBS),
             ..SamplingParams::greedy(24)
         },
         priority: 0,
@@ -177,7 +183,22 @@ fn a_failed_draft_model_ends_no_request() {
     );
     for (got, want) in done.iter().zip(&expected) {
         assert_eq!(got.finish, FinishReason::Length);
-        assert_eq!(got.tokens, want.tokens, "request {}", got.id);
+        match got.tokens.iter().zip(&want.tokens).position(|(a, b)| a != b) {
+            None => assert_eq!(got.tokens, want.tokens, "request {}", got.id),
+            Some(at) if on_gpu => {
+                let logprob = |t: u32| want.sampled[at].top.iter().find(|c| c.token == t).map(|c| c.logprob);
+                let (chosen, other) = (logprob(want.tokens[at]), logprob(got.tokens[at]));
+                assert!(
+                    matches!((chosen, other), (Some(a), Some(b)) if a - b <= NEAR_TIE),
+                    "request {} parts at token {at} with log-probabilities {chosen:?} vs {other:?}",
+                    got.id
+                );
+            }
+            Some(at) => panic!(
+                "request {} parts at token {at}: {:?} vs {:?}",
+                got.id, got.tokens, want.tokens
+            ),
+        }
     }
     let kv = engine.kv();
     assert_eq!(kv.num_free_blocks(), kv.pool().total(), "every block came back");
