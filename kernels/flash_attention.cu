@@ -252,6 +252,8 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
             }
             // Element e of column tile j: row g + 8 * (e >> 1), key k0 + 8j + 2t + (e & 1). Tiles
             // wholly before every row of the warp skip the causal mask (the same values result).
+            // The maxima are taken on the raw scores (scaling by a positive constant keeps their
+            // order) and scaled once; each probability is one fused multiply-add and an exp2.
             float tile_max[2] = {NEG_INF, NEG_INF};
             bool full = k0 + FA_KEYS - 1 <= warp_min_pos;
 #pragma unroll
@@ -259,17 +261,15 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     int rr = e >> 1, key = k0 + 8 * j + 2 * t + (e & 1);
-                    float v = __fmul_rn(s[j][e], scale_log2);
-                    if (!full && key > pos[rr]) v = NEG_INF;
-                    s[j][e] = v;
-                    tile_max[rr] = fmaxf(tile_max[rr], v);
+                    if (!full && key > pos[rr]) s[j][e] = NEG_INF;
+                    tile_max[rr] = fmaxf(tile_max[rr], s[j][e]);
                 }
             float corr[2], base[2], sum[2] = {0.0f, 0.0f};
 #pragma unroll
             for (int rr = 0; rr < 2; rr++) {
                 float mx = fmaxf(tile_max[rr], __shfl_xor_sync(0xffffffffu, tile_max[rr], 1));
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                float m_new = fmaxf(m[rr], mx);
+                float m_new = fmaxf(m[rr], __fmul_rn(mx, scale_log2));
                 // No key yet: nothing to correct, and every p is exp2(-inf) = 0.
                 bool none = m_new == NEG_INF;
                 corr[rr] = none ? 1.0f : fast_exp2(__fsub_rn(m[rr], m_new));
@@ -280,18 +280,22 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
             for (int j = 0; j < 8; j++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
-                    float p = fast_exp2(__fsub_rn(s[j][e], base[e >> 1]));
+                    float p = fast_exp2(__fmaf_rn(s[j][e], scale_log2, -base[e >> 1]));
                     s[j][e] = p;
                     sum[e >> 1] = __fadd_rn(sum[e >> 1], p);
                 }
 #pragma unroll
             for (int rr = 0; rr < 2; rr++) l[rr] = __fmaf_rn(l[rr], corr[rr], sum[rr]);
+            // Once the rows' maxima settle, the correction is 1 and leaves the values as they
+            // are: the warp skips it together.
+            if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
 #pragma unroll
-            for (int j = 0; j < NT; j++) {
-                acc[j][0] = __fmul_rn(acc[j][0], corr[0]);
-                acc[j][1] = __fmul_rn(acc[j][1], corr[0]);
-                acc[j][2] = __fmul_rn(acc[j][2], corr[1]);
-                acc[j][3] = __fmul_rn(acc[j][3], corr[1]);
+                for (int j = 0; j < NT; j++) {
+                    acc[j][0] = __fmul_rn(acc[j][0], corr[0]);
+                    acc[j][1] = __fmul_rn(acc[j][1], corr[0]);
+                    acc[j][2] = __fmul_rn(acc[j][2], corr[1]);
+                    acc[j][3] = __fmul_rn(acc[j][3], corr[1]);
+                }
             }
             // The scores' accumulator layout is the A fragment layout of P for 16 keys at a time.
 #pragma unroll

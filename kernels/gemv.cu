@@ -74,7 +74,7 @@ extern "C" __global__ void gemv_bf16(const bf16* __restrict__ x, const bf16* __r
 
 // The same product on the tensor cores, for k a multiple of 32: a block takes 16 output columns
 // (the M side of mma.m16n8k16), the rows of x are its N side (up to 8; missing rows are zeros),
-// and its W warps (8 or 16, the host's choice by the weight's shape alone) take the k-blocks of
+// and its W warps (the host's choice, never by the number of rows) take the k-blocks of
 // 32 in turn (warp w: blocks w, w + W, ...), summed in warp order at the end. A lane reads 16 bytes of each of its two columns and 16 bytes of its row of
 // x per k-block: the 32 k of a block are permuted alike on both sides (lane t holds k 8t..8t+7,
 // which the mma sees as its k 2t, 2t+1, 2t+8, 2t+9 of two steps), which leaves the product
