@@ -256,6 +256,16 @@ impl CudaBackend {
             options.ordinal,
             ctx.name().unwrap_or_else(|_| "unknown GPU".into())
         );
+        if let Ok((free, total)) = ctx.mem_get_info() {
+            let kv_bytes = 2 * config.num_layers * per_layer * 2;
+            eprintln!(
+                "quarry: {name}: {} MiB of {} MiB in use, of which the KV cache {} MiB ({} blocks of {BLOCK_SIZE} tokens)",
+                (total - free) >> 20,
+                total >> 20,
+                kv_bytes >> 20,
+                layout.num_blocks
+            );
+        }
         let timing = Timing::from_env(&ctx);
         let run_staging = Staging::new(&ctx, &stream, 1 << 16, "the batch")?;
         let sample_staging = Staging::new(&ctx, &stream, 1 << 16, "sampling inputs")?;
