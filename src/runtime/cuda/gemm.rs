@@ -87,27 +87,31 @@ impl Gemm {
 
     /// `matmul` through the GEMV kernel (`rows <= GEMV_MAX_ROWS`, `k` a multiple of 8).
     pub fn gemv(&self, x: u64, w: u64, y: u64, rows: usize, n: usize, k: usize) -> Result<()> {
-        let (r, n32, k32) = (rows as i32, n as i32, k as i32);
-        super::launch(
-            &self.stream,
-            &self.gemv,
-            (n.div_ceil(GEMV_WARPS) as u32, 1),
-            (GEMV_WARPS * 32) as u32,
-            &[&x, &w, &y, &r, &n32, &k32],
-        )
+        self.launch_gemv(&self.gemv, n.div_ceil(GEMV_WARPS), GEMV_WARPS, [x, w, y], rows, n, k)
     }
 
     /// `matmul` through the tensor-core GEMV kernel (`rows <= GEMV_MAX_ROWS`, `k` a multiple of
     /// 32).
     pub fn gemv_mma(&self, x: u64, w: u64, y: u64, rows: usize, n: usize, k: usize) -> Result<()> {
+        let blocks = n.div_ceil(GEMV_MMA_COLS);
+        self.launch_gemv(&self.gemv_mma, blocks, GEMV_MMA_WARPS, [x, w, y], rows, n, k)
+    }
+
+    /// Both GEMV kernels take `(x, w, y, rows, n, k)`.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_gemv(
+        &self,
+        f: &CudaFunction,
+        blocks: usize,
+        warps: usize,
+        [x, w, y]: [u64; 3],
+        rows: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<()> {
         let (r, n32, k32) = (rows as i32, n as i32, k as i32);
-        super::launch(
-            &self.stream,
-            &self.gemv_mma,
-            (n.div_ceil(GEMV_MMA_COLS) as u32, 1),
-            (GEMV_MMA_WARPS * 32) as u32,
-            &[&x, &w, &y, &r, &n32, &k32],
-        )
+        let block = (warps * 32) as u32;
+        super::launch(&self.stream, f, (blocks as u32, 1), block, &[&x, &w, &y, &r, &n32, &k32])
     }
 
     /// `matmul` through cuBLAS, whatever the shape.
