@@ -111,7 +111,13 @@ impl Gemm {
     ) -> Result<()> {
         let (r, n32, k32) = (rows as i32, n as i32, k as i32);
         let block = (warps * 32) as u32;
-        super::launch(&self.stream, f, (blocks as u32, 1), block, &[&x, &w, &y, &r, &n32, &k32])
+        super::launch(
+            &self.stream,
+            f,
+            (blocks as u32, 1),
+            block,
+            &[&x, &w, &y, &r, &n32, &k32],
+        )
     }
 
     /// `matmul` through cuBLAS, whatever the shape.
