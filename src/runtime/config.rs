@@ -142,6 +142,11 @@ impl ModelConfig {
     pub fn kv_size(&self) -> usize {
         self.num_kv_heads * self.head_dim
     }
+
+    /// The width of the stacked `[q | k | v]` projection.
+    pub fn qkv_size(&self) -> usize {
+        self.q_size() + 2 * self.kv_size()
+    }
 }
 
 impl ModelConfig {

@@ -8,7 +8,7 @@ use super::weights::{embed, CpuWeights};
 use super::Buffers;
 use crate::runtime::batch::{ForwardBatch, Logits};
 use crate::runtime::config::ModelConfig;
-use crate::runtime::error::Result;
+use crate::runtime::error::{Result, RuntimeError};
 use crate::runtime::model::{Act, Head, Ops};
 
 pub struct CpuStep<'a> {
@@ -38,7 +38,7 @@ impl<'a> CpuStep<'a> {
         for (act, len) in [
             (Act::Normed, t * d),
             (Act::Branch, t * d),
-            (Act::Qkv, t * (cfg.q_size() + 2 * cfg.kv_size())),
+            (Act::Qkv, t * cfg.qkv_size()),
             (Act::Attn, t * cfg.q_size()),
             (Act::GateUp, t * 2 * inter),
             (Act::Hidden, t * inter),
@@ -63,7 +63,7 @@ impl<'a> CpuStep<'a> {
     }
 
     fn qkv_width(&self) -> usize {
-        self.cfg.q_size() + 2 * self.cfg.kv_size()
+        self.cfg.qkv_size()
     }
 }
 
@@ -140,8 +140,11 @@ impl Ops<CpuWeights> for CpuStep<'_> {
     }
 
     fn logits(&mut self, norm: &Vec<f32>, head: Head<'_, CpuWeights>) -> Result<()> {
+        // The CPU loader reads a tied head as a projection of its own.
         let Head::Linear(head) = head else {
-            unreachable!("the CPU loader gives every model a head of its own");
+            return Err(RuntimeError::Backend(
+                "the CPU backend needs the output head as a projection".into(),
+            ));
         };
         let (d, vocab) = (self.cfg.hidden_size, self.cfg.vocab_size);
         let rows = self.batch.logits_rows.len();

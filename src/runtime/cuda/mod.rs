@@ -129,7 +129,7 @@ impl Buffers {
         target_blocks: usize,
     ) -> Result<Self> {
         let (d, inter) = (cfg.hidden_size, cfg.intermediate_size);
-        let width = cfg.q_size() + 2 * cfg.kv_size();
+        let width = cfg.qkv_size();
         let oom = |e: cudarc::driver::DriverError| {
             RuntimeError::Device(format!(
                 "out of device memory for the activations of {tokens} tokens: {e}"

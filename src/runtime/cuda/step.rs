@@ -86,7 +86,7 @@ impl CudaStep<'_> {
         let c = self.cfg;
         match a {
             Act::Normed => (self.buf.normed, c.hidden_size),
-            Act::Qkv => (self.buf.qkv, c.q_size() + 2 * c.kv_size()),
+            Act::Qkv => (self.buf.qkv, c.qkv_size()),
             Act::Attn => (self.buf.attn, c.q_size()),
             Act::Branch => (self.buf.branch, c.hidden_size),
             Act::GateUp => (self.buf.gate_up, 2 * c.intermediate_size),
@@ -142,7 +142,7 @@ impl Ops<CudaWeights> for CudaStep<'_> {
     fn rope_and_cache(&mut self, layer: usize) -> Result<()> {
         self.mark(Phase::Elementwise);
         let c = self.cfg;
-        let width = (c.q_size() + 2 * c.kv_size()) as i32;
+        let width = c.qkv_size() as i32;
         let (heads, kv_heads, head_dim) = (c.num_heads as i32, c.num_kv_heads as i32, c.head_dim as i32);
         let halves = (c.rope_style == RopeStyle::Halves) as i32;
         let (kc, vc) = (self.ptr(&self.k_cache[layer]), self.ptr(&self.v_cache[layer]));

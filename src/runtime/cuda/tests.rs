@@ -245,6 +245,87 @@ fn rope_and_cache_rotates_queries_and_keys_and_writes_the_cache() {
     }
 }
 
+/// A batch's metadata on the device as the backend stages it for attention: each token's
+/// sequence, the positions, the block tables padded to the flash kernel's width, its items.
+struct DeviceBatch {
+    seqs: CudaSlice<u32>,
+    positions: CudaSlice<u32>,
+    tables: CudaSlice<u32>,
+    items: CudaSlice<u32>,
+    item_count: usize,
+    max_blocks: usize,
+    tokens: usize,
+    max_len: usize,
+}
+
+impl DeviceBatch {
+    fn new(g: &Gpu, batch: &ForwardBatch, group: usize) -> Self {
+        let max_blocks = attention::table_width(batch.block_tables.iter().map(Vec::len).max().unwrap());
+        let mut flat = vec![0u32; batch.num_seqs() * max_blocks];
+        let mut token_seq = Vec::new();
+        for (s, t) in batch.block_tables.iter().enumerate() {
+            flat[s * max_blocks..][..t.len()].copy_from_slice(t);
+            token_seq.extend(std::iter::repeat_n(
+                s as u32,
+                (batch.query_start[s + 1] - batch.query_start[s]) as usize,
+            ));
+        }
+        let items = attention::flash_items(batch, group);
+        DeviceBatch {
+            seqs: g.u32s(&token_seq),
+            positions: g.u32s(&batch.positions),
+            tables: g.u32s(&flat),
+            items: g.u32s(&items),
+            item_count: items.len() / 4,
+            max_blocks,
+            tokens: batch.num_tokens(),
+            max_len: *batch.context_lens.iter().max().unwrap() as usize,
+        }
+    }
+
+    /// The backend's plan for this batch, `target_blocks` filling the GPU.
+    fn plan(&self, g: &Gpu, head_dim: usize, heads: usize, kv_heads: usize, target_blocks: usize) -> attention::Plan {
+        let (items, count) = (g.p(&self.items), self.item_count);
+        attention::Plan::new(
+            head_dim,
+            heads,
+            kv_heads,
+            self.tokens,
+            self.max_len,
+            items,
+            count,
+            target_blocks,
+        )
+    }
+
+    /// One layer's attention arguments over this batch: bf16 queries `q` into `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn args(
+        &self,
+        g: &Gpu,
+        [q, out, k_cache, v_cache]: [u64; 4],
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> attention::AttentionArgs {
+        attention::AttentionArgs {
+            q,
+            out,
+            k_cache,
+            v_cache,
+            token_seq: g.p(&self.seqs),
+            positions: g.p(&self.positions),
+            tables: g.p(&self.tables),
+            max_blocks: self.max_blocks as i32,
+            block_size: BLOCK_SIZE as i32,
+            heads: heads as i32,
+            kv_heads: kv_heads as i32,
+            head_dim: head_dim as i32,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+        }
+    }
+}
+
 /// A paged KV cache of several documents, their keys, values and queries drawn at random and
 /// rounded to bf16, their blocks scattered over the pool; a batch picks (document, context
 /// length, query tokens): the last tokens of that context, as a decode token, a prefill chunk
@@ -338,39 +419,9 @@ impl KvFixture {
         for &(doc, ctx, n) in picks {
             q.extend_from_slice(&self.q[doc][(ctx - n) * q_size..ctx * q_size]);
         }
-        let tokens = batch.num_tokens();
-        let mut token_seq = Vec::new();
-        for s in 0..batch.num_seqs() {
-            token_seq.extend(std::iter::repeat_n(
-                s as u32,
-                (batch.query_start[s + 1] - batch.query_start[s]) as usize,
-            ));
-        }
-        let max_blocks = attention::table_width(batch.block_tables.iter().map(Vec::len).max().unwrap());
-        let mut flat = vec![0u32; batch.num_seqs() * max_blocks];
-        for (s, t) in batch.block_tables.iter().enumerate() {
-            flat[s * max_blocks..][..t.len()].copy_from_slice(t);
-        }
-        let items = attention::flash_items(&batch, self.heads / self.kv_heads);
-        let (q_d, seq_d, pos_d, tab_d, items_d) = (
-            g.bf16s(&q),
-            g.u32s(&token_seq),
-            g.u32s(&batch.positions),
-            g.u32s(&flat),
-            g.u32s(&items),
-        );
-        let max_len = *batch.context_lens.iter().max().unwrap() as usize;
-        let chosen = attention::Plan::new(
-            self.head_dim,
-            self.heads,
-            self.kv_heads,
-            tokens,
-            max_len,
-            g.p(&items_d),
-            items.len() / 4,
-            528,
-        );
-        let parts = max_len.div_ceil(attention::FLASH_PART);
+        let d = DeviceBatch::new(g, &batch, self.heads / self.kv_heads);
+        let chosen = d.plan(g, self.head_dim, self.heads, self.kv_heads, 528);
+        let parts = d.max_len.div_ceil(attention::FLASH_PART);
         let plan = match (mode, chosen) {
             (Mode::Chosen, plan) => plan,
             (Mode::Split, attention::Plan::Flash { items, count, .. }) => attention::Plan::Flash {
@@ -385,23 +436,12 @@ impl KvFixture {
             },
             (mode, plan) => panic!("{mode:?} asked of {plan:?}"),
         };
-        let out: CudaSlice<u16> = g.stream.clone_htod(&vec![0xffffu16; tokens * q_size]).unwrap(); // NaN
+        let q_d = g.bf16s(&q);
+        let out: CudaSlice<u16> = g.stream.clone_htod(&vec![0xffffu16; d.tokens * q_size]).unwrap(); // NaN
         let partials = g.zeros_f32(attention::SCRATCH_FLOATS);
-        let args = attention::AttentionArgs {
-            q: g.p(&q_d),
-            out: g.p(&out),
-            k_cache: g.p(&self.kc),
-            v_cache: g.p(&self.vc),
-            token_seq: g.p(&seq_d),
-            positions: g.p(&pos_d),
-            tables: g.p(&tab_d),
-            max_blocks: max_blocks as i32,
-            block_size: BLOCK_SIZE as i32,
-            heads: self.heads as i32,
-            kv_heads: self.kv_heads as i32,
-            head_dim: self.head_dim as i32,
-            scale: 1.0 / (self.head_dim as f32).sqrt(),
-        };
+        let buffers = [g.p(&q_d), g.p(&out), g.p(&self.kc), g.p(&self.vc)];
+        let args = d.args(g, buffers, self.heads, self.kv_heads, self.head_dim);
+        let (tokens, max_len) = (d.tokens, d.max_len);
         attention::launch(&g.stream, &g.k, &args, plan, tokens, max_len, g.p(&partials)).unwrap();
         g.stream.synchronize().unwrap();
         g.stream.clone_dtoh(&out).unwrap()
@@ -907,58 +947,18 @@ fn kernel_speeds() {
             next += table.len() as u32;
             batch.push_sequence(&vec![0; n], ctx - n, &table, BLOCK_SIZE);
         }
-        let tokens = batch.num_tokens();
-        let max_blocks = attention::table_width(batch.block_tables.iter().map(Vec::len).max().unwrap());
-        let mut flat = vec![0u32; batch.num_seqs() * max_blocks];
-        let mut token_seq = Vec::new();
-        for (s, t) in batch.block_tables.iter().enumerate() {
-            flat[s * max_blocks..][..t.len()].copy_from_slice(t);
-            token_seq.extend(std::iter::repeat_n(
-                s as u32,
-                (batch.query_start[s + 1] - batch.query_start[s]) as usize,
-            ));
-        }
-        let items = attention::flash_items(&batch, heads / kv_heads);
+        let d = DeviceBatch::new(&g, &batch, heads / kv_heads);
+        let (tokens, max_len) = (d.tokens, d.max_len);
         let q = random_bf16(&g, tokens * q_size, 3);
         let out = g.zeros_bf16(tokens * q_size);
-        let (seq_d, pos_d, tab_d, items_d) = (
-            g.u32s(&token_seq),
-            g.u32s(&batch.positions),
-            g.u32s(&flat),
-            g.u32s(&items),
-        );
         let partials = g.zeros_f32(attention::SCRATCH_FLOATS);
-        let max_len = *batch.context_lens.iter().max().unwrap() as usize;
         let sms = g
             .stream
             .context()
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .unwrap() as usize;
-        let plan = attention::Plan::new(
-            hd,
-            heads,
-            kv_heads,
-            tokens,
-            max_len,
-            g.p(&items_d),
-            items.len() / 4,
-            4 * sms,
-        );
-        let args = attention::AttentionArgs {
-            q: g.p(&q),
-            out: g.p(&out),
-            k_cache: g.p(&kc),
-            v_cache: g.p(&vc),
-            token_seq: g.p(&seq_d),
-            positions: g.p(&pos_d),
-            tables: g.p(&tab_d),
-            max_blocks: max_blocks as i32,
-            block_size: BLOCK_SIZE as i32,
-            heads: heads as i32,
-            kv_heads: kv_heads as i32,
-            head_dim: hd as i32,
-            scale: 1.0 / (hd as f32).sqrt(),
-        };
+        let plan = d.plan(&g, hd, heads, kv_heads, 4 * sms);
+        let args = d.args(&g, [g.p(&q), g.p(&out), g.p(&kc), g.p(&vc)], heads, kv_heads, hd);
         let ms = median_ms(&g, 10, &|_| {
             attention::launch(&g.stream, &g.k, &args, plan, tokens, max_len, g.p(&partials)).unwrap()
         });

@@ -181,17 +181,13 @@ impl CudaWeights {
         for i in 0..cfg.num_layers {
             let n = |t: &str| format!("layer {i} {t}");
             let qkv_bias = if cfg.qkv_bias {
-                Some(upload_f32(
-                    stream,
-                    &n("qkv bias"),
-                    &vec![0.0; cfg.q_size() + 2 * cfg.kv_size()],
-                )?)
+                Some(upload_f32(stream, &n("qkv bias"), &vec![0.0; cfg.qkv_size()])?)
             } else {
                 None
             };
             layers.push(block(
                 upload_f32(stream, &n("attn_norm"), &ones)?,
-                matrix(&n("qkv"), cfg.q_size() + 2 * cfg.kv_size(), d)?,
+                matrix(&n("qkv"), cfg.qkv_size(), d)?,
                 qkv_bias,
                 matrix(&n("attn_out"), d, cfg.q_size())?,
                 upload_f32(stream, &n("ffn_norm"), &ones)?,
