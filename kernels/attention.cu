@@ -46,6 +46,7 @@ extern "C" __global__ void paged_attention(const bf16* q, bf16* out,
                                            const u32* block_tables, int max_blocks, int block_size,
                                            int num_heads, int num_kv_heads, int head_dim, float scale,
                                            int part_keys, float* partials) {
+    after_previous_kernel();
     __shared__ float q_s[MAX_HEAD_DIM];
     __shared__ float warp_m[MAX_WARPS];
     __shared__ float warp_l[MAX_WARPS];
@@ -156,6 +157,7 @@ extern "C" __global__ void paged_attention(const bf16* q, bf16* out,
 #define MAX_PARTS 1024
 extern "C" __global__ void attention_merge(const float* partials, bf16* out, int parts, int num_heads,
                                            int head_dim) {
+    after_previous_kernel();
     __shared__ float weight[MAX_PARTS];
     __shared__ float big_s, total_s;
     int t = blockIdx.x, h = blockIdx.y;

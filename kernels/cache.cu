@@ -8,6 +8,7 @@
 extern "C" __global__ void rope_and_cache(const float* qkv, int width, const u32* positions, const float* cos_t,
                                           const float* sin_t, int heads, int kv_heads, int head_dim, int halves,
                                           const u32* slots, bf16* q_out, bf16* k_cache, bf16* v_cache) {
+    after_previous_kernel();
     int half = head_dim / 2;
     size_t p = positions[blockIdx.x];
     const float* c = cos_t + p * half;

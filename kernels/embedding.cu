@@ -1,5 +1,6 @@
 // The residual stream starts as the embedding rows of the batch's tokens. One block per token.
 extern "C" __global__ void embedding(const u32* ids, const bf16* table, float* out, int d) {
+    after_previous_kernel();
     const bf16* row = table + (size_t)ids[blockIdx.x] * d;
     float* o = out + (size_t)blockIdx.x * d;
     for (int i = threadIdx.x; i < d; i += blockDim.x) o[i] = bf16_to_f32(row[i]);

@@ -390,6 +390,7 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
         const bf16* q, bf16* out, const bf16* k_cache, const bf16* v_cache, const u32* items,                 \
         const u32* positions, const u32* block_tables, int max_blocks, int num_heads, int num_kv_heads,        \
         float scale_log2, float* partials, int max_parts) {                                                     \
+        after_previous_kernel();                                                                                \
         flash_attention<D>(q, out, k_cache, v_cache, items, positions, block_tables, max_blocks, num_heads,    \
                            num_kv_heads, scale_log2, partials, max_parts);                                      \
     }
@@ -400,6 +401,7 @@ FLASH_ENTRY(128)
 // one thread per dimension of the head.
 extern "C" __global__ void flash_merge(const float* __restrict__ partials, const u32* __restrict__ positions,
                                        bf16* __restrict__ out, int num_heads, int head_dim, int max_parts) {
+    after_previous_kernel();
     int tok = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
     if (d >= head_dim) return;
     int parts = (int)positions[tok] / FA_PART + 1;

@@ -44,6 +44,7 @@ __device__ __forceinline__ void gemv_piece(uint4 wv, const uint4* xr, int chunks
 
 extern "C" __global__ void gemv_bf16(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                      float* __restrict__ y, int rows, int n, int k) {
+    after_previous_kernel();
     int col = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     if (col >= n) return;
@@ -113,15 +114,31 @@ extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32)
     int blocks = k >> 5;
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     int b = warp;
-    for (; b + (GEMV_MMA_UNROLL - 1) * warps < blocks; b += GEMV_MMA_UNROLL * warps) {
-        uint4 va[GEMV_MMA_UNROLL], vb[GEMV_MMA_UNROLL], vx[GEMV_MMA_UNROLL];
+    uint4 va[GEMV_MMA_UNROLL], vb[GEMV_MMA_UNROLL];
+    // The weights are no earlier kernel's output: the first round of them is asked for before
+    // waiting on the kernel that writes x, so a short product's reads overlap that kernel's end.
+    bool loaded = b + (GEMV_MMA_UNROLL - 1) * warps < blocks;
+    if (loaded) {
 #pragma unroll
         for (int u = 0; u < GEMV_MMA_UNROLL; u++) {
             int chunk = (b + u * warps) * 4;
             va[u] = load_streaming(wa + chunk);
             vb[u] = load_streaming(wb + chunk);
+        }
+    }
+    after_previous_kernel();
+    for (; b + (GEMV_MMA_UNROLL - 1) * warps < blocks; b += GEMV_MMA_UNROLL * warps) {
+        uint4 vx[GEMV_MMA_UNROLL];
+#pragma unroll
+        for (int u = 0; u < GEMV_MMA_UNROLL; u++) {
+            int chunk = (b + u * warps) * 4;
+            if (!loaded) {
+                va[u] = load_streaming(wa + chunk);
+                vb[u] = load_streaming(wb + chunk);
+            }
             vx[u] = has_row ? xr[chunk] : zero;
         }
+        loaded = false;
 #pragma unroll
         for (int u = 0; u < GEMV_MMA_UNROLL; u++) gemv_mma_block(c, va[u], vb[u], vx[u]);
     }

@@ -5,6 +5,7 @@
 //   write_back: whether x keeps the sum (the last norm reads it and leaves x alone).
 extern "C" __global__ void add_rms_norm(float* x, const float* y, const u32* rows, int write_back,
                                         const float* weight, bf16* out, int d, float eps) {
+    after_previous_kernel();
     size_t in_row = rows ? rows[blockIdx.x] : blockIdx.x;
     float* xr = x + in_row * d;
     const float* yr = y ? y + in_row * d : 0;

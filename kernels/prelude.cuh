@@ -6,6 +6,19 @@ typedef unsigned long long u64;
 
 #define NEG_INF (__int_as_float(0xff800000))
 
+// Programmatic dependent launch (sm_90 on; src/runtime/cuda/launcher.rs): a kernel may be started
+// while the one before it in the stream is still running, so that its launch and the reads that
+// depend on no earlier kernel (weights) overlap that kernel's end. Every kernel calls this before
+// it touches memory an earlier kernel writes or reads (activations, the KV cache, logits,
+// scratch): it waits for the earlier kernels to finish and their writes to be visible, then lets
+// the next kernel start. Launched without the attribute, or before sm_90, it costs nothing.
+__device__ __forceinline__ void after_previous_kernel() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float bf16_to_f32(bf16 h) {
     return __uint_as_float(((u32)h) << 16);
 }

@@ -13,6 +13,7 @@ __device__ __forceinline__ int mask_bit(const u32* masks, const int* mask_rows, 
 
 extern "C" __global__ void apply_bitmask(float* logits, const u32* masks, const int* mask_rows,
                                          int vocab, int words) {
+    after_previous_kernel();
     int t;
     if (mask_bit(masks, mask_rows, vocab, words, &t) == 0) logits[(size_t)blockIdx.x * vocab + t] = NEG_INF;
 }
@@ -21,6 +22,7 @@ extern "C" __global__ void apply_bitmask(float* logits, const u32* masks, const 
 // row has no bias). Grid: (rows, ceil(vocab / blockDim)).
 extern "C" __global__ void add_bias_where(float* logits, const u32* masks, const int* mask_rows, const float* bias,
                                           int vocab, int words) {
+    after_previous_kernel();
     int t;
     if (mask_bit(masks, mask_rows, vocab, words, &t) == 1) logits[(size_t)blockIdx.x * vocab + t] += bias[blockIdx.x];
 }
@@ -32,6 +34,7 @@ extern "C" __global__ void add_bias_where(float* logits, const u32* masks, const
 // penalties, and a redraw starts again from them.
 extern "C" __global__ void apply_penalties(float* logits, int vocab, const u32* rows, const u32* tokens,
                                            const float* factors, const float* adds, float* saved, int count) {
+    after_previous_kernel();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= count) return;
     float* v = logits + (size_t)rows[i] * vocab + tokens[i];
@@ -45,6 +48,7 @@ extern "C" __global__ void apply_penalties(float* logits, int vocab, const u32* 
 // Puts back the values apply_penalties saved, for entries start..start + count.
 extern "C" __global__ void restore_values(float* logits, int vocab, const u32* rows, const u32* tokens,
                                           const float* saved, int start, int count) {
+    after_previous_kernel();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= count) return;
     i += start;
@@ -75,6 +79,7 @@ __device__ void block_best(float& v, int& idx) {
 // 1 + 2 * MAX_TOP floats: log Z, then the n best (id as bits, logit), best first.
 #define MAX_TOP 32
 extern "C" __global__ void logprob_stats(const float* logits, const u32* rows, int vocab, int n, float* out) {
+    after_previous_kernel();
     __shared__ int chosen[MAX_TOP];
     const float* row = logits + (size_t)rows[blockIdx.x] * vocab;
     float* rec = out + (size_t)blockIdx.x * (1 + 2 * MAX_TOP);
@@ -110,6 +115,7 @@ extern "C" __global__ void logprob_stats(const float* logits, const u32* rows, i
 // host puts back the saved value where the token had one).
 extern "C" __global__ void chosen_values(const float* logits, int vocab, const u32* rows, const u32* token_at,
                                          const u32* out, float* values, int count) {
+    after_previous_kernel();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= count) return;
     values[i] = logits[(size_t)rows[i] * vocab + out[token_at[i]]];
@@ -118,6 +124,7 @@ extern "C" __global__ void chosen_values(const float* logits, int vocab, const u
 // Greedy: the index of each row's largest logit, the lowest index among equals (as the CPU
 // sampler's argmax). One block per row.
 extern "C" __global__ void argmax(const float* logits, int vocab, u32* out) {
+    after_previous_kernel();
     __shared__ float best_v[32];
     __shared__ int best_i[32];
     const float* row = logits + (size_t)blockIdx.x * vocab;
@@ -235,6 +242,7 @@ __device__ void kept_totals(const float* row, int vocab, float max, float inv_t,
 // -inf gets token 0. Block b draws from logits row rows[b] (rows null: row b) into out[b].
 extern "C" __global__ void sample_rows(const float* logits, const u32* rows, int vocab, const SampleParams* params,
                                        u32* out) {
+    after_previous_kernel();
     __shared__ float s_max[32];
     __shared__ float chunk_sums[SAMPLE_THREADS];
     const float* row = logits + (size_t)(rows ? rows[blockIdx.x] : blockIdx.x) * vocab;
@@ -339,6 +347,7 @@ extern "C" __global__ void sample_rows(const float* logits, const u32* rows, int
 
 // Philox outputs as they are, for the known-answer test.
 extern "C" __global__ void philox_raw(const u32* ctr_key, u32* out) {
+    after_previous_kernel();
     uint4 ctr;
     ctr.x = ctr_key[0];
     ctr.y = ctr_key[1];

@@ -82,7 +82,7 @@ pub fn cuda_devices() -> std::result::Result<usize, String> {
         (
             cudarc::driver::sys::is_culib_present(),
             cudarc::nvrtc::sys::is_culib_present(),
-            cudarc::cublas::sys::is_culib_present(),
+            cudarc::cublaslt::sys::is_culib_present(),
         )
     };
     if !driver {
@@ -92,7 +92,7 @@ pub fn cuda_devices() -> std::result::Result<usize, String> {
         return Err("no NVRTC library (libnvrtc.so, CUDA 13) to compile the kernels".into());
     }
     if !cublas {
-        return Err("no cuBLAS library (libcublas.so, CUDA 13)".into());
+        return Err("no cuBLASLt library (libcublasLt.so, CUDA 13)".into());
     }
     cudarc::driver::result::init().map_err(|e| format!("the CUDA driver did not start: {e}"))?;
     let mut version = 0;

@@ -2,28 +2,161 @@
 //! `[out, in]` weight (the layout of checkpoints), as `y = x W^T`. Up to 8 rows, the product is
 //! bound by reading the weights once and kernels/gemv.cu computes it (`gemv_mma` on the tensor
 //! cores where k is a multiple of 32, else `gemv_bf16`), with one order of summation over k
-//! whatever the number of rows; cuBLAS takes larger batches (`test-quarry kernel_speeds
-//! --ignored`, scripts/bench-gpu, compares them).
+//! whatever the number of rows; cuBLASLt takes larger batches, with its algorithm chosen once per
+//! shape (`test-quarry kernel_speeds --ignored`, scripts/bench-gpu, compares them).
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
 
-use cudarc::cublas::sys::{cublasComputeType_t, cublasOperation_t, cudaDataType};
-use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaFunction, CudaStream};
+use cudarc::cublaslt::result as lt;
+use cudarc::cublaslt::sys::{
+    cublasComputeType_t, cublasLtHandle_t, cublasLtMatmulAlgo_t, cublasLtMatmulDescAttributes_t, cublasLtMatmulDesc_t,
+    cublasLtMatmulPreferenceAttributes_t, cublasLtMatrixLayout_t, cudaDataType,
+};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr};
 
 use crate::runtime::error::{Result, RuntimeError};
 
 pub struct Gemm {
-    blas: CudaBlas,
+    handle: cublasLtHandle_t,
     stream: Arc<CudaStream>,
     gemv: CudaFunction,
     gemv_mma: CudaFunction,
     /// cuBLAS's scratch space: Hopper kernels want one (NVIDIA suggests 32 MiB), and without
     /// it cuBLAS may choose slower ones.
-    _workspace: cudarc::driver::CudaSlice<u8>,
+    workspace: CudaSlice<u8>,
+    /// cuBLASLt's algorithm for each shape met so far, asked for once: the heuristic query costs
+    /// more than a small product, and a shape then always runs the same kernel.
+    plans: Mutex<HashMap<Shape, Arc<Plan>>>,
+}
+
+// SAFETY: the cuBLASLt handle is used only through `&self` methods that queue work on the one
+// stream; cuBLASLt handles may be used from any thread, one call at a time (the plans' lock
+// orders the queries, the stream orders the products).
+unsafe impl Send for Gemm {}
+unsafe impl Sync for Gemm {}
+
+/// A product's shape and the alignment of its three pointers (cuBLASLt picks kernels that
+/// assume as much alignment as it is told).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+struct Shape {
+    rows: usize,
+    n: usize,
+    k: usize,
+    align: [u32; 3],
+}
+
+/// The descriptors and chosen algorithm for one `Shape`.
+struct Plan {
+    desc: cublasLtMatmulDesc_t,
+    /// The weight, x and y layouts.
+    layouts: [cublasLtMatrixLayout_t; 3],
+    algo: cublasLtMatmulAlgo_t,
+}
+
+// SAFETY: the descriptors are plain host objects, read-only once built.
+unsafe impl Send for Plan {}
+unsafe impl Sync for Plan {}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        // SAFETY: built by `Plan::new`, dropped once.
+        unsafe {
+            for l in self.layouts {
+                let _ = lt::destroy_matrix_layout(l);
+            }
+            let _ = lt::destroy_matmul_desc(self.desc);
+        }
+    }
 }
 
 const WORKSPACE_BYTES: usize = 32 << 20;
+
+/// cublasOperation_t's CUBLAS_OP_T (cudarc's cuBLASLt bindings leave the enum out).
+const CUBLAS_OP_T: i32 = 1;
+
+/// The largest power of two (up to 256) dividing a device address.
+fn alignment(ptr: u64) -> u32 {
+    1u32 << ptr.trailing_zeros().min(8)
+}
+
+fn lt_err<'a>(what: &'a str, shape: &'a Shape) -> impl Fn(lt::CublasError) -> RuntimeError + 'a {
+    move |e| {
+        RuntimeError::Backend(format!(
+            "cuBLASLt {what} for [{}x{}] x [{}x{}]^T: {e}",
+            shape.rows, shape.k, shape.n, shape.k
+        ))
+    }
+}
+
+impl Plan {
+    fn new(handle: cublasLtHandle_t, shape: &Shape, workspace: usize) -> Result<Plan> {
+        let (rows, n, k) = (shape.rows as u64, shape.n as u64, shape.k as u64);
+        let desc = lt::create_matmul_desc(cublasComputeType_t::CUBLAS_COMPUTE_32F, cudaDataType::CUDA_R_32F)
+            .map_err(lt_err("descriptor", shape))?;
+        // cuBLAS is column-major: row-major y[rows, n] is its [n, rows], the product of the
+        // weight (row-major [n, k], which it reads as [k, n], hence transposed) and x (row-major
+        // [rows, k], which it reads as [k, rows], as is).
+        let layouts = [
+            lt::create_matrix_layout(cudaDataType::CUDA_R_16BF, k, n, k as i64),
+            lt::create_matrix_layout(cudaDataType::CUDA_R_16BF, k, rows, k as i64),
+            lt::create_matrix_layout(cudaDataType::CUDA_R_32F, n, rows, n as i64),
+        ];
+        let mut made = Vec::with_capacity(3);
+        for l in layouts {
+            made.push(l.map_err(lt_err("layout", shape))?);
+        }
+        let plan = Plan {
+            desc,
+            layouts: [made[0], made[1], made[2]],
+            algo: unsafe { std::mem::zeroed() },
+        };
+        let transpose = CUBLAS_OP_T;
+        let pref = lt::create_matmul_pref().map_err(lt_err("preference", shape))?;
+        let ws = workspace as u64;
+        use cublasLtMatmulPreferenceAttributes_t as P;
+        let prefs = [
+            (P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, ws),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, shape.align[0] as u64),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, shape.align[1] as u64),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, shape.align[2] as u64),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, shape.align[2] as u64),
+        ];
+        // SAFETY: each descriptor was just created; the attribute buffers are of the types and
+        // sizes cuBLASLt documents (an int32 operation, uint64 sizes and alignments).
+        let heuristic = unsafe {
+            let set = lt::set_matmul_desc_attribute(
+                plan.desc,
+                cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                &transpose as *const _ as *const c_void,
+                std::mem::size_of::<i32>(),
+            )
+            .and_then(|_| {
+                prefs
+                    .iter()
+                    .try_for_each(|(a, v)| lt::set_matmul_pref_attribute(pref, *a, v as *const u64 as *const c_void, 8))
+            });
+            let found = set.and_then(|_| {
+                lt::get_matmul_algo_heuristic(
+                    handle,
+                    plan.desc,
+                    plan.layouts[0],
+                    plan.layouts[1],
+                    plan.layouts[2],
+                    plan.layouts[2],
+                    pref,
+                )
+            });
+            let _ = lt::destroy_matmul_pref(pref);
+            found.map_err(lt_err("algorithm", shape))?
+        };
+        Ok(Plan {
+            algo: heuristic.algo,
+            ..plan
+        })
+    }
+}
 
 /// kernels/gemv.cu's GEMV_MAX_ROWS.
 pub const GEMV_MAX_ROWS: usize = 8;
@@ -50,23 +183,17 @@ pub enum OutType {
 
 impl Gemm {
     pub fn new(stream: Arc<CudaStream>, gemv: CudaFunction, gemv_mma: CudaFunction) -> Result<Self> {
-        let blas = CudaBlas::new(stream.clone()).map_err(|e| RuntimeError::Device(format!("starting cuBLAS: {e}")))?;
+        let handle = lt::create_handle().map_err(|e| RuntimeError::Device(format!("starting cuBLASLt: {e}")))?;
         let workspace = stream
             .alloc_zeros::<u8>(WORKSPACE_BYTES)
             .map_err(|e| RuntimeError::Device(format!("cuBLAS workspace: {e}")))?;
-        let (ptr, _) = cudarc::driver::DevicePtr::device_ptr(&workspace, &stream);
-        // SAFETY: the workspace lives as long as the handle (both in this struct).
-        let status =
-            unsafe { cudarc::cublas::sys::cublasSetWorkspace_v2(*blas.handle(), ptr as *mut _, WORKSPACE_BYTES) };
-        if status != cudarc::cublas::sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-            return Err(RuntimeError::Device(format!("cuBLAS workspace: {status:?}")));
-        }
         Ok(Gemm {
-            blas,
+            handle,
             stream,
             gemv,
             gemv_mma,
-            _workspace: workspace,
+            workspace,
+            plans: Mutex::new(HashMap::new()),
         })
     }
 
@@ -120,40 +247,69 @@ impl Gemm {
         )
     }
 
-    /// `matmul` through cuBLAS, whatever the shape.
+    /// `matmul` through cuBLASLt, whatever the shape, with the algorithm chosen for the shape
+    /// the first time it is met.
     #[allow(clippy::too_many_arguments)]
     pub fn cublas(&self, x: u64, w: u64, y: u64, out: OutType, rows: usize, n: usize, k: usize) -> Result<()> {
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        let out_type = match out {
-            OutType::F32 => cudaDataType::CUDA_R_32F,
+        let OutType::F32 = out;
+        let shape = Shape {
+            rows,
+            n,
+            k,
+            align: [alignment(w), alignment(x), alignment(y)],
         };
-        // cuBLAS is column-major: row-major y[rows, n] is its [n, rows], the product of the
-        // weight (row-major [n, k], which it reads as [k, n], hence transposed) and x (row-major
-        // [rows, k], which it reads as [k, rows], as is).
-        // SAFETY: the pointers address live allocations of the sizes the shapes say.
+        let plan = {
+            let mut plans = self.plans.lock().unwrap_or_else(|p| p.into_inner());
+            match plans.get(&shape) {
+                Some(p) => p.clone(),
+                None => {
+                    let p = Arc::new(Plan::new(self.handle, &shape, WORKSPACE_BYTES)?);
+                    plans.insert(shape, p.clone());
+                    p
+                }
+            }
+        };
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (ws, _) = self.workspace.device_ptr(&self.stream);
+        // SAFETY: the pointers address live allocations of the sizes the shape says, aligned as
+        // the plan was told; the workspace is this struct's and used on its stream only.
         unsafe {
-            cudarc::cublas::result::gemm_ex(
-                *self.blas.handle(),
-                cublasOperation_t::CUBLAS_OP_T,
-                cublasOperation_t::CUBLAS_OP_N,
-                n as i32,
-                rows as i32,
-                k as i32,
-                &alpha as *const f32 as *const _,
-                w as *const _,
-                cudaDataType::CUDA_R_16BF,
-                k as i32,
-                x as *const _,
-                cudaDataType::CUDA_R_16BF,
-                k as i32,
-                &beta as *const f32 as *const _,
-                y as *mut _,
-                out_type,
-                n as i32,
-                cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cudarc::cublas::sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            lt::matmul(
+                self.handle,
+                plan.desc,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                w as *const c_void,
+                plan.layouts[0],
+                x as *const c_void,
+                plan.layouts[1],
+                y as *const c_void,
+                plan.layouts[2],
+                y as *mut c_void,
+                plan.layouts[2],
+                &plan.algo,
+                ws as *mut c_void,
+                WORKSPACE_BYTES,
+                self.stream.cu_stream() as _,
             )
         }
-        .map_err(|e| RuntimeError::Backend(format!("cuBLAS gemm [{rows}x{k}] x [{n}x{k}]^T: {e}")))
+        .map_err(lt_err("product", &shape))
+    }
+
+    /// How many shapes have a chosen algorithm.
+    #[cfg(test)]
+    pub fn shapes_planned(&self) -> usize {
+        self.plans.lock().map_or(0, |p| p.len())
+    }
+}
+
+impl Drop for Gemm {
+    fn drop(&mut self) {
+        // Plans first: their descriptors belong to no handle, but the handle goes last.
+        self.plans.lock().map(|mut p| p.clear()).ok();
+        // SAFETY: created in `new`, destroyed once; the stream's work is done or abandoned.
+        unsafe {
+            let _ = lt::destroy_handle(self.handle);
+        }
     }
 }

@@ -6,6 +6,7 @@
 mod attention;
 mod gemm;
 mod kernels;
+mod launcher;
 mod sample;
 mod staging;
 mod step;
@@ -15,10 +16,11 @@ mod weights;
 use std::path::Path;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 
 use self::gemm::Gemm;
 use self::kernels::Kernels;
+use self::launcher::{launch, launch3, launch_items, launch_smem, Arg, ROW_THREADS, THREADS};
 use self::staging::Staging;
 use self::timing::{Phase, Timing};
 use self::weights::{CudaWeights, Weights};
@@ -306,83 +308,6 @@ impl CudaBackend {
             t.mark(phase, &self.stream);
         }
     }
-}
-
-/// Queues one kernel on `stream`: a grid of `grid` blocks of `block` threads.
-fn launch(stream: &CudaStream, f: &CudaFunction, grid: (u32, u32), block: u32, args: &[&dyn Arg]) -> Result<()> {
-    launch3(stream, f, (grid.0, grid.1, 1), block, args)
-}
-
-/// `launch` with a grid of three dimensions.
-fn launch3(stream: &CudaStream, f: &CudaFunction, grid: (u32, u32, u32), block: u32, args: &[&dyn Arg]) -> Result<()> {
-    launch_smem(stream, f, grid, block, 0, args)
-}
-
-/// `launch3` with `smem` bytes of dynamic shared memory per block.
-fn launch_smem(
-    stream: &CudaStream,
-    f: &CudaFunction,
-    grid: (u32, u32, u32),
-    block: u32,
-    smem: u32,
-    args: &[&dyn Arg],
-) -> Result<()> {
-    let cfg = LaunchConfig {
-        grid_dim: grid,
-        block_dim: (block, 1, 1),
-        shared_mem_bytes: smem,
-    };
-    let mut builder = stream.launch_builder(f);
-    for a in args {
-        a.push(&mut builder);
-    }
-    // SAFETY: every pointer argument addresses a live buffer of the size its kernel reads;
-    // batches are validated (ids, slots, block tables) before any launch.
-    unsafe { builder.launch(cfg) }
-        .map(|_| ())
-        .map_err(|e| RuntimeError::Backend(format!("kernel launch: {e}")))
-}
-
-/// A kernel argument: device pointers travel as `u64`, sizes as `i32`, scalars as `f32`.
-trait Arg {
-    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>);
-}
-
-impl Arg for u64 {
-    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
-        b.arg(self);
-    }
-}
-
-impl Arg for i32 {
-    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
-        b.arg(self);
-    }
-}
-
-impl Arg for i64 {
-    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
-        b.arg(self);
-    }
-}
-
-impl Arg for f32 {
-    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
-        b.arg(self);
-    }
-}
-
-const THREADS: u32 = 256;
-
-/// Threads of the kernels that give a block to each row (norms, rope, cache writes,
-/// embeddings): a batch of one token is one block, whose loop over a row of 4,096 is latency
-/// bound with fewer threads.
-const ROW_THREADS: u32 = 1024;
-
-/// Queues a kernel that takes one thread per item, over `items` items.
-fn launch_items(stream: &CudaStream, f: &CudaFunction, items: usize, args: &[&dyn Arg]) -> Result<()> {
-    let blocks = (items as u64).div_ceil(THREADS as u64) as u32;
-    launch(stream, f, (blocks, 1), THREADS, args)
 }
 
 /// Queues SiLU-and-multiply of `rows` rows of the stacked [gate | up] projection.

@@ -7,6 +7,7 @@ use half::bf16;
 
 use super::gemm::OutType;
 use super::*;
+use cudarc::driver::CudaFunction;
 
 struct Gpu {
     _ctx: Arc<CudaContext>,
@@ -649,6 +650,44 @@ fn gemm_is_x_times_w_transposed() {
         // f32 accumulation of k products of size <= 1.
         assert_close(&format!("gemm {rows}x{n}x{k}"), &got, &want, 1e-4 * (k as f64).sqrt());
     }
+}
+
+/// cuBLASLt's algorithm is chosen once per shape and pointer alignment, then reused (the same
+/// bits each time); x starting one element into its buffer (2-byte alignment) still gets a kernel
+/// that reads it right.
+#[test]
+fn cublas_chooses_once_per_shape_and_reads_unaligned_rows() {
+    let Some(g) = gpu() else { return };
+    let (n, k) = (512usize, 256usize);
+    let (x, w) = (rounded(&values(26 * k, 31)), rounded(&values(n * k, 32)));
+    let (xd, wd) = (g.bf16s(&x), g.bf16s(&w));
+    let run = |rows: usize, skip: usize| -> Vec<f32> {
+        let y = g.zeros_f32(rows * n);
+        let xp = g.p(&xd) + 2 * skip as u64;
+        g.gemm.cublas(xp, g.p(&wd), g.p(&y), OutType::F32, rows, n, k).unwrap();
+        g.read_f32(&y)
+    };
+    let start = g.gemm.shapes_planned();
+    let first = run(24, 0);
+    assert_eq!(g.gemm.shapes_planned(), start + 1);
+    let again = run(24, 0);
+    assert_eq!(g.gemm.shapes_planned(), start + 1, "the same shape was planned twice");
+    assert!(first.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits()));
+    run(25, 0);
+    assert_eq!(g.gemm.shapes_planned(), start + 2);
+    let shifted = run(24, 1);
+    assert_eq!(g.gemm.shapes_planned(), start + 3, "a 2-byte aligned x is its own plan");
+    let mut want = Vec::with_capacity(24 * n);
+    for r in 0..24 {
+        for c in 0..n {
+            want.push(
+                (0..k)
+                    .map(|i| x[1 + r * k + i] as f64 * w[c * k + i] as f64)
+                    .sum::<f64>(),
+            );
+        }
+    }
+    assert_close("cublas, x one element in", &shifted, &want, 1e-4 * (k as f64).sqrt());
 }
 
 /// A row's product is the same bits whether it is computed alone or with up to 7 others, on
