@@ -72,6 +72,7 @@ impl GenerateArgs {
             frequency_penalty: self.frequency_penalty,
             presence_penalty: self.presence_penalty,
             logprobs: self.logprobs,
+            confidence: false,
             max_tokens: self.max_tokens,
             stop: self.stop.clone(),
             stop_token_ids: Vec::new(),

@@ -6,4 +6,4 @@ mod params;
 mod sampler;
 
 pub use params::{ContrastParams, DryParams, SamplingParamError, SamplingParams, MAX_LOGPROBS};
-pub use sampler::{argmax, DeviceDraw, SampledToken, Sampler, TopLogprob};
+pub use sampler::{argmax, DeviceDraw, SampledToken, Sampler, TokenConfidence, TopLogprob};

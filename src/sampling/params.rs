@@ -22,6 +22,10 @@ pub struct SamplingParams {
     /// Number of most likely alternatives to report per token (log-probabilities of the model's
     /// own distribution, before penalties and temperature).
     pub logprobs: Option<usize>,
+    /// Report each drawn token's probability under the distribution it was drawn from (see
+    /// `SampledToken::confidence`): a pass of `exp` over the vocabulary per token, so only when
+    /// asked.
+    pub confidence: bool,
     pub max_tokens: usize,
     pub stop: Vec<String>,
     pub stop_token_ids: Vec<u32>,
@@ -84,6 +88,7 @@ impl Default for SamplingParams {
             top_p: 1.0,
             min_p: 0.0,
             seed: None,
+            confidence: false,
             repetition_penalty: 1.0,
             frequency_penalty: 0.0,
             presence_penalty: 0.0,

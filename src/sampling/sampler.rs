@@ -32,6 +32,41 @@ pub struct SampledToken {
     /// (jump-forward): `logprob` is 0 when asked for (certain under the constraint) and `top` is
     /// empty.
     pub forced: bool,
+    /// How sure the draw was, when `SamplingParams::confidence` asked and the draw was made
+    /// where this is known (the host; not yet a device's draw).
+    pub confidence: Option<TokenConfidence>,
+}
+
+/// A drawn token's probability under the temperature-1 softmax of the final scores (the mask,
+/// the copy bias, contrast and penalties applied: what the draw saw, whatever its temperature),
+/// and how many tokens those scores left possible. A token that was the only choice (a forced
+/// one, or a mask of one token) tells nothing about the model's belief.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TokenConfidence {
+    pub prob: f32,
+    pub choices: u32,
+}
+
+impl TokenConfidence {
+    /// The grammar's own decision.
+    pub const SOLE: TokenConfidence = TokenConfidence { prob: 1.0, choices: 1 };
+
+    /// `scores[token]`'s share of the softmax over `scores` (`-inf` for refused tokens).
+    pub fn of(scores: &[f32], token: u32) -> TokenConfidence {
+        let max = scores.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let (mut z, mut choices) = (0.0f64, 0u32);
+        for &v in scores {
+            if v > f32::NEG_INFINITY {
+                z += ((v - max) as f64).exp();
+                choices += 1;
+            }
+        }
+        let prob = match scores.get(token as usize) {
+            Some(&v) if v > f32::NEG_INFINITY && z > 0.0 => (((v - max) as f64).exp() / z) as f32,
+            _ => 0.0,
+        };
+        TokenConfidence { prob, choices }
+    }
 }
 
 /// A sampler's state at one point of its output, to come back to after tokens that were only
@@ -106,11 +141,18 @@ impl Sampler {
     pub fn draw(&mut self, logits: &[f32]) -> SampledToken {
         let mut scores = logits.to_vec();
         self.apply_penalties(&mut scores);
+        // Stochastic draws rescale and cut the scores in place: the confidence is taken from
+        // them as they were.
+        let kept = (self.params.confidence && self.params.temperature != 0.0).then(|| scores.clone());
         let token = if self.params.temperature == 0.0 {
             argmax(&scores)
         } else {
             self.sample_stochastic(&mut scores)
         };
+        let confidence = self
+            .params
+            .confidence
+            .then(|| TokenConfidence::of(kept.as_deref().unwrap_or(&scores), token));
         let (logprob, top) = match self.params.logprobs {
             Some(n) => {
                 let (lp, top) = logprobs(logits, token, n);
@@ -123,6 +165,7 @@ impl Sampler {
             logprob,
             top,
             forced: false,
+            confidence,
         }
     }
 
@@ -139,6 +182,7 @@ impl Sampler {
             logprob,
             top,
             forced: false,
+            confidence: None,
         }
     }
 
@@ -150,6 +194,7 @@ impl Sampler {
             logprob: self.params.logprobs.map(|_| 0.0),
             top: Vec::new(),
             forced: true,
+            confidence: self.params.confidence.then_some(TokenConfidence::SOLE),
         }
     }
 

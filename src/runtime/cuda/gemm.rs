@@ -116,12 +116,12 @@ impl Plan {
         let pref = lt::create_matmul_pref().map_err(lt_err("preference", shape))?;
         let ws = workspace as u64;
         use cublasLtMatmulPreferenceAttributes_t as P;
-        let prefs = [
-            (P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, ws),
-            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, shape.align[0] as u64),
-            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, shape.align[1] as u64),
-            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, shape.align[2] as u64),
-            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, shape.align[2] as u64),
+        // The workspace size is a uint64 attribute, the alignments uint32 ones.
+        let aligns = [
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, shape.align[0]),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, shape.align[1]),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, shape.align[2]),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, shape.align[2]),
         ];
         // SAFETY: each descriptor was just created; the attribute buffers are of the types and
         // sizes cuBLASLt documents (an int32 operation, uint64 sizes and alignments).
@@ -133,9 +133,13 @@ impl Plan {
                 std::mem::size_of::<i32>(),
             )
             .and_then(|_| {
-                prefs
+                let ws = &ws as *const u64 as *const c_void;
+                lt::set_matmul_pref_attribute(pref, P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, ws, 8)
+            })
+            .and_then(|_| {
+                aligns
                     .iter()
-                    .try_for_each(|(a, v)| lt::set_matmul_pref_attribute(pref, *a, v as *const u64 as *const c_void, 8))
+                    .try_for_each(|(a, v)| lt::set_matmul_pref_attribute(pref, *a, v as *const u32 as *const c_void, 4))
             });
             let found = set.and_then(|_| {
                 lt::get_matmul_algo_heuristic(
