@@ -11,6 +11,7 @@ use serde::Serialize;
 use serde_json::Value;
 use utoipa::ToSchema;
 
+use super::confidence::{leaves, score_leaves, token_ranges, Candidates};
 use super::grounding::{ground, Grounding};
 use super::prompt::PromptLayout;
 use super::validate::{violations, Validators, Violation};
@@ -71,6 +72,9 @@ pub struct Task {
     /// Log-probabilities of every sampled token and of this many alternatives, in
     /// `Extraction::sampled` (for tools and tests that judge how close a choice was).
     pub logprobs: Option<usize>,
+    /// Score each leaf of the record by the probabilities of the tokens that wrote it
+    /// (`Extraction::fields`).
+    pub confidence: bool,
 }
 
 /// Sampling temperature of a retry of a greedy request: greedy again would repeat the answer.
@@ -107,6 +111,7 @@ impl Task {
             speculate: true,
             retries: 0,
             logprobs: None,
+            confidence: true,
         }
     }
 
@@ -154,6 +159,7 @@ impl Task {
             copy_bias: self.copy_bias,
             speculate: self.speculate,
             logprobs: self.logprobs,
+            confidence: self.confidence,
             ..SamplingParams::greedy(self.max_tokens)
         }
     }
@@ -207,6 +213,18 @@ pub struct Extraction {
     pub grounding: Option<Vec<Grounding>>,
     /// The last attempt's tokens, with log-probabilities where `Task::logprobs` asked for them.
     pub sampled: Vec<SampledToken>,
+    /// Each leaf of the record (or of the partial record that closed but fails the schema) with
+    /// its confidence, where `Task::confidence` asked for them.
+    pub fields: Vec<FieldConfidence>,
+}
+
+/// One leaf of the record and how sure the model was of it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FieldConfidence {
+    /// The leaf's JSON pointer in the record.
+    pub pointer: String,
+    /// `None` where a token of it was drawn where no confidence is computed.
+    pub candidates: Option<Candidates>,
 }
 
 /// Why there was no extraction at all.
@@ -241,6 +259,29 @@ impl ExtractError {
 }
 
 impl Extractor {
+    /// Each leaf of the record in `text` with the confidence of the tokens that wrote it; none
+    /// where `text` is no JSON value or the tokens do not spell it byte for byte.
+    fn fields(&self, text: &str, sampled: &[SampledToken]) -> Vec<FieldConfidence> {
+        let vocab = self.structured.vocab();
+        let ranges = token_ranges(sampled.iter().map(|t| vocab.token_bytes(t.token).len()));
+        if ranges.last().map_or(0, |r| r.end) != text.len() {
+            return Vec::new();
+        }
+        let Some(leaves) = leaves(text) else {
+            return Vec::new();
+        };
+        let tokens: Vec<_> = sampled.iter().map(|t| t.confidence).collect();
+        let scored = score_leaves(&leaves, &ranges, &tokens);
+        leaves
+            .into_iter()
+            .zip(scored)
+            .map(|(l, candidates)| FieldConfidence {
+                pointer: l.pointer,
+                candidates,
+            })
+            .collect()
+    }
+
     pub fn new(client: EngineClient, tokenizer: Arc<Tokenizer>) -> Extractor {
         Extractor {
             client,
@@ -339,7 +380,12 @@ impl Extractor {
             }
             _ => None,
         };
+        let fields = match task.confidence {
+            true => self.fields(&c.text, &c.sampled),
+            false => Vec::new(),
+        };
         Ok(Extraction {
+            fields,
             outcome,
             data,
             violations: found,

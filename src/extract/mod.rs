@@ -2,6 +2,7 @@
 //! guarantees the shape), one extraction over the engine and how it ended, batch input
 //! (JSONL, CSV), records as schema-shaped CSV rows, and grounding of values in the document.
 
+pub mod confidence;
 mod extractor;
 pub mod grounding;
 mod prompt;
@@ -9,6 +10,6 @@ pub mod records;
 pub mod table;
 pub mod validate;
 
-pub use extractor::{ExtractError, Extraction, Extractor, Outcome, Task, PRETTY, RETRY_TEMPERATURE};
+pub use extractor::{ExtractError, Extraction, Extractor, FieldConfidence, Outcome, Task, PRETTY, RETRY_TEMPERATURE};
 
 pub use prompt::{prompt, PromptLayout};

@@ -1,6 +1,7 @@
 //! `quarry bench`: the engine's speed, in the style of `vllm bench`, and extraction quality. Each subcommand prints a
 //! table (or one JSON object with --json) that scripts/bench-* put beside a peer's numbers.
 
+mod calibration;
 mod jobs;
 mod latency;
 mod prefix_cache;

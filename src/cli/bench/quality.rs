@@ -12,9 +12,11 @@ use std::time::Instant;
 use clap::Args;
 use serde_json::{json, Value};
 
-use super::score::{score, FieldScore};
+use super::calibration::{auroc, auroc_interval, ece, reliability, Scored};
+use super::score::{same, score, FieldScore};
 use crate::cli::ModelArgs;
 use crate::engine::EngineClient;
+use crate::extract::confidence::Candidates;
 use crate::extract::validate::{violations, Validators};
 use crate::extract::{Extractor, PromptLayout, Task, PRETTY};
 use crate::sampling::DryParams;
@@ -98,6 +100,8 @@ struct Row {
     text: String,
     /// One line per sampled token, when --logprobs asked for them.
     trace: Vec<String>,
+    /// Each scored leaf of the answer: its confidence candidates and whether it is right.
+    confidence: Vec<(Candidates, bool)>,
 }
 
 pub fn run(args: QualityArgs) -> anyhow::Result<()> {
@@ -201,6 +205,7 @@ fn run_cases(args: &QualityArgs, cases: &[Case]) -> anyhow::Result<Vec<Row>> {
                     tokens: x.completion_tokens,
                     ms: x.metrics.e2e.as_secs_f64() * 1e3,
                     trace: trace(&tokenizer, &x.sampled),
+                    confidence: judged(&case.expected, &x),
                     text: x.text,
                 }
             }
@@ -213,10 +218,100 @@ fn run_cases(args: &QualityArgs, cases: &[Case]) -> anyhow::Result<Vec<Row>> {
                 ms: 0.0,
                 text: e.to_string(),
                 trace: Vec::new(),
+                confidence: Vec::new(),
             },
         });
     }
     Ok(rows)
+}
+
+/// Each leaf of an answer with a confidence, and whether it is right: the gold has a leaf at
+/// its pointer equal to it as `score` counts equal. Leaves the gold lacks (invented keys, extra
+/// items) are wrong; gold fields the answer lacks have no confidence to judge.
+fn judged(expected: &Value, x: &crate::extract::Extraction) -> Vec<(Candidates, bool)> {
+    let Some(record) = x.data.clone().or_else(|| serde_json::from_str(&x.text).ok()) else {
+        return Vec::new();
+    };
+    let is_leaf = |v: &Value| match v {
+        Value::Object(m) => m.is_empty(),
+        Value::Array(a) => a.is_empty(),
+        _ => true,
+    };
+    x.fields
+        .iter()
+        .filter_map(|f| {
+            let got = record.pointer(&f.pointer)?;
+            let right = expected.pointer(&f.pointer).is_some_and(|e| is_leaf(e) && same(e, got));
+            Some((f.candidates?, right))
+        })
+        .collect()
+}
+
+/// The candidates by name.
+const CANDIDATES: [(&str, fn(&Candidates) -> f64); 4] = [
+    ("product", |c| c.product),
+    ("geometric mean", |c| c.geometric),
+    ("minimum", |c| c.min),
+    ("first token", |c| c.first),
+];
+
+/// Per candidate: AUROC with its bootstrap interval over documents, ECE, the reliability table.
+fn confidence_report(rows: &[Row]) -> Value {
+    let mut out = Vec::new();
+    for (name, get) in CANDIDATES {
+        let documents: Vec<Vec<Scored>> = rows
+            .iter()
+            .map(|r| r.confidence.iter().map(|(c, right)| (get(c), *right)).collect())
+            .collect();
+        let all: Vec<Scored> = documents.concat();
+        let interval = auroc_interval(&documents, 2000);
+        out.push(json!({
+            "candidate": name, "fields": all.len(), "right": all.iter().filter(|f| f.1).count(),
+            "auroc": auroc(&all), "auroc_95": interval.map(|(a, b)| [a, b]), "ece": ece(&all),
+            "reliability": reliability(&all),
+        }));
+    }
+    Value::Array(out)
+}
+
+fn print_confidence(report: &Value) {
+    let Some(first) = report.get(0) else { return };
+    println!(
+        "\nconfidence of {} answer fields ({} right): AUROC right against wrong (95% interval, {} bootstraps over documents), calibration error over 10 bins",
+        first["fields"], first["right"], 2000
+    );
+    println!("{:<18}{:>8}{:>18}{:>8}", "candidate", "AUROC", "interval", "ECE");
+    let f = |v: &Value| v.as_f64().map_or("-".to_string(), |x| format!("{x:.3}"));
+    for c in report.as_array().into_iter().flatten() {
+        let interval = match c["auroc_95"].as_array() {
+            Some(a) => format!("[{}, {}]", f(&a[0]), f(&a[1])),
+            None => "-".into(),
+        };
+        println!(
+            "{:<18}{:>8}{:>18}{:>8}",
+            c["candidate"].as_str().unwrap_or(""),
+            f(&c["auroc"]),
+            interval,
+            f(&c["ece"])
+        );
+    }
+    println!("reliability (fields / mean confidence / accuracy per bin of 0.1):");
+    for c in report.as_array().into_iter().flatten() {
+        let bins: Vec<String> = c["reliability"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|b| {
+                format!(
+                    "{} {:.2}/{:.2}",
+                    b["fields"],
+                    b["mean_confidence"].as_f64().unwrap_or(0.0),
+                    b["accuracy"].as_f64().unwrap_or(0.0)
+                )
+            })
+            .collect();
+        println!("  {:<16}{}", c["candidate"].as_str().unwrap_or(""), bins.join(" | "));
+    }
 }
 
 /// The DRY settings the flags ask for, over the extraction default.
@@ -277,6 +372,7 @@ fn score_answers(cases: &[Case], path: &Path) -> anyhow::Result<Vec<Row>> {
                 ms: answer.and_then(|a| a["ms"].as_f64()).unwrap_or(0.0),
                 text,
                 trace: Vec::new(),
+                confidence: Vec::new(),
             }
         })
         .collect())
@@ -304,7 +400,7 @@ fn report(args: &QualityArgs, rows: &[Row]) {
         let summary = json!({
             "engine": args.engine, "cases": rows.len(), "ok": ok, "valid": valid, "exact": exact,
             "fields_correct": total.correct, "fields": total.total, "field_accuracy": total.accuracy(),
-            "case_accuracy_mean": macro_acc, "rows": cases,
+            "case_accuracy_mean": macro_acc, "rows": cases, "confidence": confidence_report(rows),
         });
         println!("{summary}");
         return;
@@ -343,6 +439,9 @@ fn report(args: &QualityArgs, rows: &[Row]) {
         100.0 * total.accuracy(),
         100.0 * macro_acc
     );
+    if rows.iter().any(|r| !r.confidence.is_empty()) {
+        print_confidence(&confidence_report(rows));
+    }
 }
 
 /// `"tok" -0.12 | "alt" -1.50 "alt2" -2.31`, one line per token; forced tokens are marked.

@@ -58,7 +58,7 @@ pub fn score(expected: &Value, got: Option<&Value>) -> FieldScore {
 }
 
 /// Equal as the benchmark counts it.
-fn same(expected: &Value, got: &Value) -> bool {
+pub fn same(expected: &Value, got: &Value) -> bool {
     match (expected, got) {
         (Value::String(e), Value::String(g)) => fold(e) == fold(g),
         (Value::Number(e), Value::Number(g)) => match (e.as_f64(), g.as_f64()) {

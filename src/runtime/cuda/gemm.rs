@@ -107,7 +107,7 @@ impl Plan {
         for l in layouts {
             made.push(l.map_err(lt_err("layout", shape))?);
         }
-        let plan = Plan {
+        let mut plan = Plan {
             desc,
             layouts: [made[0], made[1], made[2]],
             algo: unsafe { std::mem::zeroed() },
@@ -155,10 +155,10 @@ impl Plan {
             let _ = lt::destroy_matmul_pref(pref);
             found.map_err(lt_err("algorithm", shape))?
         };
-        Ok(Plan {
-            algo: heuristic.algo,
-            ..plan
-        })
+        // (Not `Plan { algo, ..plan }`: that copies the descriptors out of a plan whose drop
+        // then destroys them.)
+        plan.algo = heuristic.algo;
+        Ok(plan)
     }
 }
 
