@@ -155,6 +155,45 @@ extern "C" __global__ void argmax(const float* logits, int vocab, u32* out) {
     }
 }
 
+// The drawn token's probability under the temperature-1 softmax of its row's final scores (the
+// mask, bias and penalties applied; not the draw's temperature or cuts), and how many tokens
+// those scores allow: the engine sampler's TokenConfidence. Block b: row rows[b], whose token
+// is out[token_at[b]]; records[2b] = the probability, records[2b + 1] = the count (as bits).
+extern "C" __global__ void drawn_confidence(const float* logits, int vocab, const u32* rows, const u32* token_at,
+                                            const u32* out, float* records) {
+    after_previous_kernel();
+    __shared__ float s_max[32];
+    const float* row = logits + (size_t)rows[blockIdx.x] * vocab;
+    float m = NEG_INF, c = 0.0f;
+    for (int t = threadIdx.x; t < vocab; t += blockDim.x) {
+        float v = row[t];
+        m = fmaxf(m, v);
+        if (v > NEG_INF) c += 1.0f;
+    }
+    m = warp_max(m);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) s_max[warp] = m;
+    __syncthreads();
+    if (warp == 0) {
+        m = lane < (int)(blockDim.x >> 5) ? s_max[lane] : NEG_INF;
+        m = warp_max(m);
+        if (lane == 0) s_max[0] = m;
+    }
+    __syncthreads();
+    m = s_max[0];
+    float z = 0.0f;
+    if (m > NEG_INF)
+        for (int t = threadIdx.x; t < vocab; t += blockDim.x)
+            if (row[t] > NEG_INF) z += expf(row[t] - m);
+    z = block_sum(z);
+    c = block_sum(c);
+    if (threadIdx.x == 0) {
+        float v = row[out[token_at[blockIdx.x]]];
+        records[2 * blockIdx.x] = (v > NEG_INF && z > 0.0f) ? expf(v - m) / z : 0.0f;
+        records[2 * blockIdx.x + 1] = __uint_as_float((u32)c);
+    }
+}
+
 // Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3"): a counter-based
 // generator, so a request's draw depends only on its seed and its output index, never on
 // which other requests share the batch.

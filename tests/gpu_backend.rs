@@ -3,7 +3,7 @@
 
 mod common;
 
-use quarry::runtime::{Backend, DeviceChoice, ForwardBatch, LoadOptions};
+use quarry::runtime::{Backend, DeviceChoice, ForwardBatch, LoadOptions, TokenConfidence};
 
 /// bf16 weights and activations against llama.cpp's Q4_1 with 8-bit activations: the CPU
 /// backend's tolerances (tests/reference.rs) widened for bf16 rounding of every weight and
@@ -206,7 +206,8 @@ fn device_draws_match_the_host_on_the_same_logits() {
     let masks = [Some(&mask0[..]), None, Some(&mask2[..])];
     let biases = [Some((&copy0[..], 1.5f32)), None, None];
     let pens: [&[Penalty]; 3] = [&pen0, &pen1, &[]];
-    let host = |r: usize, narrower: Option<&[u32]>| -> u32 {
+    // The final scores the draw sees: mask, bias, penalties.
+    let host_scores = |r: usize, narrower: Option<&[u32]>| -> Vec<f32> {
         let mut scores: Vec<f32> = logits.row(r).to_vec();
         for (t, x) in scores.iter_mut().enumerate() {
             let open = masks[r].is_none_or(|m| allowed(m, t)) && narrower.is_none_or(|m| allowed(m, t));
@@ -225,8 +226,22 @@ fn device_draws_match_the_host_on_the_same_logits() {
             }
             *x += p.add;
         }
-        quarry::sampling::argmax(&scores)
+        scores
     };
+    let host = |r: usize, narrower: Option<&[u32]>| -> u32 { quarry::sampling::argmax(&host_scores(r, narrower)) };
+    // The confidence as the host sampler computes it, from the same final scores.
+    let check_confidence =
+        |what: &str, got: Option<TokenConfidence>, r: usize, narrower: Option<&[u32]>, token: u32| {
+            let want = TokenConfidence::of(&host_scores(r, narrower), token);
+            let got = got.unwrap_or_else(|| panic!("{what}: no confidence"));
+            assert_eq!(got.choices, want.choices, "{what}: choices");
+            assert!(
+                (got.prob - want.prob).abs() <= 1e-4 * want.prob.max(1e-3),
+                "{what}: probability {} vs {}",
+                got.prob,
+                want.prob
+            );
+        };
     let draw = |r: usize, temperature: f32, counter: u64| Draw {
         params: DrawParams {
             temperature,
@@ -236,6 +251,7 @@ fn device_draws_match_the_host_on_the_same_logits() {
             seed: 1234 + r as u64,
             counter,
             logprobs: Some(5),
+            confidence: true,
         },
         bias: biases[r],
         penalties: pens[r],
@@ -291,6 +307,7 @@ fn device_draws_match_the_host_on_the_same_logits() {
         assert_eq!(out.tokens[r], Some(host(r, None)), "row {r}");
         let lp = out.logprobs[r].as_ref().expect("asked for");
         check_logprobs(&format!("row {r}"), lp, host_logprobs(r, None, host(r, None)));
+        check_confidence(&format!("row {r}"), out.confidence[r], r, None, host(r, None));
     }
     assert_ne!(
         out.tokens[1],
@@ -299,10 +316,16 @@ fn device_draws_match_the_host_on_the_same_logits() {
     );
     // A narrower mask for row 0: tokens 100..200 only.
     let narrow = bits(&|t| (100..200).contains(&t));
-    let (again, lp) = gpu.redraw_within(0, &narrow).unwrap();
+    let redrawn = gpu.redraw_within(0, &narrow).unwrap();
+    let again = redrawn.token;
     assert_eq!(again, host(0, Some(&narrow)));
     assert!((100..200).contains(&(again as usize)));
-    check_logprobs("redrawn row 0", &lp.unwrap(), host_logprobs(0, Some(&narrow), again));
+    check_logprobs(
+        "redrawn row 0",
+        &redrawn.logprobs.unwrap(),
+        host_logprobs(0, Some(&narrow), again),
+    );
+    check_confidence("redrawn row 0", redrawn.confidence, 0, Some(&narrow), again);
 
     // Seeded draws: in order, then with the rows reversed, the same token per sequence.
     let seeded = |order: &[usize], gpu: &mut Box<dyn Backend>| -> Vec<u32> {
@@ -318,6 +341,8 @@ fn device_draws_match_the_host_on_the_same_logits() {
         let mut by_seq = vec![0u32; 3];
         for (i, &r) in order.iter().enumerate() {
             by_seq[r] = got.tokens[i].expect("drawn on the device");
+            // At temperature 1 the confidence is still that of the final scores.
+            check_confidence(&format!("seeded row {r}"), got.confidence[i], r, None, by_seq[r]);
         }
         by_seq
     };

@@ -481,7 +481,8 @@ fn ten_documents_over_five_schemas_validate_and_ground() {
     let handles: Vec<_> = cases
         .iter()
         .map(|(schema_id, document)| {
-            let body = json!({"schema_id": schema_id, "document": document, "grounding": true});
+            let body = json!({"schema_id": schema_id, "document": document, "grounding": true,
+                              "options": {"min_confidence": 0.9}});
             std::thread::spawn(move || post(port, &body))
         })
         .collect();
@@ -502,8 +503,10 @@ fn ten_documents_over_five_schemas_validate_and_ground() {
             other => panic!("untyped or unexpected outcome {other}: {out}"),
         }
         if out["outcome"] != "ok" {
+            assert_eq!(out["fields"], json!([]), "{out}");
             continue;
         }
+        check_fields(&out, 0.9);
         // Every span slices the document to the value (up to case and whitespace); every
         // value the document does contain verbatim has a span.
         let chars: Vec<char> = document.chars().collect();
@@ -531,6 +534,60 @@ fn ten_documents_over_five_schemas_validate_and_ground() {
         }
     }
     assert!(grounded >= 10, "only {grounded} values grounded");
+}
+
+/// The leaves of a record (an empty array or object is one), by pointer.
+fn leaf_pointers(v: &Value, at: String, out: &mut Vec<String>) {
+    match v {
+        Value::Object(m) if !m.is_empty() => {
+            for (k, x) in m {
+                leaf_pointers(x, format!("{at}/{}", k.replace('~', "~0").replace('/', "~1")), out);
+            }
+        }
+        Value::Array(a) if !a.is_empty() => {
+            for (i, x) in a.iter().enumerate() {
+                leaf_pointers(x, format!("{at}/{i}"), out);
+            }
+        }
+        _ => out.push(at),
+    }
+}
+
+/// `fields` names every leaf of `data` once, each with a confidence from 0 to 1 (the CPU
+/// computes them all) and, for strings, the span grounding gives; `review` lists exactly the
+/// fields under `min`, in the order of `fields`.
+fn check_fields(out: &Value, min: f64) {
+    let fields = out["fields"].as_array().expect("fields in every response");
+    let mut want = Vec::new();
+    leaf_pointers(&out["data"], String::new(), &mut want);
+    let mut got: Vec<String> = fields
+        .iter()
+        .map(|f| f["pointer"].as_str().unwrap().to_string())
+        .collect();
+    let review: Vec<&str> = fields
+        .iter()
+        .filter(|f| f["confidence"].as_f64().unwrap() < min)
+        .map(|f| f["pointer"].as_str().unwrap())
+        .collect();
+    assert_eq!(out["review"], json!(review), "{out}");
+    want.sort();
+    got.sort();
+    assert_eq!(got, want, "{out}");
+    for f in fields {
+        let c = f["confidence"].as_f64().expect("a confidence on the CPU");
+        assert!((0.0..=1.0).contains(&c), "{f}");
+        let pointer = f["pointer"].as_str().unwrap();
+        if out["data"].pointer(pointer).unwrap().is_string() {
+            let grounded = out["grounding"]
+                .as_array()
+                .and_then(|g| g.iter().find(|g| g["pointer"] == pointer));
+            if let Some(g) = grounded {
+                assert_eq!(f["span"], g["span"], "{f}");
+            }
+        } else {
+            assert!(f["span"].is_null(), "{f}");
+        }
+    }
 }
 
 /// Sends an extraction that runs for thousands of tokens (its shortest record is 4,001 bytes)

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use quarry::engine::{EngineConfig, EngineCore, EngineRequest, FinishReason, SpeculativeConfig};
 use quarry::runtime::{
-    Backend, ForwardBatch, KvLayout, ModelConfig, Result, RowLogprobs, RowRequest, RuntimeError, Sampled,
+    Backend, ForwardBatch, KvLayout, ModelConfig, Result, RowDraw, RowRequest, RuntimeError, Sampled,
 };
 use quarry::sampling::SamplingParams;
 
@@ -43,7 +43,7 @@ impl Backend for FailingSample {
         self.inner.sample(rows)
     }
 
-    fn redraw_within(&mut self, row: usize, mask: &[u32]) -> Result<(u32, Option<RowLogprobs>)> {
+    fn redraw_within(&mut self, row: usize, mask: &[u32]) -> Result<RowDraw> {
         self.inner.redraw_within(row, mask)
     }
 

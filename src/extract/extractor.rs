@@ -263,6 +263,12 @@ impl Extractor {
     /// where `text` is no JSON value or the tokens do not spell it byte for byte.
     fn fields(&self, text: &str, sampled: &[SampledToken]) -> Vec<FieldConfidence> {
         let vocab = self.structured.vocab();
+        // The end-of-generation token that closes the answer is not in its text.
+        let eog = self.tokenizer.end_of_generation_ids();
+        let sampled = match sampled.split_last() {
+            Some((last, rest)) if eog.contains(&last.token) => rest,
+            _ => sampled,
+        };
         let ranges = token_ranges(sampled.iter().map(|t| vocab.token_bytes(t.token).len()));
         if ranges.last().map_or(0, |r| r.end) != text.len() {
             return Vec::new();

@@ -44,7 +44,7 @@ pub trait Backend: Send {
     /// Decides again a row that `sample` decided on the backend, under a narrower mask (its
     /// token left the output no room to close), with the same draw: the argmax, or the same
     /// seeded draw from what the narrower mask leaves.
-    fn redraw_within(&mut self, row: usize, mask: &[u32]) -> Result<(u32, Option<RowLogprobs>)>;
+    fn redraw_within(&mut self, row: usize, mask: &[u32]) -> Result<RowDraw>;
 
     /// `run`, then every row's logits.
     fn forward(&mut self, batch: &ForwardBatch) -> Result<Logits> {
@@ -100,6 +100,48 @@ pub struct DrawParams {
     /// Log-probabilities of the drawn token and of the `n` most likely, of the logits after the
     /// mask and the bias (before penalties and temperature), as the engine's sampler reports them.
     pub logprobs: Option<usize>,
+    /// The drawn token's `TokenConfidence`, as the engine's sampler computes it.
+    pub confidence: bool,
+}
+
+/// A drawn token's probability under the temperature-1 softmax of the final scores (the mask,
+/// the copy bias, contrast and penalties applied: what the draw saw, whatever its temperature),
+/// and how many tokens those scores left possible. A token that was the only choice (a forced
+/// one, or a mask of one token) tells nothing about the model's belief.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TokenConfidence {
+    pub prob: f32,
+    pub choices: u32,
+}
+
+impl TokenConfidence {
+    /// The grammar's own decision.
+    pub const SOLE: TokenConfidence = TokenConfidence { prob: 1.0, choices: 1 };
+
+    /// `scores[token]`'s share of the softmax over `scores` (`-inf` for refused tokens).
+    pub fn of(scores: &[f32], token: u32) -> TokenConfidence {
+        let max = scores.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let (mut z, mut choices) = (0.0f64, 0u32);
+        for &v in scores {
+            if v > f32::NEG_INFINITY {
+                z += ((v - max) as f64).exp();
+                choices += 1;
+            }
+        }
+        let prob = match scores.get(token as usize) {
+            Some(&v) if v > f32::NEG_INFINITY && z > 0.0 => (((v - max) as f64).exp() / z) as f32,
+            _ => 0.0,
+        };
+        TokenConfidence { prob, choices }
+    }
+}
+
+/// A row a backend drew: the token, and what the draw was asked to report of it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RowDraw {
+    pub token: u32,
+    pub logprobs: Option<RowLogprobs>,
+    pub confidence: Option<TokenConfidence>,
 }
 
 /// A drawn token's log-probability and the most likely tokens with theirs, best first.
@@ -125,6 +167,8 @@ pub struct Sampled {
     pub tokens: Vec<Option<u32>>,
     /// Per row drawn with `logprobs` asked for: its log-probabilities.
     pub logprobs: Vec<Option<RowLogprobs>>,
+    /// Per row drawn with `confidence` asked for: the drawn token's.
+    pub confidence: Vec<Option<TokenConfidence>>,
     /// The rows without a token, in row order.
     pub logits: Logits,
 }
@@ -135,6 +179,7 @@ impl Sampled {
         Sampled {
             tokens: vec![None; logits.rows()],
             logprobs: vec![None; logits.rows()],
+            confidence: vec![None; logits.rows()],
             logits,
         }
     }

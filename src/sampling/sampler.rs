@@ -5,7 +5,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::params::SamplingParams;
-pub use crate::runtime::{DrawParams, Penalty};
+pub use crate::runtime::{DrawParams, Penalty, TokenConfidence};
 
 /// A draw made where the logits are (`Sampler::device_draw`).
 #[derive(Debug, Clone, PartialEq)]
@@ -35,38 +35,6 @@ pub struct SampledToken {
     /// How sure the draw was, when `SamplingParams::confidence` asked and the draw was made
     /// where this is known (the host; not yet a device's draw).
     pub confidence: Option<TokenConfidence>,
-}
-
-/// A drawn token's probability under the temperature-1 softmax of the final scores (the mask,
-/// the copy bias, contrast and penalties applied: what the draw saw, whatever its temperature),
-/// and how many tokens those scores left possible. A token that was the only choice (a forced
-/// one, or a mask of one token) tells nothing about the model's belief.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct TokenConfidence {
-    pub prob: f32,
-    pub choices: u32,
-}
-
-impl TokenConfidence {
-    /// The grammar's own decision.
-    pub const SOLE: TokenConfidence = TokenConfidence { prob: 1.0, choices: 1 };
-
-    /// `scores[token]`'s share of the softmax over `scores` (`-inf` for refused tokens).
-    pub fn of(scores: &[f32], token: u32) -> TokenConfidence {
-        let max = scores.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-        let (mut z, mut choices) = (0.0f64, 0u32);
-        for &v in scores {
-            if v > f32::NEG_INFINITY {
-                z += ((v - max) as f64).exp();
-                choices += 1;
-            }
-        }
-        let prob = match scores.get(token as usize) {
-            Some(&v) if v > f32::NEG_INFINITY && z > 0.0 => (((v - max) as f64).exp() / z) as f32,
-            _ => 0.0,
-        };
-        TokenConfidence { prob, choices }
-    }
 }
 
 /// A sampler's state at one point of its output, to come back to after tokens that were only
@@ -170,8 +138,14 @@ impl Sampler {
     }
 
     /// A token drawn elsewhere (by a backend, where the logits are), with its log-probability
-    /// and the most likely tokens where they were asked for: counted like a drawn one.
-    pub fn take(&mut self, token: u32, logprobs: Option<(f32, Vec<TopLogprob>)>) -> SampledToken {
+    /// and the most likely tokens, and its confidence, where they were asked for: counted like
+    /// a drawn one.
+    pub fn take(
+        &mut self,
+        token: u32,
+        logprobs: Option<(f32, Vec<TopLogprob>)>,
+        confidence: Option<TokenConfidence>,
+    ) -> SampledToken {
         self.record(token);
         let (logprob, top) = match logprobs {
             Some((lp, top)) => (Some(lp), top),
@@ -182,7 +156,7 @@ impl Sampler {
             logprob,
             top,
             forced: false,
-            confidence: None,
+            confidence,
         }
     }
 
@@ -243,6 +217,7 @@ impl Sampler {
                 seed: self.seed,
                 counter: self.recorded,
                 logprobs: p.logprobs,
+                confidence: p.confidence,
             },
             penalties: self.penalties(),
         }

@@ -73,6 +73,9 @@ pub struct ExtractOptions {
     /// tokens ahead (default true; the record is the same either way, false spares it the
     /// work of checking guesses).
     pub speculate: Option<bool>,
+    /// List under `review` the pointers of the fields whose confidence is below this (0 to 1);
+    /// nothing is removed from the record.
+    pub min_confidence: Option<f64>,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, ToSchema)]
@@ -105,6 +108,27 @@ pub struct ExtractResponse {
     /// the document does not contain it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub grounding: Option<Vec<Grounding>>,
+    /// With outcome `ok`: every leaf of `data` (array elements included; an empty array or
+    /// object is one leaf), in the order the record writes them, with the model's confidence
+    /// in it and where the document says it.
+    pub fields: Vec<FieldReport>,
+    /// With `options.min_confidence`: the pointers of the fields below it, in record order.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub review: Option<Vec<String>>,
+}
+
+/// One leaf of the record.
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct FieldReport {
+    /// The leaf's JSON pointer in `data`.
+    pub pointer: String,
+    /// From 0 to 1: the probability the model gave the value's tokens where it had a choice
+    /// (tokens the schema alone decided do not count); a value the schema fixed is 1. Null
+    /// where the tokens were drawn where it is not computed.
+    pub confidence: Option<f64>,
+    /// For a string: its character span in the document (matched ignoring case and line
+    /// breaks), or null where the document does not contain it.
+    pub span: Option<Span>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]

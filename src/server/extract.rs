@@ -8,11 +8,15 @@ use axum::http::StatusCode;
 use axum::Json;
 use quarry_grammar::json::Whitespace;
 
-use super::api::{ExtractRequest, ExtractResponse, KeywordEntry, SpeculationUsage, Timings, Usage, WhitespaceOption};
+use super::api::{
+    ExtractRequest, ExtractResponse, FieldReport, KeywordEntry, SpeculationUsage, Timings, Usage, WhitespaceOption,
+};
 use super::door::{self, Endpoint};
 use super::error::{ApiError, ErrorBody};
 use super::{ApiJson, AppState};
-use crate::extract::{ExtractError, Outcome, Task, PRETTY};
+use crate::extract::confidence::field_confidence;
+use crate::extract::grounding::ground;
+use crate::extract::{ExtractError, FieldConfidence, Outcome, Task, PRETTY};
 use crate::sampling::DryParams;
 
 const DEFAULT_MAX_TOKENS: usize = 512;
@@ -99,9 +103,15 @@ async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractRespon
         }),
         None => base.dry.clone(),
     };
+    if o.min_confidence.is_some_and(|c| !(0.0..=1.0).contains(&c)) {
+        return Err(ApiError::bad_request(
+            "`options.min_confidence` must be a number from 0 to 1",
+        ));
+    }
     if o.contrast.is_some_and(|w| !(w.is_finite() && w >= 0.0)) {
         return Err(ApiError::bad_request("`options.contrast` must be a number >= 0"));
     }
+    let min_confidence = o.min_confidence;
     let task = Task {
         contrast: o.contrast.unwrap_or(base.contrast),
         instructions: req.instructions,
@@ -125,6 +135,7 @@ async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractRespon
         grounding: req.grounding,
         ..base
     };
+    let document = task.document.clone();
     // The extractor submits its own engine requests (one, or one per retry, in turn): they
     // pass this door's admission once, as one request, and hold it until they end.
     let _admitted = door::admit(state, 1)?;
@@ -142,7 +153,20 @@ async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractRespon
     if m.budget_closed {
         notes.push(KeywordEntry::budget_closed(max_tokens));
     }
+    let fields = match &x.data {
+        Some(data) => field_reports(&x.fields, data, &document),
+        None => Vec::new(),
+    };
+    let review = min_confidence.map(|min| {
+        fields
+            .iter()
+            .filter(|f| f.confidence.is_some_and(|c| c < min))
+            .map(|f| f.pointer.clone())
+            .collect()
+    });
     Ok(ExtractResponse {
+        fields,
+        review,
         partial: (x.outcome != Outcome::Ok).then_some(x.text),
         violations: x.violations,
         data: x.data,
@@ -162,4 +186,20 @@ async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractRespon
         notes,
         grounding: x.grounding,
     })
+}
+
+/// Each leaf's confidence, with the span of each string found in the document.
+fn field_reports(fields: &[FieldConfidence], data: &serde_json::Value, document: &str) -> Vec<FieldReport> {
+    let spans: std::collections::HashMap<String, _> = ground(document, data)
+        .into_iter()
+        .map(|g| (g.pointer, g.span))
+        .collect();
+    fields
+        .iter()
+        .map(|f| FieldReport {
+            pointer: f.pointer.clone(),
+            confidence: f.candidates.as_ref().map(field_confidence),
+            span: spans.get(&f.pointer).cloned().flatten(),
+        })
+        .collect()
 }

@@ -100,8 +100,9 @@ struct Row {
     text: String,
     /// One line per sampled token, when --logprobs asked for them.
     trace: Vec<String>,
-    /// Each scored leaf of the answer: its confidence candidates and whether it is right.
-    confidence: Vec<(Candidates, bool)>,
+    /// Each scored leaf of the answer: its pointer, confidence candidates and whether it is
+    /// right.
+    confidence: Vec<(String, Candidates, bool)>,
 }
 
 pub fn run(args: QualityArgs) -> anyhow::Result<()> {
@@ -228,7 +229,7 @@ fn run_cases(args: &QualityArgs, cases: &[Case]) -> anyhow::Result<Vec<Row>> {
 /// Each leaf of an answer with a confidence, and whether it is right: the gold has a leaf at
 /// its pointer equal to it as `score` counts equal. Leaves the gold lacks (invented keys, extra
 /// items) are wrong; gold fields the answer lacks have no confidence to judge.
-fn judged(expected: &Value, x: &crate::extract::Extraction) -> Vec<(Candidates, bool)> {
+fn judged(expected: &Value, x: &crate::extract::Extraction) -> Vec<(String, Candidates, bool)> {
     let Some(record) = x.data.clone().or_else(|| serde_json::from_str(&x.text).ok()) else {
         return Vec::new();
     };
@@ -242,17 +243,22 @@ fn judged(expected: &Value, x: &crate::extract::Extraction) -> Vec<(Candidates, 
         .filter_map(|f| {
             let got = record.pointer(&f.pointer)?;
             let right = expected.pointer(&f.pointer).is_some_and(|e| is_leaf(e) && same(e, got));
-            Some((f.candidates?, right))
+            Some((f.pointer.clone(), f.candidates?, right))
         })
         .collect()
 }
 
+/// A confidence candidate: its name and how it reads the candidates.
+type Candidate = (&'static str, fn(&Candidates) -> f64);
+
 /// The candidates by name.
-const CANDIDATES: [(&str, fn(&Candidates) -> f64); 4] = [
+const CANDIDATES: [Candidate; 6] = [
     ("product", |c| c.product),
     ("geometric mean", |c| c.geometric),
     ("minimum", |c| c.min),
     ("first token", |c| c.first),
+    ("product, existence", |c| c.product_existence),
+    ("minimum, existence", |c| c.min_existence),
 ];
 
 /// Per candidate: AUROC with its bootstrap interval over documents, ECE, the reliability table.
@@ -261,7 +267,7 @@ fn confidence_report(rows: &[Row]) -> Value {
     for (name, get) in CANDIDATES {
         let documents: Vec<Vec<Scored>> = rows
             .iter()
-            .map(|r| r.confidence.iter().map(|(c, right)| (get(c), *right)).collect())
+            .map(|r| r.confidence.iter().map(|(_, c, right)| (get(c), *right)).collect())
             .collect();
         let all: Vec<Scored> = documents.concat();
         let interval = auroc_interval(&documents, 2000);
@@ -280,7 +286,7 @@ fn print_confidence(report: &Value) {
         "\nconfidence of {} answer fields ({} right): AUROC right against wrong (95% interval, {} bootstraps over documents), calibration error over 10 bins",
         first["fields"], first["right"], 2000
     );
-    println!("{:<18}{:>8}{:>18}{:>8}", "candidate", "AUROC", "interval", "ECE");
+    println!("{:<22}{:>8}{:>18}{:>8}", "candidate", "AUROC", "interval", "ECE");
     let f = |v: &Value| v.as_f64().map_or("-".to_string(), |x| format!("{x:.3}"));
     for c in report.as_array().into_iter().flatten() {
         let interval = match c["auroc_95"].as_array() {
@@ -288,7 +294,7 @@ fn print_confidence(report: &Value) {
             None => "-".into(),
         };
         println!(
-            "{:<18}{:>8}{:>18}{:>8}",
+            "{:<22}{:>8}{:>18}{:>8}",
             c["candidate"].as_str().unwrap_or(""),
             f(&c["auroc"]),
             interval,
@@ -310,7 +316,7 @@ fn print_confidence(report: &Value) {
                 )
             })
             .collect();
-        println!("  {:<16}{}", c["candidate"].as_str().unwrap_or(""), bins.join(" | "));
+        println!("  {:<20}{}", c["candidate"].as_str().unwrap_or(""), bins.join(" | "));
     }
 }
 
@@ -422,6 +428,18 @@ fn report(args: &QualityArgs, rows: &[Row]) {
         );
         if args.show {
             println!("    {}", r.text);
+            for (pointer, c, right) in &r.confidence {
+                println!(
+                    "      {pointer:<40} {} product {:.3} geometric {:.3} min {:.3} first {:.3} with existence {:.3} {:.3}",
+                    if *right { "right" } else { "wrong" },
+                    c.product,
+                    c.geometric,
+                    c.min,
+                    c.first,
+                    c.product_existence,
+                    c.min_existence
+                );
+            }
             for line in &r.trace {
                 println!("      {line}");
             }

@@ -7,7 +7,7 @@ use super::{EngineCore, Sampling, State};
 use crate::engine::contained::ContainedMatcher;
 use crate::engine::contrast::contrast;
 use crate::engine::proposers::forced_after;
-use crate::runtime::{RowLogprobs, RuntimeError};
+use crate::runtime::{RowDraw, RuntimeError};
 use crate::sampling::{SampledToken, TopLogprob};
 
 impl EngineCore {
@@ -56,7 +56,11 @@ impl EngineCore {
             let left = room.saturating_sub(run.len());
             let sampled = match (decided.tokens[row], decided.host_row(row)) {
                 (Some(token), _) => {
-                    let drawn = (token, decided.logprobs.get(row).cloned().flatten());
+                    let drawn = RowDraw {
+                        token,
+                        logprobs: decided.logprobs.get(row).cloned().flatten(),
+                        confidence: decided.confidence.get(row).copied().flatten(),
+                    };
                     match keep_within(state, self.backend.as_mut(), row, drawn, left, words) {
                         Ok(s) => s,
                         Err(e) => break Err(e),
@@ -150,24 +154,24 @@ fn keep_within(
     state: &mut State,
     backend: &mut dyn crate::runtime::Backend,
     row: usize,
-    drawn: (u32, Option<RowLogprobs>),
+    drawn: RowDraw,
     room: usize,
     words: usize,
 ) -> Result<SampledToken, RuntimeError> {
     let mut drawn = drawn;
     if let Some(m) = state.matcher.as_mut() {
-        if let Some(tight) = room_keeping_mask(m, drawn.0, room, words) {
+        if let Some(tight) = room_keeping_mask(m, drawn.token, room, words) {
             state.metrics.budget_closed = true;
             drawn = backend.redraw_within(row, &tight)?;
         }
     }
-    let (token, logprobs) = drawn;
     Ok(state.sampler.take(
-        token,
-        logprobs.map(|l| {
+        drawn.token,
+        drawn.logprobs.map(|l| {
             let top = l.top.into_iter().map(|(token, logprob)| TopLogprob { token, logprob });
             (l.logprob, top.collect())
         }),
+        drawn.confidence,
     ))
 }
 

@@ -94,6 +94,7 @@ impl DraftModel {
                 seed: 0,
                 counter: 0,
                 logprobs: None,
+                confidence: false,
             },
             bias: None,
             penalties: &[],

@@ -163,7 +163,7 @@ impl Backend for CpuBackend {
         Ok(Sampled::all_logits(logits))
     }
 
-    fn redraw_within(&mut self, _row: usize, _mask: &[u32]) -> Result<(u32, Option<crate::runtime::RowLogprobs>)> {
+    fn redraw_within(&mut self, _row: usize, _mask: &[u32]) -> Result<crate::runtime::RowDraw> {
         Err(RuntimeError::Backend(
             "the CPU backend leaves every row to the engine's sampler".into(),
         ))

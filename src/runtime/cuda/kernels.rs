@@ -56,6 +56,7 @@ const SOURCES: &[(&str, &str, &[&str])] = &[
             "restore_values",
             "logprob_stats",
             "chosen_values",
+            "drawn_confidence",
             "argmax",
             "sample_rows",
             "philox_raw",
@@ -87,6 +88,7 @@ pub struct Kernels {
     pub restore_values: CudaFunction,
     pub logprob_stats: CudaFunction,
     pub chosen_values: CudaFunction,
+    pub drawn_confidence: CudaFunction,
     pub argmax: CudaFunction,
     pub sample_rows: CudaFunction,
     #[cfg_attr(not(test), allow(dead_code))]
@@ -158,6 +160,7 @@ impl Kernels {
             restore_values: take("restore_values"),
             logprob_stats: take("logprob_stats"),
             chosen_values: take("chosen_values"),
+            drawn_confidence: take("drawn_confidence"),
             argmax: take("argmax"),
             sample_rows: take("sample_rows"),
             philox_raw: take("philox_raw"),

@@ -450,7 +450,7 @@ impl Backend for CudaBackend {
         self.sample_rows(requests)
     }
 
-    fn redraw_within(&mut self, row: usize, mask: &[u32]) -> Result<(u32, Option<super::RowLogprobs>)> {
+    fn redraw_within(&mut self, row: usize, mask: &[u32]) -> Result<super::RowDraw> {
         self.redraw(row, mask)
     }
 

@@ -1,7 +1,8 @@
 //! Sampling where the logits are (kernels/sampling.cu). Per drawn row, in the engine sampler's
 //! order: the grammar's mask and the copy bias, the log-probabilities where asked for, the
-//! penalties (the values they replace are kept), then the argmax or a seeded draw. Only token
-//! ids and log-probabilities come back, and the logits of the rows the engine keeps for itself.
+//! penalties (the values they replace are kept), then the argmax or a seeded draw, and the drawn
+//! token's confidence where asked for. Only token ids, log-probabilities and confidences come
+//! back, and the logits of the rows the engine keeps for itself.
 
 use cudarc::driver::CudaSlice;
 
@@ -11,7 +12,7 @@ use super::timing::Phase;
 use super::{device_err, launch, launch_items, CudaBackend, THREADS};
 use crate::runtime::batch::Logits;
 use crate::runtime::error::{Result, RuntimeError};
-use crate::runtime::{Draw, Penalty, RowLogprobs, RowRequest, Sampled};
+use crate::runtime::{Draw, Penalty, RowDraw, RowLogprobs, RowRequest, Sampled, TokenConfidence};
 
 /// kernels/sampling.cu's MAX_TOP.
 const MAX_TOP: usize = 32;
@@ -22,6 +23,7 @@ pub(super) struct Drawn {
     /// `None`: the argmax.
     seeded: Option<SampleParams>,
     logprobs: Option<usize>,
+    confidence: bool,
     penalties: Vec<Penalty>,
     /// Where this row's penalties sit among the last upload's (`restore_values`).
     penalty_span: (usize, usize),
@@ -41,6 +43,7 @@ impl Drawn {
         Drawn {
             seeded,
             logprobs: d.logprobs.map(|n| n.min(MAX_TOP)),
+            confidence: d.confidence,
             penalties: draw.penalties.to_vec(),
             penalty_span: (0, 0),
         }
@@ -54,9 +57,6 @@ pub(super) struct PenaltyArrays {
     tokens: u64,
     saved: u64,
 }
-
-/// A drawn row's token, and its log-probabilities where asked for.
-type Decided = (u32, Option<RowLogprobs>);
 
 /// One row for `draw_rows`, relative to the logits it is given.
 struct RowSpec<'a> {
@@ -143,13 +143,18 @@ impl CudaBackend {
         if let Some(timing) = &self.timing {
             timing.finish(&s, started, true, 0, false);
         }
-        let (tokens, logprobs) = decided
-            .into_iter()
-            .map(|d| d.map_or((None, None), |(t, l)| (Some(t), l)))
-            .unzip();
+        let mut tokens = Vec::with_capacity(rows);
+        let mut logprobs = Vec::with_capacity(rows);
+        let mut confidence = Vec::with_capacity(rows);
+        for d in decided {
+            tokens.push(d.as_ref().map(|d| d.token));
+            confidence.push(d.as_ref().and_then(|d| d.confidence));
+            logprobs.push(d.and_then(|d| d.logprobs));
+        }
         Ok(Sampled {
             tokens,
             logprobs,
+            confidence,
             logits: Logits {
                 vocab_size: vocab,
                 data,
@@ -159,7 +164,7 @@ impl CudaBackend {
 
     /// `Backend::redraw_within`: the row's penalties are undone, then it is drawn again as
     /// before under the narrower mask (a subset of what its mask allowed; its bias stays).
-    pub(super) fn redraw(&mut self, row: usize, mask: &[u32]) -> Result<(u32, Option<RowLogprobs>)> {
+    pub(super) fn redraw(&mut self, row: usize, mask: &[u32]) -> Result<RowDraw> {
         let drawn = self.drawn.get(row).filter(|_| row < self.rows).cloned();
         let Some(Some(mut drawn)) = drawn else {
             return Err(RuntimeError::InvalidBatch(format!(
@@ -206,7 +211,7 @@ impl CudaBackend {
         logits: u64,
         specs: &mut [Option<RowSpec<'_>>],
         redraw: bool,
-    ) -> Result<(Vec<Option<Decided>>, CudaSlice<u32>, PenaltyArrays)> {
+    ) -> Result<(Vec<Option<RowDraw>>, CudaSlice<u32>, PenaltyArrays)> {
         let vocab = self.config.vocab_size;
         let rows = specs.len();
         let words = vocab.div_ceil(32);
@@ -263,6 +268,7 @@ impl CudaBackend {
             st.push_f32(&p_adds)?,
         ];
         let (mut seeded_rows, mut stat_rows, mut stat_n) = (Vec::new(), Vec::new(), 0usize);
+        let mut conf_rows = Vec::new();
         for (i, spec) in specs.iter().enumerate() {
             let Some(spec) = spec else { continue };
             if spec.drawn.seeded.is_some() {
@@ -272,21 +278,29 @@ impl CudaBackend {
                 stat_rows.push(i as u32);
                 stat_n = stat_n.max(n);
             }
+            if spec.drawn.confidence {
+                conf_rows.push(i as u32);
+            }
         }
-        // Where each logprob row's token lands in the output: argmaxes first (one per row),
-        // then the seeded draws in order.
-        let token_at: Vec<u32> = stat_rows
-            .iter()
-            .map(
-                |&r| match specs[r as usize].as_ref().map(|x| x.drawn.seeded.is_some()) {
-                    Some(true) => (rows + seeded_rows.iter().position(|&x| x == r).unwrap_or(0)) as u32,
-                    _ => r,
-                },
-            )
-            .collect();
+        // Where a row's token lands in the output: argmaxes first (one per row), then the
+        // seeded draws in order.
+        let token_at = |picked: &[u32]| -> Vec<u32> {
+            picked
+                .iter()
+                .map(
+                    |&r| match specs[r as usize].as_ref().map(|x| x.drawn.seeded.is_some()) {
+                        Some(true) => (rows + seeded_rows.iter().position(|&x| x == r).unwrap_or(0)) as u32,
+                        _ => r,
+                    },
+                )
+                .collect()
+        };
+        let (stat_token_at, conf_token_at) = (token_at(&stat_rows), token_at(&conf_rows));
         let seeded_rows_at = st.push(&seeded_rows)?;
         let stat_rows_at = st.push(&stat_rows)?;
-        let token_at_at = st.push(&token_at)?;
+        let token_at_at = st.push(&stat_token_at)?;
+        let conf_rows_at = st.push(&conf_rows)?;
+        let conf_token_at_at = st.push(&conf_token_at)?;
         st.align(2)?;
         let params_at = st.len_words();
         for spec in specs.iter().flatten() {
@@ -297,12 +311,13 @@ impl CudaBackend {
         let base = st.send(&s)?;
         let at = |offset: usize| Staging::addr(base, offset);
 
-        // Scratch on the device: token ids, the penalties' saved values, logprob records and
-        // the drawn tokens' values.
+        // Scratch on the device: token ids, the penalties' saved values, logprob records, the
+        // drawn tokens' values and the confidence records (probability, choices).
         let record = 1 + 2 * MAX_TOP;
         let out_len = rows + seeded_rows.len();
+        let conf_base = out_len + p_rows.len() + stat_rows.len() * (record + 1);
         let scratch = s
-            .alloc_zeros::<u32>((out_len + p_rows.len() + stat_rows.len() * (record + 1)).max(1))
+            .alloc_zeros::<u32>((conf_base + 2 * conf_rows.len()).max(1))
             .map_err(device_err("sampling"))?;
         let out = self.ptr(&scratch);
         let word = |i: usize| out + (i * std::mem::size_of::<u32>()) as u64;
@@ -377,12 +392,24 @@ impl CudaBackend {
                 &[&logits, &v, &at(stat_rows_at), &at(token_at_at), &out, &values, &count],
             )?;
         }
+        if !conf_rows.is_empty() {
+            let grid = (conf_rows.len() as u32, 1);
+            let records = word(conf_base);
+            launch(
+                &s,
+                &k.drawn_confidence,
+                grid,
+                1024,
+                &[&logits, &v, &at(conf_rows_at), &at(conf_token_at_at), &out, &records],
+            )?;
+        }
         // Tokens, then saved values, records and values: one copy (the saved values stay on the
         // device for a redraw; the copy is small).
         let back: Vec<u32> = s.clone_dtoh(&scratch).map_err(device_err("copying sampled tokens"))?;
         let f = |i: usize| f32::from_bits(back[i]);
         let mut seeded = 0;
         let mut stat = 0;
+        let mut conf = 0;
         let mut decided = Vec::with_capacity(rows);
         for (i, spec) in specs.iter().enumerate() {
             let Some(spec) = spec else {
@@ -414,7 +441,19 @@ impl CudaBackend {
                     top,
                 }
             });
-            decided.push(Some((token, logprobs)));
+            let confidence = spec.drawn.confidence.then(|| {
+                let at = conf_base + 2 * conf;
+                conf += 1;
+                TokenConfidence {
+                    prob: f(at),
+                    choices: back[at + 1],
+                }
+            });
+            decided.push(Some(RowDraw {
+                token,
+                logprobs,
+                confidence,
+            }));
         }
         Ok((decided, scratch, penalties))
     }
