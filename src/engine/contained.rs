@@ -96,6 +96,11 @@ impl ContainedMatcher {
         self.guard(|m| m.forced_bytes().is_empty()).unwrap_or(true)
     }
 
+    /// The text the constraint alone decides from here.
+    pub fn forced_bytes(&mut self) -> Vec<u8> {
+        self.guard(|m| m.forced_bytes()).unwrap_or_default()
+    }
+
     pub fn forced_tokens(&mut self, tokenize: &dyn Fn(&str) -> Vec<TokenId>) -> Vec<TokenId> {
         self.guard(|m| m.forced_tokens(tokenize)).unwrap_or_default()
     }

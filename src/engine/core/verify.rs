@@ -8,7 +8,8 @@ use crate::engine::contained::ContainedMatcher;
 use crate::engine::contrast::contrast;
 use crate::engine::proposers::forced_after;
 use crate::runtime::{RowDraw, RuntimeError};
-use crate::sampling::{SampledToken, TopLogprob};
+use crate::sampling::{SampledToken, TokenConfidence, TopLogprob};
+use crate::tokenizer::Tokenizer;
 
 impl EngineCore {
     /// Draws a request's rows in order, each under the state the tokens before it leave
@@ -61,7 +62,7 @@ impl EngineCore {
                         logprobs: decided.logprobs.get(row).cloned().flatten(),
                         confidence: decided.confidence.get(row).copied().flatten(),
                     };
-                    match keep_within(state, self.backend.as_mut(), row, drawn, left, words) {
+                    match keep_within(state, self.backend.as_mut(), &self.tokenizer, row, drawn, left, words) {
                         Ok(s) => s,
                         Err(e) => break Err(e),
                     }
@@ -72,7 +73,7 @@ impl EngineCore {
                         Some(contrast(logits, without, weight))
                     });
                     let logits = contrasted.as_deref().unwrap_or(logits);
-                    draw_within(state, logits, &grammar[row], left, words)
+                    draw_within(state, &self.tokenizer, logits, &grammar[row], left, words)
                 }
                 (None, None) => unreachable!("a row without a token has logits"),
             };
@@ -153,6 +154,7 @@ pub(super) struct RowGrammar {
 fn keep_within(
     state: &mut State,
     backend: &mut dyn crate::runtime::Backend,
+    tokenizer: &Tokenizer,
     row: usize,
     drawn: RowDraw,
     room: usize,
@@ -165,14 +167,33 @@ fn keep_within(
             drawn = backend.redraw_within(row, &tight)?;
         }
     }
+    let confidence = drawn
+        .confidence
+        .map(|c| decided_by_grammar(state, tokenizer, drawn.token, c));
     Ok(state.sampler.take(
         drawn.token,
         drawn.logprobs.map(|l| {
             let top = l.top.into_iter().map(|(token, logprob)| TopLogprob { token, logprob });
             (l.logprob, top.collect())
         }),
-        drawn.confidence,
+        confidence,
     ))
+}
+
+/// A drawn token whose text the grammar had already decided (it lies within the bytes forced
+/// from here) tells no more than a forced one, whichever spelling of that text the model chose
+/// (a key in several pieces or in one): its confidence is the grammar's, so that confidence is
+/// the same with jump-forward on or off. Asked before the matcher takes the token.
+fn decided_by_grammar(state: &mut State, tokenizer: &Tokenizer, token: u32, c: TokenConfidence) -> TokenConfidence {
+    let Some(m) = state.matcher.as_mut() else { return c };
+    if c.choices <= 1 {
+        return c;
+    }
+    let forced = m.forced_bytes();
+    match tokenizer.decode(&[token], false) {
+        Ok(text) if !text.is_empty() && forced.starts_with(text.as_bytes()) => TokenConfidence::SOLE,
+        _ => c,
+    }
 }
 
 /// The mask that keeps room to close within `room` more tokens, where `token` would not: tried
@@ -222,7 +243,23 @@ const CHOICE_FACTOR: f32 = 2.0;
 /// when the drawn token would leave too little room is it drawn again under the mask that keeps
 /// room. Greedy, this is the argmax of the tighter mask; sampled, the distribution the tighter
 /// mask gives.
-fn draw_within(state: &mut State, logits: &[f32], row: &RowGrammar, room: usize, words: usize) -> SampledToken {
+fn draw_within(
+    state: &mut State,
+    tokenizer: &Tokenizer,
+    logits: &[f32],
+    row: &RowGrammar,
+    room: usize,
+    words: usize,
+) -> SampledToken {
+    let mut sampled = draw_within_room(state, logits, row, room, words);
+    if let Some(c) = sampled.confidence {
+        sampled.confidence = Some(decided_by_grammar(state, tokenizer, sampled.token, c));
+    }
+    sampled
+}
+
+/// `draw_within` before the confidence is judged.
+fn draw_within_room(state: &mut State, logits: &[f32], row: &RowGrammar, room: usize, words: usize) -> SampledToken {
     let (copying, bias) = match &row.copy {
         Some((c, b)) => (Some(c), *b),
         None => (None, 0.0),
