@@ -38,11 +38,11 @@ fn documents() -> Vec<(Value, String)> {
     ]
 }
 
-/// Each document's record and its fields' confidence, by pointer.
-fn extract(
-    core: EngineCore,
-    tok: &Arc<quarry::tokenizer::Tokenizer>,
-) -> (Vec<(Value, BTreeMap<String, f64>)>, EngineCore) {
+/// A record and its fields' confidence, by pointer.
+type Scored = (Value, BTreeMap<String, f64>);
+
+/// Each document's record and its fields' confidence.
+fn extract(core: EngineCore, tok: &Arc<quarry::tokenizer::Tokenizer>) -> (Vec<Scored>, EngineCore) {
     let extractor = Arc::new(Extractor::new(EngineClient::start(core), tok.clone()));
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
