@@ -56,3 +56,95 @@ fn the_invoice_schema_on_a_sample_document_validates() {
     );
     std::fs::remove_file(broken).ok();
 }
+
+/// The leaves of a record (an empty array or object is one), by pointer, sorted.
+fn leaf_pointers(v: &serde_json::Value, at: String, out: &mut Vec<String>) {
+    match v {
+        serde_json::Value::Object(m) if !m.is_empty() => {
+            for (k, x) in m {
+                leaf_pointers(x, format!("{at}/{}", k.replace('~', "~0").replace('/', "~1")), out);
+            }
+        }
+        serde_json::Value::Array(a) if !a.is_empty() => {
+            for (i, x) in a.iter().enumerate() {
+                leaf_pointers(x, format!("{at}/{i}"), out);
+            }
+        }
+        _ => out.push(at),
+    }
+}
+
+/// `--confidence` prints one line per leaf of the record on stderr (the record alone stays on
+/// stdout), each a probability; in a JSONL batch each ok line carries `fields`, one per leaf.
+#[test]
+fn confidence_names_every_field_of_the_record() {
+    if common::model_path().is_none() {
+        return;
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_quarry"))
+        .args([
+            "extract",
+            "--schema",
+            "schemas/contact.json",
+            "--document",
+            "examples/documents/contact.txt",
+            "--confidence",
+        ])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(out.status.success(), "{stderr}");
+    let record: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stdout is the record alone");
+    let mut want = Vec::new();
+    leaf_pointers(&record, String::new(), &mut want);
+    let listed: Vec<(f64, String)> = stderr
+        .lines()
+        .skip_while(|l| !l.starts_with("confidence"))
+        .skip(1)
+        .filter_map(|l| {
+            let (c, p) = l.trim().split_once("  ")?;
+            Some((c.trim().parse().ok()?, p.trim().to_string()))
+        })
+        .collect();
+    let mut got: Vec<String> = listed.iter().map(|(_, p)| p.clone()).collect();
+    got.sort();
+    want.sort();
+    assert_eq!(got, want, "{stderr}");
+    assert!(listed.iter().all(|(c, _)| (0.0..=1.0).contains(c)), "{stderr}");
+
+    let dir = std::env::temp_dir().join(format!("quarry-confidence-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let input = dir.join("in.jsonl");
+    std::fs::write(
+        &input,
+        "{\"id\": \"a\", \"document\": \"Write to Ana Ruiz at ana@ruiz.example.\"}\n{\"id\": \"b\", \"document\": \"Call Bo Chen on 555 0100.\"}\n",
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_quarry"))
+        .args(["extract", "--schema", "schemas/contact.json", "--confidence", "--input"])
+        .arg(&input)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2);
+    for line in lines.iter().filter(|l| l["outcome"] == "ok") {
+        let mut want = Vec::new();
+        leaf_pointers(&line["data"], String::new(), &mut want);
+        let mut got: Vec<String> = line["fields"]
+            .as_array()
+            .expect("fields with --confidence")
+            .iter()
+            .map(|f| f["pointer"].as_str().unwrap().to_string())
+            .collect();
+        got.sort();
+        want.sort();
+        assert_eq!(got, want, "{line}");
+    }
+    std::fs::remove_dir_all(dir).ok();
+}

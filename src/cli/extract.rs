@@ -9,11 +9,12 @@ use std::sync::Arc;
 
 use clap::Args;
 use quarry_grammar::json::KeywordStatus;
-use serde_json::Value;
+use serde_json::{json, Value};
 
 use super::progress::Progress;
 use super::ModelArgs;
 use crate::engine::EngineClient;
+use crate::extract::confidence::field_confidence;
 use crate::extract::records::{self, Format, Record, RecordResult};
 use crate::extract::table::Table;
 use crate::extract::{ExtractError, Extraction, Extractor, Outcome, Task};
@@ -70,6 +71,10 @@ pub struct ExtractArgs {
     /// Sample a record that fails validation again, up to this many times.
     #[arg(long, default_value_t = 0)]
     retries: usize,
+    /// Also give each field's confidence (the model's probability of it as written, 0 to 1):
+    /// on stderr after the record, or as `fields` in each JSONL result line.
+    #[arg(long)]
+    confidence: bool,
 }
 
 pub fn run(args: ExtractArgs) -> anyhow::Result<()> {
@@ -132,8 +137,19 @@ pub fn run(args: ExtractArgs) -> anyhow::Result<()> {
         .build()?;
     let result = match (batch, &args.document) {
         (Some((items, table)), _) => {
+            anyhow::ensure!(
+                !args.confidence || table.is_none(),
+                "--confidence gives `fields` in JSONL output; CSV output has no confidence columns yet"
+            );
             let sink = Sink::open(args.output.as_deref(), table)?;
-            runtime.block_on(run_batch(&extractor, &task, items, sink, args.concurrency))
+            runtime.block_on(run_batch(
+                &extractor,
+                &task,
+                items,
+                sink,
+                args.concurrency,
+                args.confidence,
+            ))
         }
         (None, Some(document)) => {
             let task = Task {
@@ -141,7 +157,7 @@ pub fn run(args: ExtractArgs) -> anyhow::Result<()> {
                 ..task
             };
             let x = runtime.block_on(extractor.run(task));
-            print_one(x, args.max_tokens)
+            print_one(x, args.max_tokens, args.confidence)
         }
         (None, None) => unreachable!("clap requires --document or --input"),
     };
@@ -155,11 +171,18 @@ fn read(p: &Path) -> anyhow::Result<String> {
 
 /// Prints the record; any other outcome is an error that names it (`truncated`,
 /// `input_too_long`, `internal`).
-fn print_one(x: Result<Extraction, ExtractError>, max_tokens: usize) -> anyhow::Result<()> {
+fn print_one(x: Result<Extraction, ExtractError>, max_tokens: usize, confidence: bool) -> anyhow::Result<()> {
     let x = x.map_err(|e| anyhow::anyhow!("{}: {e}", e.kind()))?;
     match x.outcome {
         Outcome::Ok => {
-            println!("{}", x.data.unwrap_or_default());
+            println!("{}", x.data.clone().unwrap_or_default());
+            if confidence {
+                eprintln!("confidence (the model's probability of each field as written):");
+                for (pointer, c) in fields(&x) {
+                    let shown = c.map_or("-".to_string(), |c| format!("{c:.3}"));
+                    eprintln!("  {shown:>6}  {pointer}");
+                }
+            }
             let m = &x.metrics;
             eprintln!(
                 "outcome: ok | prompt {} tokens ({} cached), output {} tokens | {:.0} ms",
@@ -190,6 +213,17 @@ fn print_one(x: Result<Extraction, ExtractError>, max_tokens: usize) -> anyhow::
     }
 }
 
+/// A leaf's pointer and its confidence (none where it was not computed).
+type Field = (String, Option<f64>);
+
+/// Each leaf of the record and its confidence.
+fn fields(x: &Extraction) -> Vec<Field> {
+    x.fields
+        .iter()
+        .map(|f| (f.pointer.clone(), f.candidates.as_ref().map(field_confidence)))
+        .collect()
+}
+
 fn record_result(x: Result<Extraction, ExtractError>) -> RecordResult {
     match x {
         Ok(x) => RecordResult::finished(x.outcome, x.data, x.text, x.completion_tokens, &x.violations),
@@ -205,10 +239,11 @@ async fn run_batch(
     items: Vec<Record>,
     mut sink: Sink,
     concurrency: usize,
+    confidence: bool,
 ) -> anyhow::Result<()> {
     let mut progress = Progress::new(items.len());
     let mut tasks = tokio::task::JoinSet::new();
-    let mut finished: BTreeMap<usize, RecordResult> = BTreeMap::new();
+    let mut finished: BTreeMap<usize, (RecordResult, Option<Vec<Field>>)> = BTreeMap::new();
     let mut next_out = 0;
     let mut pending = items.iter().enumerate();
     loop {
@@ -221,14 +256,21 @@ async fn run_batch(
                     ..task.clone()
                 },
             );
-            tasks.spawn(async move { (i, record_result(extractor.run(task).await)) });
+            tasks.spawn(async move {
+                let x = extractor.run(task).await;
+                let scored = match &x {
+                    Ok(x) if confidence && x.outcome == Outcome::Ok => Some(fields(x)),
+                    _ => None,
+                };
+                (i, (record_result(x), scored))
+            });
         }
         let Some(joined) = tasks.join_next().await else { break };
         let (i, result) = joined?;
-        progress.item_done(result.ok());
+        progress.item_done(result.0.ok());
         finished.insert(i, result);
-        while let Some(r) = finished.remove(&next_out) {
-            sink.write(&items[next_out].id, &r)?;
+        while let Some((r, scored)) = finished.remove(&next_out) {
+            sink.write(&items[next_out].id, &r, scored.as_deref())?;
             next_out += 1;
         }
     }
@@ -260,9 +302,17 @@ impl Sink {
         })
     }
 
-    fn write(&mut self, id: &str, r: &RecordResult) -> anyhow::Result<()> {
+    fn write(&mut self, id: &str, r: &RecordResult, fields: Option<&[Field]>) -> anyhow::Result<()> {
         match self {
-            Sink::Jsonl(w) => writeln!(w, "{}", r.json_line(id))?,
+            Sink::Jsonl(w) => match fields {
+                Some(f) => {
+                    let mut line: Value = serde_json::from_str(&r.json_line(id))?;
+                    let f: Vec<Value> = f.iter().map(|(p, c)| json!({"pointer": p, "confidence": c})).collect();
+                    line["fields"] = Value::Array(f);
+                    writeln!(w, "{line}")?
+                }
+                None => writeln!(w, "{}", r.json_line(id))?,
+            },
             Sink::Csv(w, table) => {
                 for row in table.rows(id, &r.outcome, r.data.as_ref(), r.error.as_deref()) {
                     w.write_record(row)?;
