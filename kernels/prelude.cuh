@@ -41,6 +41,23 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// Maximum over the whole block (at most 1024 threads); every thread gets it.
+__device__ __forceinline__ float block_max(float v) {
+    __shared__ float partial[32];
+    __shared__ float total;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_max(v);
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float m = lane < (int)((blockDim.x + 31) >> 5) ? partial[lane] : NEG_INF;
+        m = warp_max(m);
+        if (lane == 0) total = m;
+    }
+    __syncthreads();
+    return total;
+}
+
 // Sum over the whole block (at most 1024 threads); every thread gets the total.
 __device__ __forceinline__ float block_sum(float v) {
     __shared__ float partial[32];

@@ -162,7 +162,6 @@ extern "C" __global__ void argmax(const float* logits, int vocab, u32* out) {
 extern "C" __global__ void drawn_confidence(const float* logits, int vocab, const u32* rows, const u32* token_at,
                                             const u32* out, float* records) {
     after_previous_kernel();
-    __shared__ float s_max[32];
     const float* row = logits + (size_t)rows[blockIdx.x] * vocab;
     float m = NEG_INF, c = 0.0f;
     for (int t = threadIdx.x; t < vocab; t += blockDim.x) {
@@ -170,17 +169,7 @@ extern "C" __global__ void drawn_confidence(const float* logits, int vocab, cons
         m = fmaxf(m, v);
         if (v > NEG_INF) c += 1.0f;
     }
-    m = warp_max(m);
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) s_max[warp] = m;
-    __syncthreads();
-    if (warp == 0) {
-        m = lane < (int)(blockDim.x >> 5) ? s_max[lane] : NEG_INF;
-        m = warp_max(m);
-        if (lane == 0) s_max[0] = m;
-    }
-    __syncthreads();
-    m = s_max[0];
+    m = block_max(m);
     float z = 0.0f;
     if (m > NEG_INF)
         for (int t = threadIdx.x; t < vocab; t += blockDim.x)
@@ -282,7 +271,6 @@ __device__ void kept_totals(const float* row, int vocab, float max, float inv_t,
 extern "C" __global__ void sample_rows(const float* logits, const u32* rows, int vocab, const SampleParams* params,
                                        u32* out) {
     after_previous_kernel();
-    __shared__ float s_max[32];
     __shared__ float chunk_sums[SAMPLE_THREADS];
     const float* row = logits + (size_t)(rows ? rows[blockIdx.x] : blockIdx.x) * vocab;
     SampleParams p = params[blockIdx.x];
@@ -290,17 +278,7 @@ extern "C" __global__ void sample_rows(const float* logits, const u32* rows, int
 
     float m = NEG_INF;
     for (int t = threadIdx.x; t < vocab; t += blockDim.x) m = fmaxf(m, row[t]);
-    m = warp_max(m);
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) s_max[warp] = m;
-    __syncthreads();
-    if (warp == 0) {
-        m = lane < (int)(blockDim.x >> 5) ? s_max[lane] : NEG_INF;
-        m = warp_max(m);
-        if (lane == 0) s_max[0] = m;
-    }
-    __syncthreads();
-    m = s_max[0];
+    m = block_max(m);
     if (m == NEG_INF) {
         if (threadIdx.x == 0) out[blockIdx.x] = 0;
         return;
