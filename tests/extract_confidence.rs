@@ -8,7 +8,6 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use quarry::engine::{EngineClient, EngineConfig, EngineCore};
-use quarry::extract::confidence::field_confidence;
 use quarry::extract::{Extractor, Outcome, Task};
 use serde_json::{json, Value};
 
@@ -58,11 +57,7 @@ fn extract(core: EngineCore, tok: &Arc<quarry::tokenizer::Tokenizer>) -> (Vec<Sc
             .fields
             .iter()
             .map(|f| {
-                let c = f
-                    .candidates
-                    .as_ref()
-                    .map(field_confidence)
-                    .expect("computed on the host");
+                let c = f.confidence().expect("computed on the host");
                 (f.pointer.clone(), c)
             })
             .collect();

@@ -14,7 +14,6 @@ use serde_json::{json, Value};
 use super::progress::Progress;
 use super::ModelArgs;
 use crate::engine::EngineClient;
-use crate::extract::confidence::field_confidence;
 use crate::extract::records::{self, Format, Record, RecordResult};
 use crate::extract::table::Table;
 use crate::extract::{ExtractError, Extraction, Extractor, Outcome, Task};
@@ -218,10 +217,7 @@ type Field = (String, Option<f64>);
 
 /// Each leaf of the record and its confidence.
 fn fields(x: &Extraction) -> Vec<Field> {
-    x.fields
-        .iter()
-        .map(|f| (f.pointer.clone(), f.candidates.as_ref().map(field_confidence)))
-        .collect()
+    x.fields.iter().map(|f| (f.pointer.clone(), f.confidence())).collect()
 }
 
 fn record_result(x: Result<Extraction, ExtractError>) -> RecordResult {
@@ -306,12 +302,12 @@ impl Sink {
         match self {
             Sink::Jsonl(w) => match fields {
                 Some(f) => {
-                    let mut line: Value = serde_json::from_str(&r.json_line(id))?;
+                    let mut line = r.json_value(id);
                     let f: Vec<Value> = f.iter().map(|(p, c)| json!({"pointer": p, "confidence": c})).collect();
                     line["fields"] = Value::Array(f);
                     writeln!(w, "{line}")?
                 }
-                None => writeln!(w, "{}", r.json_line(id))?,
+                None => writeln!(w, "{}", r.json_value(id))?,
             },
             Sink::Csv(w, table) => {
                 for row in table.rows(id, &r.outcome, r.data.as_ref(), r.error.as_deref()) {

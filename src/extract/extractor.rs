@@ -11,8 +11,8 @@ use serde::Serialize;
 use serde_json::Value;
 use utoipa::ToSchema;
 
-use super::confidence::{leaves, score_leaves, token_ranges, Candidates};
-use super::grounding::{ground, Grounding};
+use super::confidence::{field_confidence, leaves, score_leaves, token_ranges, Candidates};
+use super::grounding::{ground, Grounding, Span};
 use super::prompt::PromptLayout;
 use super::validate::{violations, Validators, Violation};
 use crate::engine::{AddError, AdmitError, StructuredOutputs, SubmitError};
@@ -225,6 +225,15 @@ pub struct FieldConfidence {
     pub pointer: String,
     /// `None` where a token of it was drawn where no confidence is computed.
     pub candidates: Option<Candidates>,
+    /// For a string: where the document says it (`grounding`), if it does.
+    pub span: Option<Span>,
+}
+
+impl FieldConfidence {
+    /// The confidence reported for the field (`field_confidence` of its candidates).
+    pub fn confidence(&self) -> Option<f64> {
+        self.candidates.as_ref().map(field_confidence)
+    }
 }
 
 /// Why there was no extraction at all.
@@ -259,9 +268,10 @@ impl ExtractError {
 }
 
 impl Extractor {
-    /// Each leaf of the record in `text` with the confidence of the tokens that wrote it; none
-    /// where `text` is no JSON value or the tokens do not spell it byte for byte.
-    fn fields(&self, text: &str, sampled: &[SampledToken]) -> Vec<FieldConfidence> {
+    /// Each leaf of the record in `text` with the confidence of the tokens that wrote it and
+    /// its span in `grounded`; none where `text` is no JSON value or the tokens do not spell it
+    /// byte for byte.
+    fn fields(&self, text: &str, sampled: &[SampledToken], grounded: &[Grounding]) -> Vec<FieldConfidence> {
         let vocab = self.structured.vocab();
         // The end-of-generation token that closes the answer is not in its text.
         let eog = self.tokenizer.end_of_generation_ids();
@@ -282,6 +292,10 @@ impl Extractor {
             .into_iter()
             .zip(scored)
             .map(|(l, candidates)| FieldConfidence {
+                span: grounded
+                    .iter()
+                    .find(|g| g.pointer == l.pointer)
+                    .and_then(|g| g.span.clone()),
                 pointer: l.pointer,
                 candidates,
             })
@@ -378,8 +392,9 @@ impl Extractor {
                 break (c, outcome, data, found);
             }
         };
-        let grounding = match (&data, task.grounding) {
-            (Some(d), true) => {
+        // Grounding serves both the `grounding` list and the fields' spans: searched once.
+        let grounded = match &data {
+            Some(d) if task.grounding || task.confidence => {
                 let (d, task) = (d.clone(), task.clone());
                 let spans = tokio::task::spawn_blocking(move || ground(&task.document, &d));
                 Some(spans.await.map_err(|e| ExtractError::Internal(e.to_string()))?)
@@ -387,9 +402,10 @@ impl Extractor {
             _ => None,
         };
         let fields = match task.confidence {
-            true => self.fields(&c.text, &c.sampled),
+            true => self.fields(&c.text, &c.sampled, grounded.as_deref().unwrap_or_default()),
             false => Vec::new(),
         };
+        let grounding = grounded.filter(|_| task.grounding);
         Ok(Extraction {
             fields,
             outcome,

@@ -78,6 +78,11 @@ impl RecordResult {
 
     /// The JSONL form: `{id, outcome, data, partial?, error?}`.
     pub fn json_line(&self, id: &str) -> String {
+        self.json_value(id).to_string()
+    }
+
+    /// `json_line` before it is written out, for callers that add to it.
+    pub fn json_value(&self, id: &str) -> Value {
         let mut line = json!({"id": id, "outcome": self.outcome, "data": self.data});
         if let Some(p) = &self.partial {
             line["partial"] = json!(p);
@@ -85,7 +90,7 @@ impl RecordResult {
         if let Some(e) = &self.error {
             line["error"] = json!(e);
         }
-        line.to_string()
+        line
     }
 }
 

@@ -32,8 +32,8 @@ pub struct SampledToken {
     /// (jump-forward): `logprob` is 0 when asked for (certain under the constraint) and `top` is
     /// empty.
     pub forced: bool,
-    /// How sure the draw was, when `SamplingParams::confidence` asked and the draw was made
-    /// where this is known (the host; not yet a device's draw).
+    /// How sure the draw was, when `SamplingParams::confidence` asked (on the host or on a
+    /// device that draws).
     pub confidence: Option<TokenConfidence>,
 }
 

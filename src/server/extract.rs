@@ -14,9 +14,7 @@ use super::api::{
 use super::door::{self, Endpoint};
 use super::error::{ApiError, ErrorBody};
 use super::{ApiJson, AppState};
-use crate::extract::confidence::field_confidence;
-use crate::extract::grounding::ground;
-use crate::extract::{ExtractError, FieldConfidence, Outcome, Task, PRETTY};
+use crate::extract::{ExtractError, Outcome, Task, PRETTY};
 use crate::sampling::DryParams;
 
 const DEFAULT_MAX_TOKENS: usize = 512;
@@ -135,7 +133,6 @@ async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractRespon
         grounding: req.grounding,
         ..base
     };
-    let document = task.document.clone();
     // The extractor submits its own engine requests (one, or one per retry, in turn): they
     // pass this door's admission once, as one request, and hold it until they end.
     let _admitted = door::admit(state, 1)?;
@@ -153,9 +150,17 @@ async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractRespon
     if m.budget_closed {
         notes.push(KeywordEntry::budget_closed(max_tokens));
     }
-    let fields = match &x.data {
-        Some(data) => field_reports(&x.fields, data, &document),
-        None => Vec::new(),
+    let fields: Vec<FieldReport> = match x.outcome {
+        Outcome::Ok => x
+            .fields
+            .iter()
+            .map(|f| FieldReport {
+                pointer: f.pointer.clone(),
+                confidence: f.confidence(),
+                span: f.span.clone(),
+            })
+            .collect(),
+        _ => Vec::new(),
     };
     let review = min_confidence.map(|min| {
         fields
@@ -186,20 +191,4 @@ async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractRespon
         notes,
         grounding: x.grounding,
     })
-}
-
-/// Each leaf's confidence, with the span of each string found in the document.
-fn field_reports(fields: &[FieldConfidence], data: &serde_json::Value, document: &str) -> Vec<FieldReport> {
-    let spans: std::collections::HashMap<String, _> = ground(document, data)
-        .into_iter()
-        .map(|g| (g.pointer, g.span))
-        .collect();
-    fields
-        .iter()
-        .map(|f| FieldReport {
-            pointer: f.pointer.clone(),
-            confidence: f.candidates.as_ref().map(field_confidence),
-            span: spans.get(&f.pointer).cloned().flatten(),
-        })
-        .collect()
 }
