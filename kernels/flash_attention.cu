@@ -114,33 +114,47 @@ __device__ __forceinline__ float fold_value(FoldWeights w, float total, float pa
     return w.first ? part : __fmaf_rn(total, w.old_w, __fmul_rn(part, w.part_w));
 }
 
-// The tile's four KV blocks come in one 16-byte read of the block table (the host pads each
-// sequence's table to a multiple of four entries, and tiles start at multiples of 64 keys).
+// The tile's four KV blocks, `blocks`, come in one 16-byte read of the block table (the host pads
+// each sequence's table to a multiple of four entries, and tiles start at multiples of 64 keys).
+// A thread always copies the same 16-byte piece of a key's head, for every STEP-th key; STEP
+// divides a KV block, so each pass lies in one block known at compile time and the loop
+// unrolls to a few integer operations and two copies a pass. Offsets are 32-bit: the host keeps
+// a layer's cache under 2^32 elements.
 template <int D>
 __device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const bf16* k_cache, const bf16* v_cache,
-                                          const u32* table, size_t kv_size, int kv_head, int k0, int last) {
+                                          uint4 blocks, u32 kv_size, int kv_head, int k0, int last) {
+    constexpr int STRIDE = D + 8;
     constexpr int CHUNKS = D / 8;
-    uint4 blocks = *reinterpret_cast<const uint4*>(table + k0 / FA_BLOCK);
+    constexpr int STEP = FA_THREADS / CHUNKS;
+    static_assert(FA_BLOCK % STEP == 0, "a pass of keys lies in one KV block");
+    const u32 block_of[4] = {blocks.x, blocks.y, blocks.z, blocks.w};
+    int c = threadIdx.x % CHUNKS, key = threadIdx.x / CHUNKS;
+    u32 col = (u32)kv_head * D + c * 8;
+    bf16* kd = ks + key * STRIDE + c * 8;
+    bf16* vd = vs + key * STRIDE + c * 8;
 #pragma unroll
-    for (int i = threadIdx.x; i < FA_KEYS * CHUNKS; i += FA_THREADS) {
-        int r = i / CHUNKS, c = i % CHUNKS;
-        int j = k0 + r;
-        const bf16* sk = k_cache;
-        const bf16* sv = v_cache;
-        int bytes = 0;
+    for (int p = 0; p < FA_KEYS / STEP; p++) {
+        u32 slot = block_of[p * STEP / FA_BLOCK] * FA_BLOCK + (p * STEP) % FA_BLOCK + key;
         // Keys past the block's last position may lie past the sequence: zeros, never read.
-        if (j <= last) {
-            int q = r / FA_BLOCK;
-            u32 block = q == 0 ? blocks.x : q == 1 ? blocks.y : q == 2 ? blocks.z : blocks.w;
-            size_t slot = (size_t)block * FA_BLOCK + r % FA_BLOCK;
-            size_t off = slot * kv_size + (size_t)kv_head * D + c * 8;
-            sk += off;
-            sv += off;
-            bytes = 16;
-        }
-        cp_async16(ks + r * (D + 8) + c * 8, sk, bytes);
-        cp_async16(vs + r * (D + 8) + c * 8, sv, bytes);
+        bool in = k0 + p * STEP + key <= last;
+        u32 off = in ? slot * kv_size + col : 0u;
+        cp_async16(kd + p * STEP * STRIDE, k_cache + off, in ? 16 : 0);
+        cp_async16(vd + p * STEP * STRIDE, v_cache + off, in ? 16 : 0);
     }
+}
+
+// The maximum (MAX) or sum of this thread's 16 values of row rr in a tile of scores, as a
+// tree: dependent chains of 4 operations, not 16.
+template <bool MAX>
+__device__ __forceinline__ float row_reduce(const float (&s)[8][4], int rr) {
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) v[j] = MAX ? fmaxf(s[j][2 * rr], s[j][2 * rr + 1]) : __fadd_rn(s[j][2 * rr], s[j][2 * rr + 1]);
+#pragma unroll
+    for (int w = 4; w > 0; w >>= 1)
+#pragma unroll
+        for (int j = 0; j < w; j++) v[j] = MAX ? fmaxf(v[j], v[j + w]) : __fadd_rn(v[j], v[j + w]);
+    return v[0];
 }
 
 template <int D>
@@ -156,7 +170,9 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
     constexpr int KC = D / 16;  // 16-wide chunks of a head
     extern __shared__ __align__(16) unsigned char fa_smem[];
     bf16* stages = reinterpret_cast<bf16*>(fa_smem);                                 // [2][K, V]
-    float* running = reinterpret_cast<float*>(fa_smem + 4 * TILE * sizeof(bf16));  // [warps][16][D]
+    // [warps][16][RUN_STRIDE]: 8 floats of pad put a thread group's float2s in distinct banks.
+    constexpr int RUN_STRIDE = D + 8;
+    float* running = reinterpret_cast<float*>(fa_smem + 4 * TILE * sizeof(bf16));
 
     // Items come in sequence order, later rows with more keys: the heaviest start first.
     const u32* item = items + 4 * (gridDim.x - 1 - blockIdx.x);
@@ -204,7 +220,7 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
         }
     }
 
-    size_t kv_size = (size_t)num_kv_heads * D;
+    u32 kv_size = (u32)num_kv_heads * D;
     const u32* table = block_tables + (size_t)seq * max_blocks;
     int first_key = z_begin * FA_PART;
     int end_key = min(z_end * FA_PART, last + 1);
@@ -217,15 +233,20 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
     for (int j = 0; j < NT; j++)
 #pragma unroll
         for (int e = 0; e < 4; e++) acc[j][e] = 0.0f;
-    float* run = running + (size_t)warp * 16 * D;
+    float* run = running + (size_t)warp * 16 * RUN_STRIDE;
 
-    load_tile<D>(stages, stages + TILE, k_cache, v_cache, table, kv_size, kv_head, first_key, last);
+    // A tile's KV blocks are read from the table a tile ahead of its copy, so the copy never
+    // waits on that read.
+    auto blocks_of = [&](int k0) { return *reinterpret_cast<const uint4*>(table + k0 / FA_BLOCK); };
+    load_tile<D>(stages, stages + TILE, k_cache, v_cache, blocks_of(first_key), kv_size, kv_head, first_key, last);
     cp_async_commit();
+    uint4 upcoming = tiles > 1 ? blocks_of(first_key + FA_KEYS) : make_uint4(0, 0, 0, 0);
     for (int i = 0; i < tiles; i++) {
         int k0 = first_key + i * FA_KEYS;
         if (i + 1 < tiles) {
             bf16* next = stages + ((i + 1) & 1) * 2 * TILE;
-            load_tile<D>(next, next + TILE, k_cache, v_cache, table, kv_size, kv_head, k0 + FA_KEYS, last);
+            load_tile<D>(next, next + TILE, k_cache, v_cache, upcoming, kv_size, kv_head, k0 + FA_KEYS, last);
+            if (i + 2 < tiles) upcoming = blocks_of(k0 + 2 * FA_KEYS);
         }
         cp_async_commit();
         cp_async_wait_one();
@@ -254,17 +275,15 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
             // wholly before every row of the warp skip the causal mask (the same values result).
             // The maxima are taken on the raw scores (scaling by a positive constant keeps their
             // order) and scaled once; each probability is one fused multiply-add and an exp2.
-            float tile_max[2] = {NEG_INF, NEG_INF};
-            bool full = k0 + FA_KEYS - 1 <= warp_min_pos;
+            if (k0 + FA_KEYS - 1 > warp_min_pos) {
 #pragma unroll
-            for (int j = 0; j < 8; j++)
+                for (int j = 0; j < 8; j++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    int rr = e >> 1, key = k0 + 8 * j + 2 * t + (e & 1);
-                    if (!full && key > pos[rr]) s[j][e] = NEG_INF;
-                    tile_max[rr] = fmaxf(tile_max[rr], s[j][e]);
-                }
-            float corr[2], base[2], sum[2] = {0.0f, 0.0f};
+                    for (int e = 0; e < 4; e++)
+                        if (k0 + 8 * j + 2 * t + (e & 1) > pos[e >> 1]) s[j][e] = NEG_INF;
+            }
+            float tile_max[2] = {row_reduce<true>(s, 0), row_reduce<true>(s, 1)};
+            float corr[2], base[2];
 #pragma unroll
             for (int rr = 0; rr < 2; rr++) {
                 float mx = fmaxf(tile_max[rr], __shfl_xor_sync(0xffffffffu, tile_max[rr], 1));
@@ -279,16 +298,12 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
 #pragma unroll
             for (int j = 0; j < 8; j++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    float p = fast_exp2(__fmaf_rn(s[j][e], scale_log2, -base[e >> 1]));
-                    s[j][e] = p;
-                    sum[e >> 1] = __fadd_rn(sum[e >> 1], p);
-                }
+                for (int e = 0; e < 4; e++) s[j][e] = fast_exp2(__fmaf_rn(s[j][e], scale_log2, -base[e >> 1]));
 #pragma unroll
-            for (int rr = 0; rr < 2; rr++) l[rr] = __fmaf_rn(l[rr], corr[rr], sum[rr]);
+            for (int rr = 0; rr < 2; rr++) l[rr] = __fmaf_rn(l[rr], corr[rr], row_reduce<false>(s, rr));
             // Once the rows' maxima settle, the correction is 1 and leaves the values as they
-            // are: the warp skips it together.
-            if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
+            // are, and a partition's first tile finds them zero: the warp skips it together.
+            if (k0 % FA_PART != 0 && __any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
 #pragma unroll
                 for (int j = 0; j < NT; j++) {
                     acc[j][0] = __fmul_rn(acc[j][0], corr[0]);
@@ -344,14 +359,13 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
                 for (int rr = 0; rr < 2; rr++) {
                     if (lp[rr] == 0.0f) continue;  // no key of this partition
                     FoldWeights w = fold_scalars(M[rr], L[rr], m[rr], lp[rr]);
-                    float* row = run + (g + 8 * rr) * D;
+                    float2* row = reinterpret_cast<float2*>(run + (g + 8 * rr) * RUN_STRIDE + 2 * t);
 #pragma unroll
                     for (int j = 0; j < NT; j++) {
-#pragma unroll
-                        for (int e = 0; e < 2; e++) {
-                            int dim = 8 * j + 2 * t + e;
-                            row[dim] = fold_value(w, row[dim], acc[j][2 * rr + e]);
-                        }
+                        float2 v = w.first ? make_float2(0.0f, 0.0f) : row[4 * j];
+                        v.x = fold_value(w, v.x, acc[j][2 * rr]);
+                        v.y = fold_value(w, v.y, acc[j][2 * rr + 1]);
+                        row[4 * j] = v;
                     }
                 }
             }
@@ -371,15 +385,14 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
 #pragma unroll
         for (int rr = 0; rr < 2; rr++) {
             if (tok[rr] < 0) continue;
-            const float* row = run + (g + 8 * rr) * D;
-            bf16* o = out + tok[rr] * q_stride + head[rr] * D;
+            const float2* row = reinterpret_cast<const float2*>(run + (g + 8 * rr) * RUN_STRIDE + 2 * t);
+            u32* o = reinterpret_cast<u32*>(out + tok[rr] * q_stride + head[rr] * D + 2 * t);
+#pragma unroll
+            float inv = __frcp_rn(L[rr]);
 #pragma unroll
             for (int j = 0; j < NT; j++) {
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    int dim = 8 * j + 2 * t + e;
-                    o[dim] = f32_to_bf16(__fdiv_rn(row[dim], L[rr]));
-                }
+                float2 v = row[4 * j];
+                o[4 * j] = pack_bf16x2(__fmul_rn(v.x, inv), __fmul_rn(v.y, inv));
             }
         }
     }
@@ -398,7 +411,9 @@ FLASH_ENTRY(64)
 FLASH_ENTRY(128)
 
 // Folds the partitions split mode wrote, in order, with `fold`: one block per (token, head),
-// one thread per dimension of the head.
+// one thread per dimension of the head. The records are read MERGE_AHEAD at a time before they
+// are folded, so a long context's partitions are not one dependent read after another.
+#define MERGE_AHEAD 8
 extern "C" __global__ void flash_merge(const float* __restrict__ partials, const u32* __restrict__ positions,
                                        bf16* __restrict__ out, int num_heads, int head_dim, int max_parts) {
     after_previous_kernel();
@@ -407,10 +422,24 @@ extern "C" __global__ void flash_merge(const float* __restrict__ partials, const
     int parts = (int)positions[tok] / FA_PART + 1;
     const float* recs = partials + ((size_t)tok * num_heads + head) * max_parts * (head_dim + 2);
     float M = NEG_INF, L = 0.0f, A = 0.0f;
-    for (int p = 0; p < parts; p++) {
-        const float* rec = recs + (size_t)p * (head_dim + 2);
-        FoldWeights w = fold_scalars(M, L, rec[0], rec[1]);
-        A = fold_value(w, A, rec[2 + d]);
+    for (int p0 = 0; p0 < parts; p0 += MERGE_AHEAD) {
+        float m[MERGE_AHEAD], l[MERGE_AHEAD], a[MERGE_AHEAD];
+#pragma unroll
+        for (int u = 0; u < MERGE_AHEAD; u++) {
+            if (p0 + u < parts) {
+                const float* rec = recs + (size_t)(p0 + u) * (head_dim + 2);
+                m[u] = rec[0];
+                l[u] = rec[1];
+                a[u] = rec[2 + d];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < MERGE_AHEAD; u++) {
+            if (p0 + u < parts) {
+                FoldWeights w = fold_scalars(M, L, m[u], l[u]);
+                A = fold_value(w, A, a[u]);
+            }
+        }
     }
-    out[((size_t)tok * num_heads + head) * head_dim + d] = f32_to_bf16(__fdiv_rn(A, L));
+    out[((size_t)tok * num_heads + head) * head_dim + d] = f32_to_bf16(__fmul_rn(A, __frcp_rn(L)));
 }

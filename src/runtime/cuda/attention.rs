@@ -39,10 +39,10 @@ pub fn flash_head(head_dim: usize) -> bool {
 }
 
 /// Shared memory of a flash block: two stages of a K and a V tile, and in whole mode each
-/// warp's running total of 16 rows.
+/// warp's running total of 16 rows (both with rows padded by 8 elements).
 fn flash_smem(head_dim: usize, whole: bool) -> u32 {
     let stages = 4 * FLASH_KEYS * (head_dim + 8) * 2;
-    let running = if whole { 4 * 16 * head_dim * 4 } else { 0 };
+    let running = if whole { 4 * 16 * (head_dim + 8) * 4 } else { 0 };
     (stages + running) as u32
 }
 

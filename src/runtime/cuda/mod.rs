@@ -235,8 +235,11 @@ impl CudaBackend {
             }
         };
         let layout = KvLayout {
-            // Slots are u32 in batches.
-            num_blocks: tokens.div_ceil(BLOCK_SIZE).clamp(1, u32::MAX as usize / BLOCK_SIZE),
+            // Slots are u32 in batches, and the attention kernels address a layer's cache with
+            // 32-bit element offsets.
+            num_blocks: tokens
+                .div_ceil(BLOCK_SIZE)
+                .clamp(1, u32::MAX as usize / BLOCK_SIZE / config.kv_size()),
             block_size: BLOCK_SIZE,
         };
         let per_layer = layout.num_slots() * config.kv_size();
