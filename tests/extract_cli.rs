@@ -146,5 +146,38 @@ fn confidence_names_every_field_of_the_record() {
         want.sort();
         assert_eq!(got, want, "{line}");
     }
+
+    // CSV output: a confidence column after each column, the JSONL run's values (greedy, so
+    // the same records) to three places.
+    let csv_out = dir.join("out.csv");
+    let out = Command::new(env!("CARGO_BIN_EXE_quarry"))
+        .args(["extract", "--schema", "schemas/contact.json", "--confidence", "--input"])
+        .arg(&input)
+        .arg("--output")
+        .arg(&csv_out)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let mut reader = csv::Reader::from_path(&csv_out).unwrap();
+    let header: Vec<String> = reader.headers().unwrap().iter().map(str::to_string).collect();
+    let columns = ["name", "email", "phone", "company"];
+    let mut want_header = vec!["id".to_string(), "outcome".into()];
+    for c in columns {
+        want_header.extend([c.to_string(), format!("{c}__confidence")]);
+    }
+    want_header.push("error".into());
+    assert_eq!(header, want_header);
+    for (row, line) in reader.records().map(Result::unwrap).zip(&lines) {
+        for (k, c) in columns.iter().enumerate() {
+            let want = line["fields"]
+                .as_array()
+                .and_then(|f| f.iter().find(|f| f["pointer"] == format!("/{c}").as_str()))
+                .and_then(|f| f["confidence"].as_f64())
+                .map(|c| format!("{c:.3}"))
+                .unwrap_or_default();
+            assert_eq!(&row[3 + 2 * k], want, "{c}: {row:?} against {line}");
+        }
+    }
     std::fs::remove_dir_all(dir).ok();
 }

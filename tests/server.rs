@@ -1100,8 +1100,22 @@ fn batch_jobs_over_jsonl_and_csv_run_every_item_once_and_retry_the_failed() {
     let got: Vec<&str> = lines.iter().map(|l| l["id"].as_str().unwrap()).collect();
     assert_eq!(got, ids, "every item exactly once, in input order");
     assert_eq!(lines[7]["outcome"], "input_too_long", "{}", lines[7]);
+    assert!(lines[7].get("fields").is_none(), "{}", lines[7]);
     for l in lines.iter().filter(|l| l["outcome"] == "ok") {
         assert!(valid.is_valid(&l["data"]), "{l}");
+        // Each ok result names every leaf of its record, with a confidence in [0, 1].
+        let (mut want, mut got) = (Vec::new(), Vec::new());
+        leaf_pointers(&l["data"], String::new(), &mut want);
+        for f in l["fields"].as_array().expect("fields in an ok job result") {
+            got.push(f["pointer"].as_str().unwrap().to_string());
+            assert!(
+                f["confidence"].as_f64().is_some_and(|c| (0.0..=1.0).contains(&c)),
+                "{l}"
+            );
+        }
+        want.sort();
+        got.sort();
+        assert_eq!(got, want, "{l}");
     }
 
     // A retry runs the failed item only: the ok count stays, one more input_too_long.
@@ -1203,6 +1217,40 @@ fn batch_jobs_over_jsonl_and_csv_run_every_item_once_and_retry_the_failed() {
     for ((gid, gitem), (wid, witem)) in got.iter().zip(&want) {
         assert_eq!(gid, wid);
         assert!(witem.is_null() || gitem == witem, "{gitem} != {witem}");
+    }
+    // With confidence, each column is followed by its confidence: the JSONL field's, to three
+    // places (a null's too: how sure the model was that there is none).
+    let (status, text) = http_text(
+        port,
+        "GET",
+        &format!("/jobs/{job}/results?format=csv&explode=lines&confidence=true"),
+        Some(KEY),
+        b"",
+    );
+    assert_eq!(status, 200, "{text}");
+    let (header, rows) = csv_table(&text);
+    assert_eq!(header.len(), 2 + 2 * 6 + 1, "{header:?}");
+    let mut element = std::collections::HashMap::new();
+    for row in &rows {
+        let line = lines.iter().find(|l| l["id"] == row[0].as_str()).unwrap();
+        let i = element.entry(row[0].clone()).or_insert(0usize);
+        for (c, name) in header.iter().enumerate().skip(2).step_by(2).take(6) {
+            assert_eq!(header[c + 1], format!("{name}__confidence"));
+            let pointer = match name.strip_prefix("lines.") {
+                Some(key) => format!("/lines/{i}/{key}"),
+                None => format!("/{name}"),
+            };
+            let want = line["fields"]
+                .as_array()
+                .and_then(|f| f.iter().find(|f| f["pointer"] == pointer.as_str()))
+                .and_then(|f| f["confidence"].as_f64());
+            assert_eq!(
+                row[c + 1],
+                want.map(|c| format!("{c:.3}")).unwrap_or_default(),
+                "{pointer}: {row:?}"
+            );
+        }
+        *i += 1;
     }
     let (status, out) = http(
         port,

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use clap::Args;
 use quarry_grammar::json::KeywordStatus;
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use super::progress::Progress;
 use super::ModelArgs;
@@ -71,7 +71,8 @@ pub struct ExtractArgs {
     #[arg(long, default_value_t = 0)]
     retries: usize,
     /// Also give each field's confidence (the model's probability of it as written, 0 to 1):
-    /// on stderr after the record, or as `fields` in each JSONL result line.
+    /// on stderr after the record, as `fields` in each JSONL result line, or as a
+    /// `<column>__confidence` column after each CSV column.
     #[arg(long)]
     confidence: bool,
 }
@@ -88,7 +89,7 @@ pub fn run(args: ExtractArgs) -> anyhow::Result<()> {
                 .map_err(|e| anyhow::anyhow!("{}: {e}", input.display()))?;
             let table = match &args.output {
                 Some(out) if Format::of_path(out) == Format::Csv => {
-                    Some(Table::from_schema(&schema, args.explode.as_deref())?)
+                    Some(Table::from_schema(&schema, args.explode.as_deref())?.with_confidence(args.confidence))
                 }
                 _ => None,
             };
@@ -136,10 +137,6 @@ pub fn run(args: ExtractArgs) -> anyhow::Result<()> {
         .build()?;
     let result = match (batch, &args.document) {
         (Some((items, table)), _) => {
-            anyhow::ensure!(
-                !args.confidence || table.is_none(),
-                "--confidence gives `fields` in JSONL output; CSV output has no confidence columns yet"
-            );
             let sink = Sink::open(args.output.as_deref(), table)?;
             runtime.block_on(run_batch(
                 &extractor,
@@ -177,9 +174,9 @@ fn print_one(x: Result<Extraction, ExtractError>, max_tokens: usize, confidence:
             println!("{}", x.data.clone().unwrap_or_default());
             if confidence {
                 eprintln!("confidence (the model's probability of each field as written):");
-                for (pointer, c) in fields(&x) {
-                    let shown = c.map_or("-".to_string(), |c| format!("{c:.3}"));
-                    eprintln!("  {shown:>6}  {pointer}");
+                for f in x.field_reports() {
+                    let shown = f.confidence.map_or("-".to_string(), |c| format!("{c:.3}"));
+                    eprintln!("  {shown:>6}  {}", f.pointer);
                 }
             }
             let m = &x.metrics;
@@ -212,17 +209,17 @@ fn print_one(x: Result<Extraction, ExtractError>, max_tokens: usize, confidence:
     }
 }
 
-/// A leaf's pointer and its confidence (none where it was not computed).
-type Field = (String, Option<f64>);
-
-/// Each leaf of the record and its confidence.
-fn fields(x: &Extraction) -> Vec<Field> {
-    x.fields.iter().map(|f| (f.pointer.clone(), f.confidence())).collect()
-}
-
-fn record_result(x: Result<Extraction, ExtractError>) -> RecordResult {
+/// The item's result, with its fields where `confidence` asks for them.
+fn record_result(x: Result<Extraction, ExtractError>, confidence: bool) -> RecordResult {
     match x {
-        Ok(x) => RecordResult::finished(x.outcome, x.data, x.text, x.completion_tokens, &x.violations),
+        Ok(x) => {
+            let fields = confidence.then(|| x.field_reports());
+            let r = RecordResult::finished(x.outcome, x.data, x.text, x.completion_tokens, &x.violations);
+            match fields {
+                Some(f) => r.with_fields(f),
+                None => r,
+            }
+        }
         Err(e) => RecordResult::failed(e.kind(), e.to_string()),
     }
 }
@@ -239,7 +236,7 @@ async fn run_batch(
 ) -> anyhow::Result<()> {
     let mut progress = Progress::new(items.len());
     let mut tasks = tokio::task::JoinSet::new();
-    let mut finished: BTreeMap<usize, (RecordResult, Option<Vec<Field>>)> = BTreeMap::new();
+    let mut finished: BTreeMap<usize, RecordResult> = BTreeMap::new();
     let mut next_out = 0;
     let mut pending = items.iter().enumerate();
     loop {
@@ -252,21 +249,14 @@ async fn run_batch(
                     ..task.clone()
                 },
             );
-            tasks.spawn(async move {
-                let x = extractor.run(task).await;
-                let scored = match &x {
-                    Ok(x) if confidence && x.outcome == Outcome::Ok => Some(fields(x)),
-                    _ => None,
-                };
-                (i, (record_result(x), scored))
-            });
+            tasks.spawn(async move { (i, record_result(extractor.run(task).await, confidence)) });
         }
         let Some(joined) = tasks.join_next().await else { break };
         let (i, result) = joined?;
-        progress.item_done(result.0.ok());
+        progress.item_done(result.ok());
         finished.insert(i, result);
-        while let Some((r, scored)) = finished.remove(&next_out) {
-            sink.write(&items[next_out].id, &r, scored.as_deref())?;
+        while let Some(r) = finished.remove(&next_out) {
+            sink.write(&items[next_out].id, &r)?;
             next_out += 1;
         }
     }
@@ -298,19 +288,11 @@ impl Sink {
         })
     }
 
-    fn write(&mut self, id: &str, r: &RecordResult, fields: Option<&[Field]>) -> anyhow::Result<()> {
+    fn write(&mut self, id: &str, r: &RecordResult) -> anyhow::Result<()> {
         match self {
-            Sink::Jsonl(w) => match fields {
-                Some(f) => {
-                    let mut line = r.json_value(id);
-                    let f: Vec<Value> = f.iter().map(|(p, c)| json!({"pointer": p, "confidence": c})).collect();
-                    line["fields"] = Value::Array(f);
-                    writeln!(w, "{line}")?
-                }
-                None => writeln!(w, "{}", r.json_value(id))?,
-            },
+            Sink::Jsonl(w) => writeln!(w, "{}", r.json_line(id))?,
             Sink::Csv(w, table) => {
-                for row in table.rows(id, &r.outcome, r.data.as_ref(), r.error.as_deref()) {
+                for row in table.rows(id, r) {
                     w.write_record(row)?;
                 }
             }

@@ -234,6 +234,38 @@ impl FieldConfidence {
     pub fn confidence(&self) -> Option<f64> {
         self.candidates.as_ref().map(field_confidence)
     }
+
+    pub fn report(&self) -> FieldReport {
+        FieldReport {
+            pointer: self.pointer.clone(),
+            confidence: self.confidence(),
+            span: self.span.clone(),
+        }
+    }
+}
+
+/// One leaf of the record as every output reports it.
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize, ToSchema)]
+pub struct FieldReport {
+    /// The leaf's JSON pointer in `data`.
+    pub pointer: String,
+    /// From 0 to 1: the probability the model gave the value's tokens where it had a choice
+    /// (tokens the schema alone decided do not count); a value the schema fixed is 1. Null
+    /// where the tokens were drawn where it is not computed.
+    pub confidence: Option<f64>,
+    /// For a string: its character span in the document (matched ignoring case and line
+    /// breaks), or null where the document does not contain it.
+    pub span: Option<Span>,
+}
+
+impl Extraction {
+    /// Every leaf's report where the record stands (outcome `ok`), else none.
+    pub fn field_reports(&self) -> Vec<FieldReport> {
+        match self.outcome {
+            Outcome::Ok => self.fields.iter().map(FieldConfidence::report).collect(),
+            _ => Vec::new(),
+        }
+    }
 }
 
 /// Why there was no extraction at all.

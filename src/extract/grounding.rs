@@ -9,7 +9,7 @@ use serde::Serialize;
 use serde_json::Value;
 use utoipa::ToSchema;
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize, ToSchema)]
 pub struct Span {
     /// First character, counted from 0.
     pub start: usize,

@@ -10,6 +10,8 @@ pub mod records;
 pub mod table;
 pub mod validate;
 
-pub use extractor::{ExtractError, Extraction, Extractor, FieldConfidence, Outcome, Task, PRETTY, RETRY_TEMPERATURE};
+pub use extractor::{
+    ExtractError, Extraction, Extractor, FieldConfidence, FieldReport, Outcome, Task, PRETTY, RETRY_TEMPERATURE,
+};
 
 pub use prompt::{prompt, PromptLayout};

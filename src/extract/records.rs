@@ -7,7 +7,7 @@
 use serde_json::{json, Value};
 
 use super::validate::Violation;
-use super::Outcome;
+use super::{FieldReport, Outcome};
 
 /// Most items in one batch.
 pub const MAX_RECORDS: usize = 100_000;
@@ -29,6 +29,10 @@ pub struct RecordResult {
     pub partial: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// With outcome `ok`: each leaf's confidence and span (results stored before confidence
+    /// existed have none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fields: Option<Vec<FieldReport>>,
 }
 
 impl RecordResult {
@@ -59,7 +63,14 @@ impl RecordResult {
             data,
             partial: (outcome != Outcome::Ok).then_some(text),
             error,
+            fields: None,
         }
+    }
+
+    /// The same result with its record's fields (kept only where the outcome is `ok`).
+    pub fn with_fields(mut self, fields: Vec<FieldReport>) -> RecordResult {
+        self.fields = self.ok().then_some(fields);
+        self
     }
 
     /// An extraction that could not run, with the error's type.
@@ -69,6 +80,7 @@ impl RecordResult {
             data: None,
             partial: None,
             error: Some(message),
+            fields: None,
         }
     }
 
@@ -76,13 +88,8 @@ impl RecordResult {
         self.outcome == "ok"
     }
 
-    /// The JSONL form: `{id, outcome, data, partial?, error?}`.
+    /// The JSONL form: `{id, outcome, data, partial?, error?, fields?}`.
     pub fn json_line(&self, id: &str) -> String {
-        self.json_value(id).to_string()
-    }
-
-    /// `json_line` before it is written out, for callers that add to it.
-    pub fn json_value(&self, id: &str) -> Value {
         let mut line = json!({"id": id, "outcome": self.outcome, "data": self.data});
         if let Some(p) = &self.partial {
             line["partial"] = json!(p);
@@ -90,7 +97,10 @@ impl RecordResult {
         if let Some(e) = &self.error {
             line["error"] = json!(e);
         }
-        line
+        if let Some(f) = &self.fields {
+            line["fields"] = json!(f);
+        }
+        line.to_string()
     }
 }
 

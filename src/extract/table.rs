@@ -3,9 +3,14 @@
 //! schema's property order, so every row of every job with one schema has the same header.
 //! One array may be exploded into rows (one row per element, the other columns repeated);
 //! other arrays and free-form objects are one cell of compact JSON. Each row starts with the
-//! item's id and outcome and ends with an `error` column.
+//! item's id and outcome and ends with an `error` column. With confidence, each column is
+//! followed by `<column>__confidence`: its leaf's confidence, or for a JSON cell the least of
+//! the confidences of the leaves in it (a cell is as sure as its least sure value).
 
 use serde_json::{Map, Value};
+
+use super::records::RecordResult;
+use super::FieldReport;
 
 /// `$ref` chains and nesting deeper than this become a JSON cell.
 const MAX_DEPTH: usize = 32;
@@ -24,6 +29,7 @@ pub struct Table {
     sources: Vec<Source>,
     /// Where the exploded array is, from the root.
     explode: Option<Vec<String>>,
+    confidence: bool,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -53,42 +59,89 @@ impl Table {
             names: walk.names,
             sources: walk.sources,
             explode: walk.explode,
+            confidence: false,
         })
+    }
+
+    /// With `on`, a `<column>__confidence` column after each column.
+    pub fn with_confidence(mut self, on: bool) -> Table {
+        self.confidence = on;
+        self
     }
 
     pub fn header(&self) -> Vec<String> {
         let mut h = vec!["id".to_string(), "outcome".to_string()];
-        h.extend(self.names.iter().cloned());
+        for name in &self.names {
+            h.push(name.clone());
+            if self.confidence {
+                h.push(format!("{name}__confidence"));
+            }
+        }
         h.push("error".into());
         h
     }
 
     /// The rows of one item: one per element of the exploded array (at least one), or one row
     /// of empty cells with the error when there is no data.
-    pub fn rows(&self, id: &str, outcome: &str, data: Option<&Value>, error: Option<&str>) -> Vec<Vec<String>> {
-        let elements: Vec<Option<&Value>> = match (data, &self.explode) {
+    pub fn rows(&self, id: &str, r: &RecordResult) -> Vec<Vec<String>> {
+        let data = r.data.as_ref();
+        let elements: Vec<Option<(usize, &Value)>> = match (data, &self.explode) {
             (Some(d), Some(path)) => match lookup(d, path) {
-                Some(Value::Array(a)) if !a.is_empty() => a.iter().map(Some).collect(),
+                Some(Value::Array(a)) if !a.is_empty() => a.iter().enumerate().map(Some).collect(),
                 _ => vec![None],
             },
             _ => vec![None],
         };
+        let fields = r.fields.as_deref().unwrap_or_default();
         elements
             .into_iter()
             .map(|element| {
-                let mut row = vec![id.to_string(), outcome.to_string()];
-                row.extend(self.sources.iter().map(|s| {
-                    let v = match s {
-                        Source::Root(p) => data.and_then(|d| lookup(d, p)),
-                        Source::Element(p) => element.and_then(|e| lookup(e, p)),
+                let mut row = vec![id.to_string(), r.outcome.clone()];
+                for s in &self.sources {
+                    let (v, pointer) = match s {
+                        Source::Root(p) => (data.and_then(|d| lookup(d, p)), Some(pointer(&[], p))),
+                        Source::Element(p) => match (element, &self.explode) {
+                            (Some((i, e)), Some(at)) => {
+                                let mut prefix = at.clone();
+                                prefix.push(i.to_string());
+                                (lookup(e, p), Some(pointer(&prefix, p)))
+                            }
+                            _ => (None, None),
+                        },
                     };
-                    v.map(cell).unwrap_or_default()
-                }));
-                row.push(error.unwrap_or_default().to_string());
+                    row.push(v.map(cell).unwrap_or_default());
+                    if self.confidence {
+                        let c = v.and(pointer).and_then(|p| cell_confidence(fields, &p));
+                        row.push(c.map(|c| format!("{c:.3}")).unwrap_or_default());
+                    }
+                }
+                row.push(r.error.clone().unwrap_or_default());
                 row
             })
             .collect()
     }
+}
+
+/// The JSON pointer of `path` below `prefix`.
+fn pointer(prefix: &[String], path: &[String]) -> String {
+    prefix
+        .iter()
+        .chain(path)
+        .map(|k| format!("/{}", k.replace('~', "~0").replace('/', "~1")))
+        .collect()
+}
+
+/// The confidence of the leaf at `pointer`, or the least of those of the leaves inside it.
+fn cell_confidence(fields: &[FieldReport], pointer: &str) -> Option<f64> {
+    if let Some(f) = fields.iter().find(|f| f.pointer == pointer) {
+        return f.confidence;
+    }
+    let inside = format!("{pointer}/");
+    fields
+        .iter()
+        .filter(|f| f.pointer.starts_with(&inside))
+        .filter_map(|f| f.confidence)
+        .reduce(f64::min)
 }
 
 struct Walk<'a> {
@@ -202,7 +255,18 @@ fn cell(v: &Value) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::extract::grounding::Span;
     use serde_json::json;
+
+    fn result(outcome: &str, data: Option<Value>, error: Option<&str>) -> RecordResult {
+        RecordResult {
+            outcome: outcome.into(),
+            data,
+            partial: None,
+            error: error.map(str::to_string),
+            fields: None,
+        }
+    }
 
     fn invoice() -> Value {
         json!({
@@ -242,7 +306,7 @@ mod tests {
         );
         let data = json!({"total": 12.5, "number": "A-1", "customer": {"name": "Ann", "address": null},
                           "items": [{"description": "x", "amount": 1}], "tags": ["a", "b"]});
-        let rows = t.rows("7", "ok", Some(&data), None);
+        let rows = t.rows("7", &result("ok", Some(data), None));
         assert_eq!(
             rows,
             [[
@@ -265,19 +329,19 @@ mod tests {
         let h = t.header();
         assert_eq!(h[5..7], ["items.description", "items.amount"]);
         let data = json!({"number": "A-1", "items": [{"description": "x", "amount": 1}, {"description": "y"}]});
-        let rows = t.rows("1", "ok", Some(&data), None);
+        let rows = t.rows("1", &result("ok", Some(data), None));
         assert_eq!(rows.len(), 2);
         assert_eq!(rows[0][2], "A-1");
         assert_eq!(rows[1][2], "A-1");
         assert_eq!((rows[1][5].as_str(), rows[1][6].as_str()), ("y", ""));
-        let empty = t.rows("2", "ok", Some(&json!({"items": []})), None);
+        let empty = t.rows("2", &result("ok", Some(json!({"items": []})), None));
         assert_eq!(empty.len(), 1);
     }
 
     #[test]
     fn failed_items_keep_the_header_shape_and_carry_the_error() {
         let t = Table::from_schema(&invoice(), Some("items")).unwrap();
-        let rows = t.rows("3", "truncated", None, Some("no closing within 16 tokens"));
+        let rows = t.rows("3", &result("truncated", None, Some("no closing within 16 tokens")));
         assert_eq!(rows.len(), 1);
         assert_eq!(rows[0].len(), t.header().len());
         assert_eq!(rows[0][1], "truncated");
@@ -292,6 +356,74 @@ mod tests {
         );
         let t = Table::from_schema(&json!({"type": "object"}), None).unwrap();
         assert_eq!(t.header(), ["id", "outcome", "data", "error"]);
-        assert_eq!(t.rows("1", "ok", Some(&json!({"a": 1})), None)[0][2], r#"{"a":1}"#);
+        assert_eq!(
+            t.rows("1", &result("ok", Some(json!({"a": 1})), None))[0][2],
+            r#"{"a":1}"#
+        );
+    }
+
+    #[test]
+    fn confidence_columns_follow_their_columns_and_json_cells_take_their_least_sure_leaf() {
+        let t = Table::from_schema(&invoice(), Some("items"))
+            .unwrap()
+            .with_confidence(true);
+        let h = t.header();
+        assert_eq!(
+            h[2..8],
+            [
+                "number",
+                "number__confidence",
+                "customer.name",
+                "customer.name__confidence",
+                "customer.address.city",
+                "customer.address.city__confidence"
+            ]
+        );
+        assert_eq!(
+            h[8..12],
+            [
+                "items.description",
+                "items.description__confidence",
+                "items.amount",
+                "items.amount__confidence"
+            ]
+        );
+        let field = |pointer: &str, c: Option<f64>| FieldReport {
+            pointer: pointer.into(),
+            confidence: c,
+            span: Some(Span { start: 0, end: 1 }),
+        };
+        let mut r = result(
+            "ok",
+            Some(json!({"number": "A/1", "customer": {"name": "Ann"}, "tags": ["a", "b"],
+                        "items": [{"description": "x", "amount": 1}, {"description": "y", "amount": 2}]})),
+            None,
+        );
+        r.fields = Some(vec![
+            field("/number", Some(0.5)),
+            field("/customer/name", None),
+            field("/items/0/description", Some(0.25)),
+            field("/items/0/amount", Some(0.125)),
+            field("/items/1/description", Some(0.75)),
+            field("/items/1/amount", Some(1.0)),
+            field("/tags/0", Some(0.9)),
+            field("/tags/1", Some(0.8)),
+        ]);
+        let rows = t.rows("1", &r);
+        let col = |row: usize, name: &str| rows[row][h.iter().position(|c| c == name).unwrap()].clone();
+        assert_eq!(col(0, "number__confidence"), "0.500");
+        // Not computed, and absent from the record: empty cells.
+        assert_eq!(col(0, "customer.name__confidence"), "");
+        assert_eq!(col(0, "customer.address.city__confidence"), "");
+        // Each exploded row takes its own element's leaves.
+        assert_eq!(col(0, "items.amount__confidence"), "0.125");
+        assert_eq!(col(1, "items.description__confidence"), "0.750");
+        assert_eq!(col(1, "items.amount__confidence"), "1.000");
+        // A JSON cell is as sure as its least sure leaf.
+        assert_eq!(col(1, "tags__confidence"), "0.800");
+        // Without fields (an old result, or a failed item), the columns are empty.
+        let rows = t.rows("2", &result("truncated", None, Some("cut")));
+        assert_eq!(rows[0].len(), h.len());
+        assert!(rows[0][2..h.len() - 1].iter().all(String::is_empty));
     }
 }

@@ -7,7 +7,7 @@ use utoipa::ToSchema;
 
 pub use crate::extract::grounding::{Grounding, Span};
 pub use crate::extract::validate::Violation;
-pub use crate::extract::Outcome;
+pub use crate::extract::{FieldReport, Outcome};
 
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -115,20 +115,6 @@ pub struct ExtractResponse {
     /// With `options.min_confidence`: the pointers of the fields below it, in record order.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub review: Option<Vec<String>>,
-}
-
-/// One leaf of the record.
-#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
-pub struct FieldReport {
-    /// The leaf's JSON pointer in `data`.
-    pub pointer: String,
-    /// From 0 to 1: the probability the model gave the value's tokens where it had a choice
-    /// (tokens the schema alone decided do not count); a value the schema fixed is 1. Null
-    /// where the tokens were drawn where it is not computed.
-    pub confidence: Option<f64>,
-    /// For a string: its character span in the document (matched ignoring case and line
-    /// breaks), or null where the document does not contain it.
-    pub span: Option<Span>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]

@@ -8,9 +8,7 @@ use axum::http::StatusCode;
 use axum::Json;
 use quarry_grammar::json::Whitespace;
 
-use super::api::{
-    ExtractRequest, ExtractResponse, FieldReport, KeywordEntry, SpeculationUsage, Timings, Usage, WhitespaceOption,
-};
+use super::api::{ExtractRequest, ExtractResponse, KeywordEntry, SpeculationUsage, Timings, Usage, WhitespaceOption};
 use super::door::{self, Endpoint};
 use super::error::{ApiError, ErrorBody};
 use super::{ApiJson, AppState};
@@ -150,18 +148,7 @@ async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractRespon
     if m.budget_closed {
         notes.push(KeywordEntry::budget_closed(max_tokens));
     }
-    let fields: Vec<FieldReport> = match x.outcome {
-        Outcome::Ok => x
-            .fields
-            .iter()
-            .map(|f| FieldReport {
-                pointer: f.pointer.clone(),
-                confidence: f.confidence(),
-                span: f.span.clone(),
-            })
-            .collect(),
-        _ => Vec::new(),
-    };
+    let fields = x.field_reports();
     let review = min_confidence.map(|min| {
         fields
             .iter()

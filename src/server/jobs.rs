@@ -71,11 +71,15 @@ pub struct JobParams {
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct ResultParams {
-    /// `jsonl` (default): one `{id, outcome, data, partial?, error?}` object per item; `csv`:
+    /// `jsonl` (default): one `{id, outcome, data, partial?, error?, fields?}` object per item
+    /// (`fields`: each leaf's pointer, confidence and span, for items that ended `ok`); `csv`:
     /// `id, outcome`, one column per scalar of the schema (dotted names, schema order), `error`.
     pub format: Option<BatchFormat>,
     /// For CSV, the dotted path of one array of the schema to spread over one row per element.
     pub explode: Option<String>,
+    /// For CSV, a `<column>__confidence` column after each column: its field's confidence, or
+    /// for a cell of JSON the least confidence of the fields in it [default: false].
+    pub confidence: Option<bool>,
 }
 
 #[derive(Debug, Deserialize, ToSchema, Default)]
@@ -261,6 +265,7 @@ async fn extract_item(state: &Arc<AppState>, settings: &Settings, work: &jobs::w
                 out.usage.completion_tokens,
                 &out.violations,
             )
+            .with_fields(out.fields)
         }
         Err(e) => RecordResult::failed(&e.detail.kind, e.detail.message),
     }
@@ -336,7 +341,7 @@ pub async fn delete(State(state): State<Arc<AppState>>, Path(id): Path<String>) 
     tag = "jobs",
     params(("id" = String, Path, description = "A job id"), ResultParams),
     responses(
-        (status = 200, description = "One result per finished item, in input order: JSONL `{id, outcome, data, partial?, error?}` lines, or CSV rows", content((String = "application/jsonl"), (String = "text/csv"))),
+        (status = 200, description = "One result per finished item, in input order: JSONL `{id, outcome, data, partial?, error?, fields?}` lines, or CSV rows", content((String = "application/jsonl"), (String = "text/csv"))),
         (status = 400, description = "`explode` names no array of the schema", body = ErrorBody),
         (status = 404, body = ErrorBody),
     )
@@ -372,13 +377,11 @@ pub async fn results(
         ),
         BatchFormat::Csv => {
             let table = Table::from_schema(&spec.schema, params.explode.as_deref())
-                .map_err(|e| ApiError::bad_request(e.to_string()))?;
+                .map_err(|e| ApiError::bad_request(e.to_string()))?
+                .with_confidence(params.confidence.unwrap_or(false));
             let mut chunks = vec![csv_rows(&[table.header()])];
             chunks.extend(done.chunks(ROWS_PER_CHUNK).map(|c| {
-                let rows: Vec<Vec<String>> = c
-                    .iter()
-                    .flat_map(|(id, r)| table.rows(id, &r.outcome, r.data.as_ref(), r.error.as_deref()))
-                    .collect();
+                let rows: Vec<Vec<String>> = c.iter().flat_map(|(id, r)| table.rows(id, r)).collect();
                 csv_rows(&rows)
             }));
             ("text/csv; charset=utf-8", chunks)
