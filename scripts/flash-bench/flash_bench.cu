@@ -1,0 +1,92 @@
+// The flash attention kernel alone, on the GPU machine, without the Rust build: times a variant
+// of kernels/flash_attention.cu (FA_SRC, a path from this folder) on the 8B shape's attention
+// (32 heads, 8 KV heads of 128) and writes its output, so that variants can be compared for
+// speed and for bits (`run` does both). Random bf16 data, sequential KV blocks, the host's
+// items and split choice (src/runtime/cuda/attention.rs) redone here; NOMERGE=1 leaves split
+// mode's merge out of the timing.
+//   nvcc -O3 -arch=sm_90 -std=c++17 -DFA_SRC='"../../kernels/flash_attention.cu"' flash_bench.cu
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+#include <algorithm>
+#include <cuda_runtime.h>
+#include "../../kernels/prelude.cuh"
+#include FA_SRC
+#define FA_ENTRY flash_attention_d128
+#define FA_ROWS_ITEM 64
+#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1);} } while (0)
+
+static unsigned long long rng = 1;
+static unsigned short rbf() {
+    rng = rng * 6364136223846793005ULL + 1442695040888963407ULL;
+    float f = ((rng >> 40) / (float)(1 << 24)) * 2.0f - 1.0f;
+    unsigned u; memcpy(&u, &f, 4); return (unsigned short)(u >> 16);
+}
+
+int main(int argc, char** argv) {
+    const char* which = argc > 1 ? argv[1] : "prefill4k";
+    const char* dump = argc > 2 ? argv[2] : nullptr;
+    const int heads = 32, kvh = 8, D = 128, group = heads / kvh;
+    std::vector<std::pair<int,int>> picks;  // (ctx, n)
+    if (!strcmp(which, "prefill4k")) picks = {{4096, 4096}};
+    else if (!strcmp(which, "prefill16k")) picks = {{16384, 2048}};
+    else if (!strcmp(which, "prefill8x512")) picks.assign(8, {512, 512});
+    else if (!strcmp(which, "decode64x2k")) picks.assign(64, {2048, 1});
+    else if (!strcmp(which, "decode16k")) picks = {{16384, 1}};
+    else { printf("unknown %s\n", which); return 1; }
+    int nseq = picks.size(), maxblocks = 0, tokens = 0, maxlen = 0, blocks = 0;
+    for (auto& p : picks) { maxblocks = std::max(maxblocks, (p.first + 15) / 16); tokens += p.second; maxlen = std::max(maxlen, p.first); blocks += (p.first + 15) / 16; }
+    maxblocks = (maxblocks + 3) / 4 * 4;
+    std::vector<u32> tables(nseq * maxblocks, 0), positions, items;
+    int next = 0, t0 = 0;
+    for (int s = 0; s < nseq; s++) {
+        int nb = (picks[s].first + 15) / 16;
+        for (int b = 0; b < nb; b++) tables[s * maxblocks + b] = next++;
+        int n = picks[s].second, ctx = picks[s].first;
+        for (int i = 0; i < n; i++) positions.push_back(ctx - n + i);
+        int rows = n * group;
+        for (int r0 = 0; r0 < rows; r0 += FA_ROWS_ITEM) { items.push_back(s); items.push_back(t0); items.push_back(r0); items.push_back(rows); }
+        t0 += n;
+    }
+    size_t kvn = (size_t)blocks * 16 * kvh * D, qn = (size_t)tokens * heads * D;
+    std::vector<unsigned short> hk(kvn), hv(kvn), hq(qn);
+    for (auto& x : hk) x = rbf(); for (auto& x : hv) x = rbf(); for (auto& x : hq) x = rbf();
+    bf16 *k, *v, *q, *o; u32 *tab, *pos, *it; float* part;
+    CK(cudaMalloc(&k, kvn * 2)); CK(cudaMalloc(&v, kvn * 2)); CK(cudaMalloc(&q, qn * 2)); CK(cudaMalloc(&o, qn * 2));
+    CK(cudaMalloc(&tab, tables.size() * 4)); CK(cudaMalloc(&pos, positions.size() * 4)); CK(cudaMalloc(&it, items.size() * 4));
+    CK(cudaMemcpy(k, hk.data(), kvn * 2, cudaMemcpyHostToDevice)); CK(cudaMemcpy(v, hv.data(), kvn * 2, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(q, hq.data(), qn * 2, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(tab, tables.data(), tables.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(pos, positions.data(), positions.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(it, items.data(), items.size() * 4, cudaMemcpyHostToDevice));
+    int count = items.size() / 4, parts = (maxlen + FA_PART - 1) / FA_PART;
+    int sms; CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    bool split = parts > 1 && count * kvh < 4 * sms;
+    CK(cudaMalloc(&part, (size_t)8 << 22));
+    int smem = 4 * 64 * (D + 8) * 2 + (split ? 0 : FA_WARPS * 16 * (D + 8) * 4);
+    CK(cudaFuncSetAttribute(FA_ENTRY, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    float scale = 1.0f / sqrtf((float)D) * 1.4426950408889634f;
+    auto run = [&]() {
+        dim3 grid(count, kvh, split ? parts : 1);
+        FA_ENTRY<<<grid, FA_THREADS, smem>>>(q, o, k, v, it, pos, tab, maxblocks, heads, kvh, scale, split ? part : nullptr, split ? parts : 1);
+        if (split && !getenv("NOMERGE")) flash_merge<<<dim3(tokens, heads), D>>>(part, pos, o, heads, D, parts);
+    };
+    run(); CK(cudaDeviceSynchronize());
+    cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
+    std::vector<float> ts;
+    for (int r = 0; r < 15; r++) {
+        cudaEventRecord(a); for (int c = 0; c < 10; c++) run(); cudaEventRecord(b); cudaEventSynchronize(b);
+        float ms; cudaEventElapsedTime(&ms, a, b); ts.push_back(ms / 10);
+    }
+    CK(cudaGetLastError());
+    std::sort(ts.begin(), ts.end());
+    float ms = ts[ts.size() / 2];
+    double pairs = 0; for (auto& p : picks) for (int x = p.first - p.second; x < p.first; x++) pairs += x + 1;
+    double tf = 4.0 * pairs * heads * D / ms / 1e9;
+    double gbs = 0; for (auto& p : picks) gbs += (double)p.first * kvh * D * 4; gbs /= ms * 1e6;
+    cudaFuncAttributes fa; cudaFuncGetAttributes(&fa, FA_ENTRY);
+    printf("%-14s %-8s regs %3d smem %6d  %8.4f ms  %6.0f TF/s  %6.0f GB/s\n", which, split ? "split" : "whole", fa.numRegs, smem, ms, tf, gbs);
+    if (dump) { std::vector<unsigned short> ho(qn); CK(cudaMemcpy(ho.data(), o, qn * 2, cudaMemcpyDeviceToHost)); FILE* f = fopen(dump, "wb"); fwrite(ho.data(), 2, qn, f); fclose(f); }
+    return 0;
+}
