@@ -27,7 +27,7 @@
 #define FA_THREADS (32 * FA_WARPS)
 #define FA_ROWS (16 * FA_WARPS)
 #define FA_KEYS 64
-#define FA_PART 256
+#define FA_PART 512
 
 __device__ __forceinline__ u32 smem_u32(const void* p) {
     return (u32)__cvta_generic_to_shared(p);

@@ -1,6 +1,6 @@
 //! Paged attention over a flattened batch. Heads of 64 and 128 take the tensor-core kernel
 //! (kernels/flash_attention.cu): rows of one sequence and one KV head in items of 64, keys in
-//! fixed partitions of 256 at absolute positions, folded in order either inside the block or,
+//! fixed partitions of 512 at absolute positions, folded in order either inside the block or,
 //! where too few blocks would fill the GPU, by a merge kernel; both give the same bits, so the
 //! choice, made per batch, never changes a request's output. Other head sizes take the general
 //! kernel (kernels/attention.cu), which splits keys by the batch's shape.
@@ -21,7 +21,7 @@ const MAX_PARTS: u32 = 1024;
 pub const FLASH_BLOCK: usize = 16;
 const FLASH_ROWS: usize = 64;
 const FLASH_KEYS: usize = 64;
-pub const FLASH_PART: usize = 256;
+pub const FLASH_PART: usize = 512;
 const FLASH_THREADS: u32 = 128;
 
 /// Floats of scratch for split attention's partitions.
@@ -327,22 +327,22 @@ mod tests {
     #[test]
     fn split_only_where_whole_blocks_would_not_fill_the_gpu() {
         let plan = |tokens, len, count| Plan::new(128, 32, 8, tokens, len, 0, count, 528);
-        // One decode token over 16k keys: 8 blocks whole, 64 partitions split.
+        // One decode token over 16k keys: 8 blocks whole, 32 partitions split.
         assert_eq!(
             plan(1, 16384, 1),
             Plan::Flash {
                 items: 0,
                 count: 1,
-                split: Some(64)
+                split: Some(32)
             }
         );
-        // 64 decode tokens at 2k: 512 blocks whole, still under 528: split in 8.
+        // 64 decode tokens at 2k: 512 blocks whole, still under 528: split in 4.
         assert_eq!(
             plan(64, 2048, 64),
             Plan::Flash {
                 items: 0,
                 count: 64,
-                split: Some(8)
+                split: Some(4)
             }
         );
         // A 4k prefill: 256 items of 16 tokens make 2,048 blocks.
