@@ -168,6 +168,17 @@ fn conformance(s: &dyn JobStore) {
     );
     assert_eq!(results[1].1.result, result(false).1);
     assert_eq!(s.results("j", 1, 10).unwrap().len(), 1, "paged by item index");
+    // Payloads by index, whatever the items' state, within the range asked.
+    let payloads = s.payloads("j", 1, 3).unwrap();
+    assert_eq!(
+        payloads.iter().map(|p| p.0).collect::<Vec<_>>(),
+        vec![1, 2],
+        "{payloads:?}"
+    );
+    let want = job("j", 3);
+    assert_eq!(payloads[0].1, want.items[1].payload);
+    assert_eq!(payloads[1].1, want.items[2].payload);
+    assert!(s.payloads("nope", 0, 10).unwrap().is_empty());
 
     // Retry queues the failed item with a new budget; b's shutdown queues item 2 again.
     assert_eq!(s.retry_failed("j", Some(128)).unwrap(), 1);

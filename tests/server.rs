@@ -1182,6 +1182,20 @@ fn batch_jobs_over_jsonl_and_csv_run_every_item_once_and_retry_the_failed() {
     wait_for_job(port, &job);
     let (_, text) = http_text(port, "GET", &format!("/jobs/{job}/results"), Some(KEY), b"");
     let lines: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert!(lines.iter().all(|l| l.get("document").is_none()));
+    // With documents=true, each line carries its item's document as submitted.
+    let (_, text) = http_text(
+        port,
+        "GET",
+        &format!("/jobs/{job}/results?documents=true"),
+        Some(KEY),
+        b"",
+    );
+    let documents: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap()["document"].clone())
+        .collect();
+    assert_eq!(documents, invoices.map(Value::from));
     let (status, text) = http_text(
         port,
         "GET",
@@ -1673,4 +1687,293 @@ fn health_tells_starting_from_ready() {
     );
     let _ = server.child.kill();
     server.state.take();
+}
+
+/// Debian's chromium and chromium-driver, where installed (`apt-get install chromium
+/// chromium-driver`; .ci/run installs them).
+fn browser() -> Option<(std::path::PathBuf, std::path::PathBuf)> {
+    let on_path = |name: &str| {
+        std::env::split_paths(&std::env::var_os("PATH")?)
+            .map(|d| d.join(name))
+            .find(|p| p.is_file())
+    };
+    Some((on_path("chromium")?, on_path("chromedriver")?))
+}
+
+/// A chromedriver on a loopback port, stopped on drop.
+struct Driver {
+    child: Child,
+    port: u16,
+}
+
+impl Driver {
+    fn start(binary: &std::path::Path) -> Driver {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = Command::new(binary)
+            .arg(format!("--port={port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "chromedriver did not listen on {port}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Driver { child, port }
+    }
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One row of the page's record table: its pointer, value cell and confidence cell, and
+/// whether it is flagged for review.
+#[derive(Debug)]
+struct PageRow {
+    pointer: String,
+    value: String,
+    confidence: String,
+    review: bool,
+}
+
+/// The review page in headless Chromium, as a user drives it: the page asks for the API key,
+/// lists the ready-made schemas, takes the README's invoice, and shows the record as a table
+/// whose fields, values, confidences and review flags are those `/extract` returns for the
+/// same request; hovering a field marks its words in the document and hovering those words
+/// marks the field. Saves a screenshot (ui-invoice.png in the test's temporary folder, or
+/// QUARRY_UI_SCREENSHOT).
+#[test]
+fn the_review_page_shows_the_invoice_beside_its_document_in_a_browser() {
+    let Some((chromium, chromedriver)) = browser() else {
+        eprintln!("skipping: no chromium or chromedriver on PATH (apt-get install chromium chromium-driver)");
+        return;
+    };
+    let Some(server) = start(&[]) else { return };
+    let root = env!("CARGO_MANIFEST_DIR");
+    let invoice = std::fs::read_to_string(format!("{root}/examples/documents/invoice.txt")).unwrap();
+    let request = json!({"schema_id": "invoice", "document": invoice, "options": {"min_confidence": 0.5}});
+    let (status, want) = http(
+        server.port,
+        "POST",
+        "/extract",
+        Some(KEY),
+        request.to_string().as_bytes(),
+    );
+    assert_eq!((status, want["outcome"].as_str()), (200, Some("ok")), "{want}");
+    let fields = want["fields"].as_array().unwrap().clone();
+    let spanned = fields
+        .iter()
+        .find(|f| !f["span"].is_null())
+        .expect("a field of the invoice found in the document")
+        .clone();
+
+    // A job of two invoices, to page through.
+    let other = "INVOICE INV-77\nDate: 2025-04-01\n1 x Gadget ..... 9.99 USD\nTOTAL DUE: 9.99 USD\n";
+    let docs = [invoice.clone(), other.to_string()];
+    let body: String = docs.iter().map(|d| json!({"document": d}).to_string() + "\n").collect();
+    let job = submit_job(server.port, "schema_id=invoice", body.as_bytes());
+    wait_for_job(server.port, &job);
+
+    let driver = Driver::start(&chromedriver);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (rows, marked, row_marked, shot, paged) = runtime.block_on(async {
+        let mut caps = serde_json::Map::new();
+        caps.insert(
+            "goog:chromeOptions".into(),
+            json!({"binary": chromium, "args": ["--headless=new", "--no-sandbox", "--disable-gpu",
+                   "--disable-dev-shm-usage", "--window-size=1400,1000"]}),
+        );
+        let c = fantoccini::ClientBuilder::new(hyper_util::client::legacy::connect::HttpConnector::new())
+            .capabilities(caps)
+            .connect(&format!("http://127.0.0.1:{}", driver.port))
+            .await
+            .expect("a chromium session");
+        let seen = drive(&c, server.port, &invoice, &spanned, &job).await;
+        c.close().await.ok();
+        seen
+    });
+
+    // The table holds every field of the API's answer, once, with its value and confidence;
+    // exactly the fields under min_confidence are flagged.
+    let mut got: Vec<&str> = rows.iter().map(|r| r.pointer.as_str()).collect();
+    let mut want_pointers: Vec<&str> = fields.iter().map(|f| f["pointer"].as_str().unwrap()).collect();
+    got.sort();
+    want_pointers.sort();
+    assert_eq!(got, want_pointers, "{rows:?}");
+    for f in &fields {
+        let pointer = f["pointer"].as_str().unwrap();
+        let row = rows.iter().find(|r| r.pointer == pointer).unwrap();
+        let value = &want["data"].pointer(pointer).unwrap();
+        let shown = value.as_str().map_or_else(|| value.to_string(), str::to_string);
+        assert_eq!(row.value, shown, "{pointer}");
+        let c = f["confidence"].as_f64().unwrap();
+        let on_page: f64 = row.confidence.parse().unwrap_or_else(|_| panic!("{row:?}"));
+        assert!((on_page - c).abs() <= 0.005 + 1e-9, "{pointer}: {on_page} against {c}");
+    }
+    let mut flagged: Vec<&str> = rows.iter().filter(|r| r.review).map(|r| r.pointer.as_str()).collect();
+    let mut review: Vec<&str> = want["review"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p.as_str().unwrap())
+        .collect();
+    flagged.sort();
+    review.sort();
+    assert_eq!(flagged, review);
+
+    // Hovering the field marked exactly its span's words; hovering them marked the field.
+    let span = &spanned["span"];
+    let chars: Vec<char> = invoice.chars().collect();
+    let words: String = chars[span["start"].as_u64().unwrap() as usize..span["end"].as_u64().unwrap() as usize]
+        .iter()
+        .collect();
+    assert_eq!(marked, words, "{spanned}");
+    assert!(row_marked, "hovering the words of {spanned} did not mark its row");
+
+    // The job's results page one item at a time, each beside its own document.
+    assert_eq!(paged.len(), 2, "{paged:?}");
+    for (i, (position, document, leaves)) in paged.iter().enumerate() {
+        assert!(position.ends_with(&format!("({} of 2)", i + 1)), "{position}");
+        assert_eq!(document.trim(), docs[i].trim());
+        assert!(*leaves > 0, "item {i} shows no fields");
+    }
+
+    let path = std::env::var("QUARRY_UI_SCREENSHOT")
+        .unwrap_or_else(|_| format!("{}/ui-invoice.png", env!("CARGO_TARGET_TMPDIR")));
+    std::fs::write(&path, &shot).unwrap();
+    assert!(shot.starts_with(b"\x89PNG"), "a PNG screenshot");
+    eprintln!("screenshot: {path}");
+}
+
+/// What the page showed of one job item: the pager's position, the document, how many fields.
+type PagedItem = (String, String, usize);
+
+/// Drives the page: key, schema, document, run; reads the table, hovers `spanned`'s row and
+/// then its words; then loads `job` and pages through it. Returns the rows, the text marked by
+/// the first hover, whether the second marked the row, a screenshot taken while the row is
+/// hovered, and what each job item showed.
+async fn drive(
+    c: &fantoccini::Client,
+    port: u16,
+    invoice: &str,
+    spanned: &Value,
+    job: &str,
+) -> (Vec<PageRow>, String, bool, Vec<u8>, Vec<PagedItem>) {
+    use fantoccini::actions::{InputSource, MouseActions, PointerAction};
+    use fantoccini::Locator::Css;
+    let wait = Duration::from_secs(180);
+    c.goto(&format!("http://127.0.0.1:{port}/ui")).await.unwrap();
+    // The server has a key: the page asks for it.
+    c.wait()
+        .at_most(wait)
+        .for_element(Css("#key-form:not([hidden])"))
+        .await
+        .unwrap();
+    c.find(Css("#key")).await.unwrap().send_keys(KEY).await.unwrap();
+    c.find(Css("#key-form button")).await.unwrap().click().await.unwrap();
+    c.wait()
+        .at_most(wait)
+        .for_element(Css("#schema-id option[value='invoice']"))
+        .await
+        .unwrap();
+    c.find(Css("#schema-id"))
+        .await
+        .unwrap()
+        .select_by_value("invoice")
+        .await
+        .unwrap();
+    c.find(Css("#document"))
+        .await
+        .unwrap()
+        .send_keys(invoice)
+        .await
+        .unwrap();
+    c.find(Css("#run")).await.unwrap().click().await.unwrap();
+    c.wait()
+        .at_most(wait)
+        .for_element(Css("#record tbody tr.leaf"))
+        .await
+        .unwrap();
+    let mut rows = Vec::new();
+    for tr in c.find_all(Css("#record tbody tr.leaf")).await.unwrap() {
+        let cells = tr.find_all(Css("td")).await.unwrap();
+        rows.push(PageRow {
+            pointer: tr.attr("data-pointer").await.unwrap().unwrap_or_default(),
+            value: cells[1].text().await.unwrap(),
+            confidence: cells[2]
+                .text()
+                .await
+                .unwrap()
+                .split_whitespace()
+                .last()
+                .unwrap_or("")
+                .to_string(),
+            review: tr.attr("class").await.unwrap().unwrap_or_default().contains("review"),
+        });
+    }
+    let pointer = spanned["pointer"].as_str().unwrap();
+    let selector = format!("#record tbody tr[data-pointer='{pointer}']");
+    let hover = |element: fantoccini::elements::Element| {
+        MouseActions::new("mouse".into()).then(PointerAction::MoveToElement {
+            element,
+            duration: None,
+            x: 0.0,
+            y: 0.0,
+        })
+    };
+    let row = c.find(Css(&selector)).await.unwrap();
+    c.perform_actions(hover(row)).await.unwrap();
+    let mut marked = String::new();
+    for el in c.find_all(Css("#doc-view .span.hl")).await.unwrap() {
+        marked.push_str(&el.text().await.unwrap());
+    }
+    let shot = c.screenshot().await.unwrap();
+    // Its words: the first piece of the document that names the field.
+    let mut row_marked = false;
+    for el in c.find_all(Css("#doc-view .span")).await.unwrap() {
+        let pointers: Vec<String> =
+            serde_json::from_str(&el.attr("data-pointers").await.unwrap().unwrap_or_default()).unwrap_or_default();
+        if pointers.iter().any(|p| p == pointer) {
+            c.perform_actions(hover(el)).await.unwrap();
+            let class = c.find(Css(&selector)).await.unwrap().attr("class").await.unwrap();
+            row_marked = class.is_some_and(|k| k.split(' ').any(|k| k == "hl"));
+            break;
+        }
+    }
+    c.find(Css("#job-id")).await.unwrap().send_keys(job).await.unwrap();
+    c.find(Css("#job-form button[type=submit]"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    c.wait()
+        .at_most(wait)
+        .for_element(Css("#pager:not([hidden])"))
+        .await
+        .unwrap();
+    let mut paged = Vec::new();
+    for i in 0..2 {
+        if i > 0 {
+            c.find(Css("#next")).await.unwrap().click().await.unwrap();
+        }
+        paged.push((
+            c.find(Css("#position")).await.unwrap().text().await.unwrap(),
+            c.find(Css("#doc-view")).await.unwrap().text().await.unwrap(),
+            c.find_all(Css("#record tbody tr.leaf")).await.unwrap().len(),
+        ));
+    }
+    (rows, marked, row_marked, shot, paged)
 }

@@ -90,6 +90,11 @@ impl RecordResult {
 
     /// The JSONL form: `{id, outcome, data, partial?, error?, fields?}`.
     pub fn json_line(&self, id: &str) -> String {
+        self.json(id).to_string()
+    }
+
+    /// `json_line` as a value, for callers that add to it.
+    pub fn json(&self, id: &str) -> Value {
         let mut line = json!({"id": id, "outcome": self.outcome, "data": self.data});
         if let Some(p) = &self.partial {
             line["partial"] = json!(p);
@@ -100,7 +105,7 @@ impl RecordResult {
         if let Some(f) = &self.fields {
             line["fields"] = json!(f);
         }
-        line.to_string()
+        line
     }
 }
 

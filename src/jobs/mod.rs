@@ -177,6 +177,9 @@ pub trait JobStore: Send + Sync {
     /// The results of the items that have one, in input order, from item `from` on, at most
     /// `limit`, each with its item index.
     fn results(&self, job_id: &str, from: usize, limit: usize) -> Result<Vec<(usize, ItemResult)>>;
+    /// The payloads of the job's items from index `from` up to (not including) `to`, whatever
+    /// their state, by index.
+    fn payloads(&self, job_id: &str, from: usize, to: usize) -> Result<Vec<(usize, String)>>;
     /// Queues the job's failed items again (with a new budget where given); how many.
     fn retry_failed(&self, job_id: &str, max_tokens: Option<usize>) -> Result<usize>;
     /// Marks the job cancelled and ends its queued items with `result` (not ok); items

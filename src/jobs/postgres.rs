@@ -350,6 +350,23 @@ impl JobStore for PostgresStore {
             .collect()
     }
 
+    fn payloads(&self, job_id: &str, from: usize, to: usize) -> Result<Vec<(usize, String)>> {
+        let rows = self.with(|c| {
+            c.query(
+                "SELECT idx, payload FROM quarry_items WHERE job_id = $1 AND idx >= $2 AND idx < $3 ORDER BY idx",
+                &[
+                    &job_id,
+                    &(from.min(i32::MAX as usize) as i32),
+                    &(to.min(i32::MAX as usize) as i32),
+                ],
+            )
+        })?;
+        Ok(rows
+            .into_iter()
+            .map(|r| (r.get::<_, i32>(0) as usize, r.get(1)))
+            .collect())
+    }
+
     fn retry_failed(&self, job_id: &str, max_tokens: Option<usize>) -> Result<usize> {
         let n = self.with(|c| {
             let mut tx = c.transaction()?;

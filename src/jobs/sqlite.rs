@@ -379,6 +379,19 @@ impl JobStore for SqliteStore {
         Ok(out)
     }
 
+    fn payloads(&self, job_id: &str, from: usize, to: usize) -> Result<Vec<(usize, String)>> {
+        let conn = self.conn();
+        let mut stmt = conn
+            .prepare("SELECT idx, payload FROM items WHERE job_id = ?1 AND idx >= ?2 AND idx < ?3 ORDER BY idx")
+            .map_err(backend)?;
+        let rows = stmt
+            .query_map(params![job_id, from as i64, to.min(i64::MAX as usize) as i64], |r| {
+                Ok((r.get::<_, i64>(0)? as usize, r.get::<_, String>(1)?))
+            })
+            .map_err(backend)?;
+        rows.map(|r| r.map_err(backend)).collect()
+    }
+
     fn retry_failed(&self, job_id: &str, max_tokens: Option<usize>) -> Result<usize> {
         self.conn()
             .execute(

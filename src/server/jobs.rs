@@ -80,6 +80,9 @@ pub struct ResultParams {
     /// For CSV, a `<column>__confidence` column after each column: its field's confidence, or
     /// for a cell of JSON the least confidence of the fields in it [default: false].
     pub confidence: Option<bool>,
+    /// For JSONL, each item's `document` too (as the job received it), so that spans can be
+    /// shown in place [default: false].
+    pub documents: Option<bool>,
 }
 
 #[derive(Debug, Deserialize, ToSchema, Default)]
@@ -354,23 +357,35 @@ pub async fn results(
     let (spec, _) = find(&state, &id).await?;
     // Read in pages by item index, so a long job never holds the store for long.
     let page = ROWS_PER_CHUNK * 16;
-    let mut done: Vec<(String, RecordResult)> = Vec::new();
+    let format = params.format.unwrap_or(BatchFormat::Jsonl);
+    let with_documents = params.documents.unwrap_or(false) && matches!(format, BatchFormat::Jsonl);
+    let mut done: Vec<Done> = Vec::new();
     let mut from = 0;
     loop {
         let key = id.clone();
         let rows = store_call(&state, move |s| s.results(&key, from, page)).await?;
         let full = rows.len() == page;
+        let first = from;
         from = rows.last().map_or(from, |r| r.0 + 1);
-        for (_, r) in rows {
+        let mut documents = std::collections::HashMap::new();
+        if with_documents && !rows.is_empty() {
+            let (key, to) = (id.clone(), from);
+            documents.extend(store_call(&state, move |s| s.payloads(&key, first, to)).await?);
+        }
+        for (idx, r) in rows {
             let result = serde_json::from_value(r.result)
                 .map_err(|e| ApiError::internal(format!("job {id} item {}: {e}", r.item_id)))?;
-            done.push((r.item_id, result));
+            done.push(Done {
+                id: r.item_id,
+                result,
+                document: documents.remove(&idx),
+            });
         }
         if !full {
             break;
         }
     }
-    let (content_type, chunks): (&str, Vec<Bytes>) = match params.format.unwrap_or(BatchFormat::Jsonl) {
+    let (content_type, chunks): (&str, Vec<Bytes>) = match format {
         BatchFormat::Jsonl => (
             "application/jsonl",
             done.chunks(ROWS_PER_CHUNK).map(jsonl_chunk).collect(),
@@ -381,7 +396,7 @@ pub async fn results(
                 .with_confidence(params.confidence.unwrap_or(false));
             let mut chunks = vec![csv_rows(&[table.header()])];
             chunks.extend(done.chunks(ROWS_PER_CHUNK).map(|c| {
-                let rows: Vec<Vec<String>> = c.iter().flat_map(|(id, r)| table.rows(id, r)).collect();
+                let rows: Vec<Vec<String>> = c.iter().flat_map(|d| table.rows(&d.id, &d.result)).collect();
                 csv_rows(&rows)
             }));
             ("text/csv; charset=utf-8", chunks)
@@ -391,10 +406,21 @@ pub async fn results(
     Ok(([(header::CONTENT_TYPE, content_type)], Body::from_stream(stream)))
 }
 
-fn jsonl_chunk(results: &[(String, RecordResult)]) -> Bytes {
+/// A finished item as the results stream it.
+struct Done {
+    id: String,
+    result: RecordResult,
+    document: Option<String>,
+}
+
+fn jsonl_chunk(results: &[Done]) -> Bytes {
     let mut out = String::new();
-    for (id, r) in results {
-        out.push_str(&r.json_line(id));
+    for d in results {
+        let mut line = d.result.json(&d.id);
+        if let Some(doc) = &d.document {
+            line["document"] = doc.as_str().into();
+        }
+        out.push_str(&line.to_string());
         out.push('\n');
     }
     Bytes::from(out)

@@ -12,6 +12,7 @@ pub mod metrics;
 pub mod openai;
 pub mod openapi;
 pub mod schemas;
+mod ui;
 
 use std::future::IntoFuture;
 use std::net::SocketAddr;
@@ -107,6 +108,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics::metrics))
         .route("/openapi.json", get(openapi_json))
+        .route("/ui", get(ui::page))
+        .route("/ui/app.js", get(ui::script))
+        .route("/ui/app.css", get(ui::style))
         .merge(protected)
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
