@@ -253,8 +253,9 @@ pub struct FieldReport {
     /// (tokens the schema alone decided do not count); a value the schema fixed is 1. Null
     /// where the tokens were drawn where it is not computed.
     pub confidence: Option<f64>,
-    /// For a string: its character span in the document (matched ignoring case and line
-    /// breaks), or null where the document does not contain it.
+    /// For a string or a number: its character span in the document (strings matched
+    /// ignoring case and line breaks, numbers and dates in the document's spelling), or null
+    /// where the document does not contain it.
     pub span: Option<Span>,
 }
 

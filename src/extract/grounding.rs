@@ -1,13 +1,16 @@
-//! Grounding: for each string leaf of an extracted record, where in the document it came
-//! from. Matching ignores case and treats any run of whitespace as one space, because models
-//! copy values but not always their line breaks or capitals; a value found nowhere (the model
-//! paraphrased or invented it) gets no span, which is the point: it flags what to check.
-//! Spans count characters (Unicode scalar values), not bytes, so that clients in any
-//! language can slice the document with them.
+//! Grounding: for each string and number of an extracted record, where in the document it
+//! came from. Strings match ignoring case and treating any run of whitespace as one space,
+//! because models copy values but not always their line breaks or capitals; a date the record
+//! writes `YYYY-MM-DD` and numbers match by meaning, in whatever spelling the document uses
+//! (`spelling`). A value found nowhere (the model paraphrased or invented it) gets no span,
+//! which is the point: it flags what to check. Spans count characters (Unicode scalar
+//! values), not bytes, so that clients in any language can slice the document with them.
 
 use serde::Serialize;
 use serde_json::Value;
 use utoipa::ToSchema;
+
+use super::spelling::{dates, iso_date, numbers, same_number, DateToken, NumberToken};
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize, ToSchema)]
 pub struct Span {
@@ -74,39 +77,76 @@ impl Folded {
     }
 }
 
-/// Every non-blank string leaf of `data`, in document order of the record. A value that
-/// occurs more than once is taken at its first occurrence after the previous leaf's match
+/// Every non-blank string and every number of `data`, in the record's order. A value that
+/// occurs more than once is taken at its first occurrence after the previous value's match
 /// (records usually follow the document's order), else at its first occurrence.
 pub fn ground(document: &str, data: &Value) -> Vec<Grounding> {
     let doc = fold(document);
-    let mut out = Vec::new();
-    let mut cursor = 0;
+    let chars: Vec<char> = document.chars().collect();
+    let (mut number_tokens, mut date_tokens): (Option<Vec<NumberToken>>, Option<Vec<DateToken>>) = (None, None);
     let mut leaves = Vec::new();
-    strings(data, &mut String::new(), &mut leaves);
-    for (pointer, value) in leaves {
-        let needle = fold(value.trim()).text;
-        let found = doc.text[cursor..]
-            .find(&needle)
-            .map(|at| at + cursor)
-            .or_else(|| doc.text.find(&needle));
-        let span = found.map(|at| {
-            cursor = at + needle.len();
-            doc.span(at, at + needle.len())
-        });
+    values(data, &mut String::new(), &mut leaves);
+    let mut out = Vec::new();
+    // A character of the document: where the previous match ended.
+    let mut cursor = 0;
+    for (pointer, leaf) in leaves {
+        let span = match leaf {
+            Leaf::Text(text) => find_text(&doc, text, cursor).or_else(|| {
+                let date = iso_date(text)?;
+                let tokens = date_tokens.get_or_insert_with(|| dates(&chars));
+                first_from(tokens, cursor, |t| (t.start, t.end), |t| t.dates.contains(&date))
+            }),
+            Leaf::Number(value) => {
+                let tokens = number_tokens.get_or_insert_with(|| numbers(&chars));
+                first_from(tokens, cursor, |t| (t.start, t.end), |t| same_number(value, t))
+            }
+        };
+        if let Some(s) = &span {
+            cursor = s.end;
+        }
         out.push(Grounding { pointer, span });
     }
     out
 }
 
-fn strings<'v>(v: &'v Value, pointer: &mut String, out: &mut Vec<(String, &'v str)>) {
+/// A text's span: its first folded occurrence from character `cursor` on, else its first.
+fn find_text(doc: &Folded, text: &str, cursor: usize) -> Option<Span> {
+    let needle = fold(text.trim()).text;
+    let from = doc.origin.partition_point(|&o| o < cursor);
+    let at = doc.text[from..]
+        .find(&needle)
+        .map(|at| at + from)
+        .or_else(|| doc.text.find(&needle))?;
+    Some(doc.span(at, at + needle.len()))
+}
+
+/// The first token from character `cursor` on that `fits`, else the first anywhere.
+fn first_from<T>(
+    tokens: &[T],
+    cursor: usize,
+    at: impl Fn(&T) -> (usize, usize),
+    fits: impl Fn(&T) -> bool,
+) -> Option<Span> {
+    let later = tokens.iter().find(|t| at(t).0 >= cursor && fits(t));
+    let (start, end) = at(later.or_else(|| tokens.iter().find(|t| fits(t)))?);
+    Some(Span { start, end })
+}
+
+enum Leaf<'v> {
+    Text(&'v str),
+    Number(f64),
+}
+
+fn values<'v>(v: &'v Value, pointer: &mut String, out: &mut Vec<(String, Leaf<'v>)>) {
     let len = pointer.len();
     match v {
-        Value::String(s) if !s.trim().is_empty() => out.push((pointer.clone(), s)),
+        Value::String(s) if !s.trim().is_empty() => out.push((pointer.clone(), Leaf::Text(s))),
+        Value::Number(n) => out.extend(n.as_f64().map(|n| (pointer.clone(), Leaf::Number(n)))),
         Value::Array(a) => {
             for (i, x) in a.iter().enumerate() {
                 pointer.push('/');
                 pointer.push_str(&i.to_string());
-                strings(x, pointer, out);
+                values(x, pointer, out);
                 pointer.truncate(len);
             }
         }
@@ -114,7 +154,7 @@ fn strings<'v>(v: &'v Value, pointer: &mut String, out: &mut Vec<(String, &'v st
             for (k, x) in o {
                 pointer.push('/');
                 pointer.push_str(&k.replace('~', "~0").replace('/', "~1"));
-                strings(x, pointer, out);
+                values(x, pointer, out);
                 pointer.truncate(len);
             }
         }
@@ -134,7 +174,7 @@ mod tests {
     #[test]
     fn finds_values_ignoring_case_and_line_breaks_with_character_offsets() {
         let doc = "Rechnung für Jörg Müller\nACME  GmbH\n  Berlin";
-        let data = json!({"name": "jörg müller", "company": "Acme GmbH\nBerlin", "n": 3, "made_up": "Paris"});
+        let data = json!({"name": "jörg müller", "company": "Acme GmbH\nBerlin", "ok": true, "made_up": "Paris"});
         let g = ground(doc, &data);
         assert_eq!(g.len(), 3, "{g:?}");
         assert_eq!(g[0].pointer, "/name");
@@ -151,6 +191,34 @@ mod tests {
         let spans: Vec<_> = g.iter().map(|g| g.span.clone().unwrap().start).collect();
         assert_eq!(spans, [6, 11, 22, 27]);
         assert_eq!(g[2].pointer, "/items/1/d");
+    }
+
+    #[test]
+    fn numbers_and_dates_are_found_in_the_documents_spelling_in_record_order() {
+        let doc = "INVOICE INV-2291\nDate: 14/03/2025\n2 x Widget A .... 40.00 EUR\n1 x Fee ..... 15.50 EUR\nTOTAL DUE: 55.50 EUR\nPaid March 20, 2025";
+        let data = json!({"number": 2291, "date": "2025-03-14", "lines": [{"qty": 2, "amount": 40}, {"qty": 1, "amount": 15.5}],
+                          "total": 55.5, "paid": "2025-03-20", "tax": 0, "due": "2025-04-01"});
+        let g = ground(doc, &data);
+        let shown: Vec<(&str, Option<String>)> = g
+            .iter()
+            .map(|g| (g.pointer.as_str(), g.span.as_ref().map(|s| slice(doc, s))))
+            .collect();
+        assert_eq!(
+            shown,
+            [
+                ("/number", Some("2291".into())),
+                ("/date", Some("14/03/2025".into())),
+                ("/lines/0/qty", Some("2".into())),
+                ("/lines/0/amount", Some("40.00".into())),
+                // The 1 of "1 x Fee", after the previous match, not the 1 of "14/03".
+                ("/lines/1/qty", Some("1".into())),
+                ("/lines/1/amount", Some("15.50".into())),
+                ("/total", Some("55.50".into())),
+                ("/paid", Some("March 20, 2025".into())),
+                ("/tax", None),
+                ("/due", None),
+            ]
+        );
     }
 
     #[test]

@@ -7,6 +7,7 @@ mod extractor;
 pub mod grounding;
 mod prompt;
 pub mod records;
+pub mod spelling;
 pub mod table;
 pub mod validate;
 

@@ -103,9 +103,11 @@ pub struct ExtractResponse {
     /// handled; and `budget_closed` (keyword `max_tokens`) when the token budget closed the
     /// record early.
     pub notes: Vec<KeywordEntry>,
-    /// With `grounding: true` and outcome `ok`: for each non-blank string of `data`, its
-    /// character span in the document (matched ignoring case and line breaks), or null where
-    /// the document does not contain it.
+    /// With `grounding: true` and outcome `ok`: for each non-blank string and each number of
+    /// `data`, its character span in the document, or null where the document does not
+    /// contain it. Strings match ignoring case and line breaks; numbers and `YYYY-MM-DD` dates
+    /// match in the document's spelling (`55.50` for 55.5, `1.234,50` for 1234.5,
+    /// `March 14, 2025` or `14/03/2025` for 2025-03-14).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub grounding: Option<Vec<Grounding>>,
     /// With outcome `ok`: every leaf of `data` (array elements included; an empty array or
