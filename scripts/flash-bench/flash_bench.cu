@@ -34,6 +34,7 @@ int main(int argc, char** argv) {
     else if (!strcmp(which, "prefill8x512")) picks.assign(8, {512, 512});
     else if (!strcmp(which, "decode64x2k")) picks.assign(64, {2048, 1});
     else if (!strcmp(which, "decode16k")) picks = {{16384, 1}};
+    else if (!strcmp(which, "decode576")) picks = {{576, 1}};
     else { printf("unknown %s\n", which); return 1; }
     int nseq = picks.size(), maxblocks = 0, tokens = 0, maxlen = 0, blocks = 0;
     for (auto& p : picks) { maxblocks = std::max(maxblocks, (p.first + 15) / 16); tokens += p.second; maxlen = std::max(maxlen, p.first); blocks += (p.first + 15) / 16; }
