@@ -1512,6 +1512,22 @@ fn the_spec_validates_and_a_client_generated_from_it_extracts() {
     );
     assert!(out["usage"]["completion_tokens"].as_u64().unwrap() > 0, "{out}");
     assert!(out["grounding"].as_array().is_some_and(|g| !g.is_empty()), "{out}");
+    // The generated client's fields: every leaf with its confidence, and review listing
+    // exactly those under 0.5.
+    let mut leaves = Vec::new();
+    leaf_pointers(&out["data"], String::new(), &mut leaves);
+    let fields = out["fields"].as_array().expect("fields through the client");
+    assert_eq!(fields.len(), leaves.len(), "{out}");
+    let under: Vec<&Value> = fields
+        .iter()
+        .filter(|f| f["confidence"].as_f64().unwrap() < 0.5)
+        .map(|f| &f["pointer"])
+        .collect();
+    assert_eq!(
+        out["review"].as_array().unwrap().iter().collect::<Vec<_>>(),
+        under,
+        "{out}"
+    );
     assert_eq!(out["error_type"], "unknown_schema_id", "{out}");
 }
 

@@ -3,8 +3,9 @@
 
     python examples/python/extract.py [BASE_URL] [API_KEY]
 
-Prints one JSON line: the record, its outcome, usage, grounding, and the error type of a
-request naming an unknown schema. The server tests run it against a live server."""
+Prints one JSON line: the record, its outcome, usage, grounding, each field's confidence and
+span, the fields to review (confidence under 0.5), and the error type of a request naming an
+unknown schema. The server tests run it against a live server."""
 import json
 import os
 import sys
@@ -33,7 +34,7 @@ out = extract.sync(
         document=document,
         schema_id="contact",
         grounding=True,
-        options=ExtractOptions(max_tokens=128),
+        options=ExtractOptions(max_tokens=128, min_confidence=0.5),
     ),
 )
 assert isinstance(out, ExtractResponse), out
@@ -49,6 +50,8 @@ print(
             "data": out.data.to_dict(),
             "usage": out.usage.to_dict(),
             "grounding": [g.to_dict() for g in out.grounding],
+            "fields": [f.to_dict() for f in out.fields],
+            "review": list(out.review),
             "error_type": missing.error.type_,
         }
     )
