@@ -5,6 +5,7 @@ pub mod cli;
 pub mod engine;
 pub mod extract;
 pub mod jobs;
+pub mod logging;
 pub mod model_path;
 pub mod runtime;
 pub mod sampling;

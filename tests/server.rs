@@ -19,6 +19,8 @@ const KEY: &str = "test-key-123";
 struct Server {
     child: Child,
     port: u16,
+    /// Its stderr so far, a line each.
+    log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
     /// Its state directory (the job store), removed with it unless another server shares it.
     state: Option<StateDir>,
 }
@@ -83,17 +85,30 @@ fn start_in(state_dir: &std::path::Path, extra: &[&str]) -> Option<Server> {
         .spawn()
         .expect("start quarry serve");
     let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let port = loop {
         let line = lines.next().expect("the server printed its address").unwrap();
-        if let Some(addr) = line.strip_prefix("quarry: listening on http://") {
+        log.lock().unwrap().push(line.clone());
+        // A text line, or with --log-format json a JSON line whose message it is.
+        let message = serde_json::from_str::<Value>(&line)
+            .ok()
+            .and_then(|v| v["fields"]["message"].as_str().map(str::to_string))
+            .unwrap_or(line);
+        if let Some(addr) = message.strip_prefix("quarry: listening on http://") {
             break addr.rsplit(':').next().unwrap().parse().unwrap();
         }
     };
-    // Keep draining stderr so the server never blocks on a full pipe.
-    std::thread::spawn(move || for _ in lines {});
+    // Keep reading stderr so the server never blocks on a full pipe.
+    let kept = log.clone();
+    std::thread::spawn(move || {
+        for line in lines.map_while(Result::ok) {
+            kept.lock().unwrap().push(line);
+        }
+    });
     Some(Server {
         child,
         port,
+        log,
         state: None,
     })
 }
@@ -1697,6 +1712,7 @@ fn health_tells_starting_from_ready() {
     let mut server = Server {
         child,
         port,
+        log: Default::default(),
         state: Some(state),
     };
     let mut seen = Vec::new();
@@ -2014,4 +2030,58 @@ async fn drive(
         ));
     }
     (rows, marked, row_marked, shot, paged)
+}
+
+/// With `--log-format json` every log line is a JSON object, and a request's lines carry its
+/// id: the caller's `X-Request-Id`, or one the server makes; the response names it either way.
+#[test]
+fn json_logs_carry_each_requests_id() {
+    let Some(server) = start(&["--log-format", "json"]) else {
+        return;
+    };
+    let get = |extra: &str| {
+        let mut s = TcpStream::connect(("127.0.0.1", server.port)).unwrap();
+        write!(
+            s,
+            "GET /schemas HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {KEY}\r\n{extra}Connection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut raw = String::new();
+        s.read_to_string(&mut raw).unwrap();
+        let head = raw.split_once("\r\n\r\n").unwrap().0.to_ascii_lowercase();
+        head.lines()
+            .find_map(|l| l.strip_prefix("x-request-id: ").map(str::to_string))
+            .expect("an x-request-id in the response")
+    };
+    assert_eq!(get("X-Request-Id: trace-me-42\r\n"), "trace-me-42");
+    let made = get("");
+    assert!(!made.is_empty() && made != "trace-me-42");
+    // A header no log should carry (a space) is replaced.
+    assert_ne!(get("X-Request-Id: two words\r\n"), "two words");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let done = |id: &str| {
+        server.log.lock().unwrap().iter().find_map(|l| {
+            let v: Value = serde_json::from_str(l).ok()?;
+            (v["span"]["id"] == id && v["fields"]["message"] == "quarry: request done").then_some(v)
+        })
+    };
+    let (mine, theirs) = loop {
+        if let (Some(a), Some(b)) = (done("trace-me-42"), done(&made)) {
+            break (a, b);
+        }
+        assert!(Instant::now() < deadline, "{:?}", server.log.lock().unwrap());
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    for v in [&mine, &theirs] {
+        assert_eq!(v["fields"]["status"], 200, "{v}");
+        assert_eq!(
+            (v["span"]["method"].as_str(), v["span"]["path"].as_str()),
+            (Some("GET"), Some("/schemas")),
+            "{v}"
+        );
+        assert_eq!(v["level"], "INFO", "{v}");
+    }
+    for line in server.log.lock().unwrap().iter() {
+        assert!(serde_json::from_str::<Value>(line).is_ok(), "not JSON: {line}");
+    }
 }

@@ -25,6 +25,10 @@ use crate::tokenizer::Tokenizer;
 pub struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// How log lines are written on stderr: `text` (the message alone, with the request's id
+    /// where one is served) or `json` (one object a line, with time, level and request id).
+    #[arg(long, global = true, value_enum, default_value_t = crate::logging::LogFormat::Text)]
+    log_format: crate::logging::LogFormat,
 }
 
 #[derive(Subcommand)]
@@ -349,6 +353,7 @@ fn cache_key(path: &std::path::Path) -> u64 {
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
+    crate::logging::init(cli.log_format);
     match cli.command {
         Command::Generate(args) => generate::run(args),
         Command::Extract(args) => extract::run(args),

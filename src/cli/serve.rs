@@ -117,7 +117,7 @@ fn app_state(
     let (engine, tokenizer) = model_args.engine()?;
     let model = model_args.model_name();
     let device = engine.backend().device_name();
-    eprintln!("quarry: model {model} on {device}");
+    tracing::info!("quarry: model {model} on {device}");
     let mut metrics = server::metrics::Metrics::default();
     metrics.register_device(&device);
     Ok(Arc::new(AppState {
@@ -152,7 +152,7 @@ pub fn worker(mut args: WorkerArgs) -> anyhow::Result<()> {
         "a worker needs --job-concurrency of at least 1"
     );
     let state = app_state(&args.model, &args.schemas, &args.jobs, Vec::new(), usize::MAX)?;
-    eprintln!("quarry: worker {} on the job store", state.jobs.owner());
+    tracing::info!("quarry: worker {} on the job store", state.jobs.owner());
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(server::work(state))
 }

@@ -232,7 +232,7 @@ fn run(mut core: EngineCore, commands: mpsc::Receiver<Command>, stats: Arc<Mutex
             Ok(outputs) => outputs,
             // The backend failed: every request ends as `internal`, and the engine goes on.
             Err(e) => {
-                eprintln!("engine step failed: {e}");
+                tracing::error!("quarry: engine step failed: {e}");
                 core.fail_all()
             }
         };

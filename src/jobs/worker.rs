@@ -161,7 +161,7 @@ impl Worker {
                     c
                 }
                 Err(e) => {
-                    eprintln!("quarry: job store: {e}; trying again in {backoff:?}");
+                    tracing::warn!("quarry: job store: {e}; trying again in {backoff:?}");
                     tokio::select! {
                         _ = &mut stopped => break,
                         _ = tokio::time::sleep(backoff) => {}
@@ -196,7 +196,7 @@ impl Worker {
         janitor.abort();
         let (me, store) = (self.clone(), self.store.clone());
         if let Err(e) = blocking(move || store.release(&me.owner)).await {
-            eprintln!("quarry: job store: {e}; this process's items go back when their leases run out");
+            tracing::warn!("quarry: job store: {e}; this process's items go back when their leases run out");
         }
     }
 
@@ -243,16 +243,18 @@ impl Worker {
             match blocking(move || store.complete(&owner, &a, ok, &r)).await {
                 Ok(_) => return,
                 Err(e) if self.giving_up() => {
-                    eprintln!(
+                    tracing::warn!(
                         "quarry: job store: {e}; stopping without {} item {}'s result: the item runs again elsewhere",
-                        attempt.job_id, attempt.index
+                        attempt.job_id,
+                        attempt.index
                     );
                     return;
                 }
                 Err(e) => {
-                    eprintln!(
+                    tracing::warn!(
                         "quarry: job store: {e}; writing {} item {} again in {backoff:?}",
-                        attempt.job_id, attempt.index
+                        attempt.job_id,
+                        attempt.index
                     );
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(MAX_BACKOFF);
@@ -280,7 +282,7 @@ impl Worker {
                 }
                 Err(_) if self.giving_up() => return None,
                 Err(e) => {
-                    eprintln!("quarry: job store: {e}; trying again in {backoff:?}");
+                    tracing::warn!("quarry: job store: {e}; trying again in {backoff:?}");
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(MAX_BACKOFF);
                 }
@@ -299,14 +301,14 @@ impl Worker {
             match blocking(move || store.expire(before)).await {
                 Ok((0, 0)) => {}
                 Ok((jobs, files)) => {
-                    eprintln!(
+                    tracing::info!(
                         "quarry: job store: deleted {jobs} finished job(s) and {files} file(s) past the retention"
                     );
                     if jobs == 100 {
                         continue; // more are due: the next pass at once
                     }
                 }
-                Err(e) => eprintln!("quarry: job store: {e}; expired jobs not deleted"),
+                Err(e) => tracing::warn!("quarry: job store: {e}; expired jobs not deleted"),
             }
             tokio::time::sleep(every).await;
         }
@@ -323,7 +325,7 @@ impl Worker {
             }
             let (store, owner, lease) = (self.store.clone(), self.owner.clone(), self.config.lease);
             if let Err(e) = blocking(move || store.heartbeat(&owner, &attempts, lease)).await {
-                eprintln!("quarry: job store: {e}; leases not renewed");
+                tracing::warn!("quarry: job store: {e}; leases not renewed");
             }
         }
     }

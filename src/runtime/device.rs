@@ -123,7 +123,7 @@ impl DeviceChoice {
             DeviceChoice::Auto => match cuda_devices() {
                 Ok(_) => Ok(Device::Cuda(0)),
                 Err(why) => {
-                    eprintln!("quarry: running on the CPU: {why}");
+                    tracing::warn!("quarry: running on the CPU: {why}");
                     Ok(Device::Cpu)
                 }
             },

@@ -11,6 +11,7 @@ mod linger;
 pub mod metrics;
 pub mod openai;
 pub mod openapi;
+mod request_id;
 pub mod schemas;
 mod ui;
 
@@ -115,6 +116,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(middleware::from_fn(linger::linger))
+        .layer(middleware::from_fn(request_id::request_id))
         .with_state(state)
 }
 
@@ -132,7 +134,7 @@ pub async fn serve_when_ready(
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
     let local = listener.local_addr()?;
-    eprintln!("quarry: starting on http://{local}");
+    tracing::info!("quarry: starting on http://{local}");
     let api: Arc<std::sync::OnceLock<Router>> = Arc::default();
     let front = Router::new().fallback(until_ready).with_state(api.clone());
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -158,13 +160,13 @@ pub async fn serve_when_ready(
     let _ = api.set(router(state.clone()));
     // Tests and scripts read this line to find the port (`--port 0` picks a free one): from
     // here on the API answers.
-    eprintln!("quarry: listening on http://{local}");
+    tracing::info!("quarry: listening on http://{local}");
     let worker = spawn_worker(&state);
     tokio::select! {
         _ = shutdown_signal() => {}
         ended = &mut serving => return Ok(ended??),
     }
-    eprintln!("quarry: draining running requests");
+    tracing::info!("quarry: draining running requests");
     // No new job items from the signal on (open streams may keep the server up a while):
     // those in flight finish and are written, the rest stay queued.
     state.jobs.stop();
@@ -230,7 +232,7 @@ fn failed_item(job: &crate::jobs::JobSpec, message: &str) -> serde_json::Value {
 pub async fn work(state: Arc<AppState>) -> anyhow::Result<()> {
     let worker = spawn_worker(&state);
     shutdown_signal().await;
-    eprintln!("quarry: finishing the job items in flight");
+    tracing::info!("quarry: finishing the job items in flight");
     state.jobs.stop();
     let _ = worker.await;
     tokio::task::spawn_blocking(move || state.extractor.client.shutdown()).await?;

@@ -161,7 +161,7 @@ impl EngineCore {
         if let Some(e) = failed {
             // Guesses only ever save time: without the draft model the requests decode as they
             // would have, so its failure costs the speed-up, never a request.
-            eprintln!("quarry: the draft model failed ({e}); decoding on without it");
+            tracing::warn!("quarry: the draft model failed ({e}); decoding on without it");
             self.draft_model = None;
             self.draft_model_failures += 1;
         }
