@@ -41,36 +41,28 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// Maximum over the whole block (at most 1024 threads); every thread gets it.
-__device__ __forceinline__ float block_max(float v) {
+// Maximum (MAX) or sum over the whole block (at most 1024 threads); every thread gets it.
+template <bool MAX>
+__device__ __forceinline__ float block_reduce(float v) {
     __shared__ float partial[32];
     __shared__ float total;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_max(v);
+    v = MAX ? warp_max(v) : warp_sum(v);
     if (lane == 0) partial[warp] = v;
     __syncthreads();
     if (warp == 0) {
-        float m = lane < (int)((blockDim.x + 31) >> 5) ? partial[lane] : NEG_INF;
-        m = warp_max(m);
-        if (lane == 0) total = m;
+        float r = lane < (int)((blockDim.x + 31) >> 5) ? partial[lane] : (MAX ? NEG_INF : 0.0f);
+        r = MAX ? warp_max(r) : warp_sum(r);
+        if (lane == 0) total = r;
     }
     __syncthreads();
     return total;
 }
 
-// Sum over the whole block (at most 1024 threads); every thread gets the total.
+__device__ __forceinline__ float block_max(float v) {
+    return block_reduce<true>(v);
+}
+
 __device__ __forceinline__ float block_sum(float v) {
-    __shared__ float partial[32];
-    __shared__ float total;
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_sum(v);
-    if (lane == 0) partial[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        float s = lane < (int)((blockDim.x + 31) >> 5) ? partial[lane] : 0.0f;
-        s = warp_sum(s);
-        if (lane == 0) total = s;
-    }
-    __syncthreads();
-    return total;
+    return block_reduce<false>(v);
 }
