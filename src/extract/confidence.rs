@@ -195,7 +195,7 @@ impl Walk<'_> {
                     self.eat(b':')?;
                     let len = pointer.len();
                     pointer.push('/');
-                    pointer.push_str(&key.replace('~', "~0").replace('/', "~1"));
+                    pointer.push_str(&super::pointer_token(&key));
                     self.value(pointer)?;
                     pointer.truncate(len);
                     self.decisions.truncate(held);

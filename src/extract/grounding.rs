@@ -153,7 +153,7 @@ fn values<'v>(v: &'v Value, pointer: &mut String, out: &mut Vec<(String, Leaf<'v
         Value::Object(o) => {
             for (k, x) in o {
                 pointer.push('/');
-                pointer.push_str(&k.replace('~', "~0").replace('/', "~1"));
+                pointer.push_str(&super::pointer_token(k));
                 values(x, pointer, out);
                 pointer.truncate(len);
             }

@@ -16,3 +16,8 @@ pub use extractor::{
 };
 
 pub use prompt::{prompt, PromptLayout};
+
+/// An object key as a JSON pointer's reference token (RFC 6901: `~` as `~0`, `/` as `~1`).
+pub fn pointer_token(key: &str) -> String {
+    key.replace('~', "~0").replace('/', "~1")
+}

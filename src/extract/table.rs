@@ -127,7 +127,7 @@ fn pointer(prefix: &[String], path: &[String]) -> String {
     prefix
         .iter()
         .chain(path)
-        .map(|k| format!("/{}", k.replace('~', "~0").replace('/', "~1")))
+        .map(|k| format!("/{}", super::pointer_token(k)))
         .collect()
 }
 
