@@ -6,12 +6,12 @@
 // rows, token-major: row r is token r / group, head r % group. A block takes 64 consecutive rows
 // of one sequence and one KV head (an "item" from the host), so the heads of a group share
 // every read of a K or V tile; each of its 4 warps owns 16 rows. Decode (one token, a group of
-// 1 to 8 heads) fills one warp; the others help load.
+// 1 to 8 heads) fills one warp; the others help load (and on Hopper take part in the mma).
 //
 // Keys. Tiles of 64 keys at absolute positions 64i, loaded through the block table (blocks of 16
 // tokens, each sequence's row padded to a multiple of 4 entries) into shared memory by cp.async,
-// two stages deep. Scores are bf16 mma.sync (m16n8k16) with f32
-// accumulation; the online softmax runs in base 2; the probabilities, rounded to bf16, multiply
+// two stages deep. Scores are bf16 mma (wgmma on Hopper, else mma.sync m16n8k16: the same bits)
+// with f32 accumulation; the online softmax runs in base 2; the probabilities, rounded to bf16, multiply
 // V on the tensor cores too. A row ignores keys past its position (causal), and a tile with
 // none of its keys leaves its state exactly as it was, so where a row's tile ends does not
 // matter.
@@ -143,6 +143,118 @@ __device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const bf16* k_cach
     }
 }
 
+// Hopper (sm_90a, which the host asks NVRTC for on compute capability 9.0): the scores and the
+// values' product on wgmma, the warpgroup-wide asynchronous mma, B read from shared memory by
+// descriptor. A is this warp's 16 rows as the mma.sync A fragment and d is in the mma.sync C
+// layout, so the fragments of every other step are those of the mma.sync path; and the sums come
+// out the same bits as that path's chains of m16n8k16 (scripts/flash-bench compares them), so a
+// row does not depend on which path computed it either. The block's 4 warps are one warpgroup of
+// 64 rows, FA_ROWS.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FA_WGMMA 1
+#else
+#define FA_WGMMA 0
+#endif
+
+#if FA_WGMMA
+__device__ __forceinline__ void wgmma_fence() {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void wgmma_commit_and_wait() {
+    asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+
+// Keeps the compiler from moving reads or writes of accumulators across an asynchronous mma.
+template <int N>
+__device__ __forceinline__ void wgmma_pin(float (&d)[N][4]) {
+#pragma unroll
+    for (int j = 0; j < N; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) asm volatile("" : "+f"(d[j][e])::"memory");
+}
+
+// A matrix in shared memory in the 128-byte swizzle: 8-row groups sbo bytes apart, panels of
+// 128-byte rows lbo bytes apart (where the layout has more than one along the operand's width).
+__device__ __forceinline__ u64 smem_desc_sw128(const void* p, u32 lbo, u32 sbo) {
+    return (u64)((smem_u32(p) & 0x3FFFFu) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) | (1ull << 62);
+}
+
+// d += a * b for 64 rows and N columns of 16 k; TNSP_B: b is stored N-major (k rows of N).
+template <int TNSP_B>
+__device__ __forceinline__ void wgmma_n64(float (&d)[8][4], const u32* a, u64 desc) {
+    asm volatile(
+        "{\n .reg .pred acc;\n setp.ne.b32 acc, %37, 0;\n"
+        " wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, {%32, %33, %34, %35}, %36, acc, 1, 1, %38;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+          "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1), "n"(TNSP_B));
+}
+
+template <int TNSP_B>
+__device__ __forceinline__ void wgmma_n128(float (&d)[16][4], const u32* a, u64 desc) {
+    asm volatile(
+        "{\n .reg .pred acc;\n setp.ne.b32 acc, %69, 0;\n"
+        " wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, {%64, %65, %66, %67}, %68, acc, 1, 1, %70;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+          "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
+          "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
+          "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
+          "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
+          "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
+          "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
+          "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
+          "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
+          "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1), "n"(TNSP_B));
+}
+
+// A tile in the 128-byte swizzle wgmma reads: D / 64 panels of 64 dimensions, each 64 keys of
+// 128 bytes; key r's 16-byte piece c of a panel lies at r * 128 + (c ^ (r % 8)) * 16, so the 8
+// rows of a core matrix fall in distinct banks, for the mma and for these copies alike.
+// Threads take the pieces as load_tile does.
+template <int D>
+__device__ __forceinline__ void load_tile_swizzled(bf16* ks, bf16* vs, const bf16* k_cache, const bf16* v_cache,
+                                                   uint4 blocks, u32 kv_size, int kv_head, int k0, int last) {
+    constexpr int CHUNKS = D / 8;
+    constexpr int STEP = FA_THREADS / CHUNKS;
+    static_assert(FA_BLOCK % STEP == 0, "a pass of keys lies in one KV block");
+    const u32 block_of[4] = {blocks.x, blocks.y, blocks.z, blocks.w};
+    int c = threadIdx.x % CHUNKS, key = threadIdx.x / CHUNKS;
+    u32 col = (u32)kv_head * D + c * 8;
+#pragma unroll
+    for (int p = 0; p < FA_KEYS / STEP; p++) {
+        int r = p * STEP + key;
+        u32 slot = block_of[p * STEP / FA_BLOCK] * FA_BLOCK + (p * STEP) % FA_BLOCK + key;
+        bool in = k0 + r <= last;
+        u32 off = in ? slot * kv_size + col : 0u;
+        int dst = (c / 8) * (FA_KEYS * 64) + r * 64 + ((c % 8) ^ (r & 7)) * 8;
+        cp_async16(ks + dst, k_cache + off, in ? 16 : 0);
+        cp_async16(vs + dst, v_cache + off, in ? 16 : 0);
+    }
+}
+#endif
+
 // The maximum (MAX) or sum of this thread's 16 values of row rr in a tile of scores, as a
 // tree: dependent chains of 4 operations, not 16.
 template <bool MAX>
@@ -168,7 +280,7 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
     constexpr int TILE = FA_KEYS * STRIDE;
     constexpr int NT = D / 8;   // 8-wide column tiles of the output
     constexpr int KC = D / 16;  // 16-wide chunks of a head
-    extern __shared__ __align__(16) unsigned char fa_smem[];
+    extern __shared__ __align__(1024) unsigned char fa_smem[];  // the swizzle repeats every 1024 bytes
     bf16* stages = reinterpret_cast<bf16*>(fa_smem);                                 // [2][K, V]
     // [warps][16][RUN_STRIDE]: 8 floats of pad put a thread group's float2s in distinct banks.
     constexpr int RUN_STRIDE = D + 8;
@@ -188,7 +300,8 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
 
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int g = lane >> 2, t = lane & 3;
-    bool warp_active = row0 + warp * 16 < row_end;
+    // A warpgroup's mma needs every warp, rows or not (missing rows are masked out).
+    bool warp_active = FA_WGMMA || row0 + warp * 16 < row_end;
     // This thread's two rows: g and g + 8 of its warp's sixteen.
     int tok[2], head[2], pos[2];
 #pragma unroll
@@ -238,14 +351,22 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
     // A tile's KV blocks are read from the table a tile ahead of its copy, so the copy never
     // waits on that read.
     auto blocks_of = [&](int k0) { return *reinterpret_cast<const uint4*>(table + k0 / FA_BLOCK); };
+#if FA_WGMMA
+    load_tile_swizzled<D>(stages, stages + TILE, k_cache, v_cache, blocks_of(first_key), kv_size, kv_head, first_key, last);
+#else
     load_tile<D>(stages, stages + TILE, k_cache, v_cache, blocks_of(first_key), kv_size, kv_head, first_key, last);
+#endif
     cp_async_commit();
     uint4 upcoming = tiles > 1 ? blocks_of(first_key + FA_KEYS) : make_uint4(0, 0, 0, 0);
     for (int i = 0; i < tiles; i++) {
         int k0 = first_key + i * FA_KEYS;
         if (i + 1 < tiles) {
             bf16* next = stages + ((i + 1) & 1) * 2 * TILE;
+#if FA_WGMMA
+            load_tile_swizzled<D>(next, next + TILE, k_cache, v_cache, upcoming, kv_size, kv_head, k0 + FA_KEYS, last);
+#else
             load_tile<D>(next, next + TILE, k_cache, v_cache, upcoming, kv_size, kv_head, k0 + FA_KEYS, last);
+#endif
             if (i + 2 < tiles) upcoming = blocks_of(k0 + 2 * FA_KEYS);
         }
         cp_async_commit();
@@ -259,6 +380,16 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
             for (int j = 0; j < 8; j++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) s[j][e] = 0.0f;
+#if FA_WGMMA
+            // Chunk c of the head: panel c / 4, 32 bytes into its rows per 16 dimensions.
+            wgmma_pin(s);
+            wgmma_fence();
+#pragma unroll
+            for (int c = 0; c < KC; c++)
+                wgmma_n64<0>(s, qf[c], smem_desc_sw128(ks + (c / 4) * FA_KEYS * 64 + (c % 4) * 16, 16, 1024));
+            wgmma_commit_and_wait();
+            wgmma_pin(s);
+#else
             int mi = lane >> 3;
 #pragma unroll
             for (int c = 0; c < KC; c++) {
@@ -271,6 +402,7 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
                     mma_bf16(s[2 * np + 1], qf[c], b2, b3);
                 }
             }
+#endif
             // Element e of column tile j: row g + 8 * (e >> 1), key k0 + 8j + 2t + (e & 1). Tiles
             // wholly before every row of the warp skip the causal mask (the same values result).
             // The maxima are taken on the raw scores (scaling by a positive constant keeps their
@@ -313,6 +445,29 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
                 }
             }
             // The scores' accumulator layout is the A fragment layout of P for 16 keys at a time.
+#if FA_WGMMA
+            // V is N-major here: 16 keys a step (2048 bytes), panels of 64 dimensions apart.
+            u32 pa[4][4];
+#pragma unroll
+            for (int kc = 0; kc < 4; kc++) {
+                pa[kc][0] = pack_bf16x2(s[2 * kc][0], s[2 * kc][1]);
+                pa[kc][1] = pack_bf16x2(s[2 * kc][2], s[2 * kc][3]);
+                pa[kc][2] = pack_bf16x2(s[2 * kc + 1][0], s[2 * kc + 1][1]);
+                pa[kc][3] = pack_bf16x2(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+            }
+            wgmma_pin(acc);
+            wgmma_fence();
+#pragma unroll
+            for (int kc = 0; kc < 4; kc++) {
+                u64 desc = smem_desc_sw128(vs + kc * 16 * 64, FA_KEYS * 128, 1024);
+                if constexpr (D == 128)
+                    wgmma_n128<1>(acc, pa[kc], desc);
+                else
+                    wgmma_n64<1>(acc, pa[kc], desc);
+            }
+            wgmma_commit_and_wait();
+            wgmma_pin(acc);
+#else
 #pragma unroll
             for (int kc = 0; kc < 4; kc++) {
                 u32 pa[4] = {pack_bf16x2(s[2 * kc][0], s[2 * kc][1]), pack_bf16x2(s[2 * kc][2], s[2 * kc][3]),
@@ -327,6 +482,7 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
                     mma_bf16(acc[2 * dp + 1], pa, b2, b3);
                 }
             }
+#endif
         }
         __syncthreads();
 
@@ -387,7 +543,6 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
             if (tok[rr] < 0) continue;
             const float2* row = reinterpret_cast<const float2*>(run + (g + 8 * rr) * RUN_STRIDE + 2 * t);
             u32* o = reinterpret_cast<u32*>(out + tok[rr] * q_stride + head[rr] * D + 2 * t);
-#pragma unroll
             float inv = __frcp_rn(L[rr]);
 #pragma unroll
             for (int j = 0; j < NT; j++) {

@@ -79,11 +79,13 @@ extern "C" __global__ void gemv_bf16(const bf16* __restrict__ x, const bf16* __r
 // 32 in turn (warp w: blocks w, w + W, ...), summed in warp order at the end. A lane reads 16 bytes of each of its two columns and 16 bytes of its row of
 // x per k-block: the 32 k of a block are permuted alike on both sides (lane t holds k 8t..8t+7,
 // which the mma sees as its k 2t, 2t+1, 2t+8, 2t+9 of two steps), which leaves the product
-// unchanged. Eight k-blocks of loads are in flight per warp. Every row's sum over k is taken in
+// unchanged. Four k-blocks of loads are in flight per warp. Every row's sum over k is taken in
 // the same order whatever the number of rows.
 #define GEMV_MMA_COLS 16
 #define GEMV_MMA_MAX_WARPS 16
-#define GEMV_MMA_UNROLL 8
+#ifndef GEMV_MMA_UNROLL  // a variant may set it (scripts/flash-bench/gemv_bench.cu)
+#define GEMV_MMA_UNROLL 4
+#endif
 
 __device__ __forceinline__ void mma_m16n8k16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm volatile(
@@ -162,3 +164,4 @@ extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32)
         }
     }
 }
+

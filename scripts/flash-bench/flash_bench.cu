@@ -4,7 +4,7 @@
 // speed and for bits (`run` does both). Random bf16 data, sequential KV blocks, the host's
 // items and split choice (src/runtime/cuda/attention.rs) redone here; NOMERGE=1 leaves split
 // mode's merge out of the timing.
-//   nvcc -O3 -arch=sm_90 -std=c++17 -DFA_SRC='"../../kernels/flash_attention.cu"' flash_bench.cu
+//   nvcc -O3 -gencode arch=compute_90a,code=sm_90a -std=c++17 -DFA_SRC='"../../kernels/flash_attention.cu"' flash_bench.cu
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -35,6 +35,8 @@ int main(int argc, char** argv) {
     else if (!strcmp(which, "decode64x2k")) picks.assign(64, {2048, 1});
     else if (!strcmp(which, "decode16k")) picks = {{16384, 1}};
     else if (!strcmp(which, "decode576")) picks = {{576, 1}};
+    else if (!strcmp(which, "verify64x2k")) picks.assign(64, {2048, 4});
+    else if (!strcmp(which, "decode128x300")) picks.assign(128, {300, 1});
     else { printf("unknown %s\n", which); return 1; }
     int nseq = picks.size(), maxblocks = 0, tokens = 0, maxlen = 0, blocks = 0;
     for (auto& p : picks) { maxblocks = std::max(maxblocks, (p.first + 15) / 16); tokens += p.second; maxlen = std::max(maxlen, p.first); blocks += (p.first + 15) / 16; }

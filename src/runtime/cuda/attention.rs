@@ -293,6 +293,44 @@ fn launch_general(
 mod tests {
     use super::*;
 
+    /// The value of `#define NAME expr` in the kernel's source, for sums of products of
+    /// integers and earlier defines.
+    fn kernel_define(source: &str, name: &str) -> usize {
+        let line = source
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("#define {name} ")))
+            .unwrap_or_else(|| panic!("no #define {name}"));
+        let expr = line
+            .split("//")
+            .next()
+            .unwrap()
+            .trim()
+            .trim_start_matches('(')
+            .trim_end_matches(')');
+        expr.split('+')
+            .map(|term| {
+                term.split('*')
+                    .map(|f| {
+                        let f = f.trim();
+                        f.parse().unwrap_or_else(|_| kernel_define(source, f))
+                    })
+                    .product::<usize>()
+            })
+            .sum()
+    }
+
+    /// The host's copies of the kernel's sizes: a wrong one would misplace items or cut
+    /// partitions where the kernel does not.
+    #[test]
+    fn host_constants_match_the_flash_kernel() {
+        let source = include_str!("../../../kernels/flash_attention.cu");
+        assert_eq!(kernel_define(source, "FA_BLOCK"), FLASH_BLOCK);
+        assert_eq!(kernel_define(source, "FA_ROWS"), FLASH_ROWS);
+        assert_eq!(kernel_define(source, "FA_KEYS"), FLASH_KEYS);
+        assert_eq!(kernel_define(source, "FA_PART"), FLASH_PART);
+        assert_eq!(kernel_define(source, "FA_THREADS"), FLASH_THREADS as usize);
+    }
+
     #[test]
     fn long_contexts_of_few_tokens_are_split_and_big_batches_are_not() {
         // One decode token, 32 heads, 576 keys: 9 partitions of 64.

@@ -175,9 +175,11 @@ const GEMV_WARPS: usize = 8;
 /// kernels/gemv.cu's GEMV_MMA_COLS.
 const GEMV_MMA_COLS: usize = 16;
 
-/// Warps per block of the tensor-core GEMV. 16 where blocks are few (the 8B shape's q|k|v and o)
-/// read slower on the H200 (q|k|v 79% -> 67% of the copy bandwidth, o 68% -> 65%).
-const GEMV_MMA_WARPS: usize = 8;
+/// Warps per block of the tensor-core GEMV. With four k-blocks of loads in flight a warp, 16
+/// warps read the 8B shape's weights faster than 8 warps with eight (scripts/flash-bench/gemv-run
+/// on an H200, 1 row: q|k|v 77% -> 80% of the copy bandwidth, o 75% -> 77%, down 96% -> 97%,
+/// gate|up 95% -> 96%); sixteen k-blocks in flight lose (57-68%).
+const GEMV_MMA_WARPS: usize = 16;
 
 /// The product's element type: f32 feeds the kernels that follow in full precision.
 #[derive(Clone, Copy, PartialEq, Eq)]

@@ -112,22 +112,47 @@ pub struct SampleParams {
 // SAFETY: plain old data with the C layout the kernel reads.
 unsafe impl cudarc::driver::DeviceRepr for SampleParams {}
 
+/// The architecture NVRTC compiles for: compute capability 9.0 as sm_90a, whose wgmma the flash
+/// attention kernel uses (PTX for sm_90a loads only on 9.0 devices, the only ones it is built
+/// for); others as they are.
+pub fn nvrtc_arch(major: i32, minor: i32) -> String {
+    if (major, minor) == (9, 0) {
+        "90a".into()
+    } else {
+        format!("{major}{minor}")
+    }
+}
+
+/// The PTX NVRTC makes of one kernel file for `arch` (uncached).
+#[cfg(test)]
+pub fn ptx_of(file: &str, arch: &str) -> Result<String> {
+    let (_, source, _) = SOURCES
+        .iter()
+        .find(|(f, _, _)| *f == file)
+        .ok_or_else(|| RuntimeError::Device(format!("no kernel file {file}")))?;
+    Ok(compiled(file, source, arch, driver_version(), false)?.0.to_src())
+}
+
 impl Kernels {
     pub fn load(ctx: &Arc<CudaContext>) -> Result<Self> {
         let (major, minor) = ctx
             .compute_capability()
             .map_err(|e| RuntimeError::Device(format!("reading the compute capability: {e}")))?;
-        let arch = format!("{major}{minor}");
+        Self::load_for(ctx, &nvrtc_arch(major, minor))
+    }
+
+    /// `load` for the NVRTC architecture `arch` (on Hopper, "90" gives the kernels without wgmma).
+    pub fn load_for(ctx: &Arc<CudaContext>, arch: &str) -> Result<Self> {
         let driver = driver_version();
         let mut functions = std::collections::HashMap::new();
         for (file, source, names) in SOURCES {
-            let (ptx, cached) = compiled(file, source, &arch, driver, true)?;
+            let (ptx, cached) = compiled(file, source, arch, driver, true)?;
             let module = match (ctx.load_module(ptx), cached) {
                 (Ok(m), _) => m,
                 // A damaged cache entry: dropped and compiled again.
                 (Err(_), Some(path)) => {
                     let _ = std::fs::remove_file(&path);
-                    let (ptx, _) = compiled(file, source, &arch, driver, false)?;
+                    let (ptx, _) = compiled(file, source, arch, driver, false)?;
                     ctx.load_module(ptx)
                         .map_err(|e| RuntimeError::Device(format!("loading kernels/{file}: {e}")))?
                 }

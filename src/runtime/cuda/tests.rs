@@ -414,6 +414,11 @@ impl KvFixture {
 
     /// The attention output of every query row of `picks`, as bf16 bits.
     fn run(&self, g: &Gpu, picks: &[(usize, usize, usize)], mode: Mode) -> Vec<u16> {
+        self.run_with(g, &g.k, picks, mode)
+    }
+
+    /// `run` on the kernels `k`.
+    fn run_with(&self, g: &Gpu, k: &Kernels, picks: &[(usize, usize, usize)], mode: Mode) -> Vec<u16> {
         let batch = self.batch(picks);
         let q_size = self.heads * self.head_dim;
         let mut q = Vec::new();
@@ -443,7 +448,7 @@ impl KvFixture {
         let buffers = [g.p(&q_d), g.p(&out), g.p(&self.kc), g.p(&self.vc)];
         let args = d.args(g, buffers, self.heads, self.kv_heads, self.head_dim);
         let (tokens, max_len) = (d.tokens, d.max_len);
-        attention::launch(&g.stream, &g.k, &args, plan, tokens, max_len, g.p(&partials)).unwrap();
+        attention::launch(&g.stream, k, &args, plan, tokens, max_len, g.p(&partials)).unwrap();
         g.stream.synchronize().unwrap();
         g.stream.clone_dtoh(&out).unwrap()
     }
@@ -582,6 +587,45 @@ fn attention_is_bitwise_the_same_alone_in_any_batch_and_in_any_chunking() {
             whole[699 * q_size..] == decode[..],
             "{what}: a prefill's last row differs from its decode"
         );
+    }
+}
+
+/// On compute capability 9.0 the flash kernel is compiled for sm_90a and multiplies on wgmma;
+/// compiled for sm_90 it takes its mma.sync path. Both give the same bits for every kind of row
+/// (decode tokens, prefill chunks against a prefix, speculative checks, a mixed batch), whole and
+/// split.
+#[test]
+fn flash_attention_on_wgmma_gives_the_bits_of_its_mma_sync_path() {
+    let Some(g) = gpu() else { return };
+    let (major, minor) = g._ctx.compute_capability().unwrap();
+    if (major, minor) != (9, 0) {
+        // Elsewhere there is one path, compiled as it always was.
+        assert_eq!(kernels::nvrtc_arch(major, minor), format!("{major}{minor}"));
+        return;
+    }
+    assert!(kernels::ptx_of("flash_attention.cu", "90a")
+        .unwrap()
+        .contains("wgmma.mma_async"));
+    assert!(!kernels::ptx_of("flash_attention.cu", "90").unwrap().contains("wgmma"));
+    let sync = Kernels::load_for(&g._ctx, "90").expect("the kernels for sm_90");
+    for (heads, kv_heads, head_dim) in [(32usize, 8usize, 128usize), (9, 3, 64), (28, 4, 128)] {
+        let lens = [2100usize, 700, 300, 45, 1];
+        let f = KvFixture::new(&g, heads, kv_heads, head_dim, &lens, 11);
+        let what = format!("{heads}/{kv_heads}x{head_dim}");
+        let batches: [&[(usize, usize, usize)]; 5] = [
+            &[(0, 2100, 1)],
+            &[(1, 700, 700)],
+            &[(1, 700, 200)],
+            &[(2, 300, 9)],
+            &[(0, 2100, 1), (1, 650, 130), (2, 300, 5), (3, 45, 45), (4, 1, 1)],
+        ];
+        for picks in batches {
+            for mode in [Mode::Whole, Mode::Split] {
+                let hopper = f.run_with(&g, &g.k, picks, mode);
+                let other = f.run_with(&g, &sync, picks, mode);
+                assert!(hopper == other, "{what}: {picks:?} {mode:?}: wgmma and mma.sync differ");
+            }
+        }
     }
 }
 

@@ -1,0 +1,79 @@
+// The tensor-core GEMV alone, on the GPU machine, without the Rust build: times a variant of
+// kernels/gemv.cu (GEMV_SRC, a path from this folder) on the 8B shape's projections at 1, 2
+// and 8 rows, launched back to back with programmatic dependent launch as a step launches
+// them (NOPDL=1: without), weights rotating among copies larger than L2; prints GB/s against the card's copy
+// bandwidth (bytes read plus written) measured here, and writes each product for bit checks.
+//   nvcc -O3 -arch=sm_90 -std=c++17 -DGEMV_SRC='"../../kernels/gemv.cu"' gemv_bench.cu
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+#include <algorithm>
+#include <cuda_runtime.h>
+#include "../../kernels/prelude.cuh"
+#include GEMV_SRC
+#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1);} } while (0)
+
+static unsigned long long rng = 7;
+static unsigned short rbf() {
+    rng = rng * 6364136223846793005ULL + 1442695040888963407ULL;
+    float f = ((rng >> 40) / (float)(1 << 24)) * 2.0f - 1.0f;
+    unsigned u; memcpy(&u, &f, 4); return (unsigned short)(u >> 16);
+}
+
+static float median_ms(std::vector<float> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; }
+
+int main(int argc, char** argv) {
+    int warps = argc > 1 ? atoi(argv[1]) : 8;
+    const char* dump = argc > 2 ? argv[2] : nullptr;
+    cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
+    cudaStream_t stream; CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    // The copy bandwidth, as scripts/bench-gpu measures it.
+    size_t cb = (size_t)1 << 30; void *s0, *s1; CK(cudaMalloc(&s0, cb)); CK(cudaMalloc(&s1, cb));
+    std::vector<float> ct;
+    for (int r = 0; r < 7; r++) { cudaEventRecord(a); CK(cudaMemcpy(s1, s0, cb, cudaMemcpyDeviceToDevice)); cudaEventRecord(b); cudaEventSynchronize(b); float ms; cudaEventElapsedTime(&ms, a, b); ct.push_back(ms); }
+    double bw = 2.0 * cb / median_ms(ct) / 1e6;
+    CK(cudaFree(s0)); CK(cudaFree(s1));
+    printf("copy %.0f GB/s, %d warps a block\n", bw, warps);
+
+    struct Shape { const char* name; int n, k; } shapes[] = {{"qkv", 6144, 4096}, {"o", 4096, 4096}, {"down", 4096, 14336}, {"gate_up", 28672, 4096}};
+    FILE* out = dump ? fopen(dump, "wb") : nullptr;
+    for (auto& sh : shapes) {
+        size_t wn = (size_t)sh.n * sh.k;
+        int copies = std::min(8, (int)((256ull << 20) / (wn * 2) + 1));
+        std::vector<bf16*> ws(copies);
+        std::vector<unsigned short> hw(wn);
+        for (auto& w : ws) { for (auto& x : hw) x = rbf(); CK(cudaMalloc(&w, wn * 2)); CK(cudaMemcpy(w, hw.data(), wn * 2, cudaMemcpyHostToDevice)); }
+        std::vector<unsigned short> hx((size_t)8 * sh.k); for (auto& x : hx) x = rbf();
+        bf16* x; float* y; CK(cudaMalloc(&x, hx.size() * 2)); CK(cudaMalloc(&y, (size_t)8 * sh.n * 4));
+        CK(cudaMemcpy(x, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
+        printf("%-8s", sh.name);
+        for (int rows : {1, 2, 8}) {
+            auto launch = [&](int c) {
+                cudaLaunchConfig_t cfg = {}; cudaLaunchAttribute at[1];
+                at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization; at[0].val.programmaticStreamSerializationAllowed = 1;
+                cfg.attrs = at; cfg.numAttrs = getenv("NOPDL") ? 0 : 1; cfg.stream = stream;
+                cfg.gridDim = dim3((sh.n + GEMV_MMA_COLS - 1) / GEMV_MMA_COLS); cfg.blockDim = dim3(32 * warps);
+                CK(cudaLaunchKernelEx(&cfg, gemv_mma, (const bf16*)x, (const bf16*)ws[c % copies], y, rows, sh.n, sh.k));
+            };
+            for (int c = 0; c < copies; c++) launch(c);
+            CK(cudaStreamSynchronize(stream));
+            std::vector<float> ts;
+            for (int r = 0; r < 15; r++) {
+                cudaEventRecord(a, stream); for (int c = 0; c < 10; c++) launch(c); cudaEventRecord(b, stream); cudaEventSynchronize(b);
+                float ms; cudaEventElapsedTime(&ms, a, b); ts.push_back(ms / 10);
+            }
+            double ms = median_ms(ts), gbs = wn * 2.0 / ms / 1e6;
+            printf("  %d row%s %6.1f us %5.0f GB/s %3.0f%%", rows, rows > 1 ? "s" : " ", ms * 1e3, gbs, 100 * gbs / bw);
+            // The product of the first copy, for the bit check.
+            launch(0); CK(cudaStreamSynchronize(stream));
+            std::vector<float> hy((size_t)rows * sh.n);
+            CK(cudaMemcpy(hy.data(), y, hy.size() * 4, cudaMemcpyDeviceToHost));
+            if (out) fwrite(hy.data(), 4, hy.size(), out);
+        }
+        printf("\n");
+        for (auto& w : ws) cudaFree(w); cudaFree(x); cudaFree(y);
+    }
+    if (out) fclose(out);
+    return 0;
+}
