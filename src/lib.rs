@@ -10,4 +10,5 @@ pub mod model_path;
 pub mod runtime;
 pub mod sampling;
 pub mod server;
+pub mod service;
 pub mod tokenizer;

@@ -220,7 +220,7 @@ fn record_result(x: Result<Extraction, ExtractError>, confidence: bool) -> Recor
                 None => r,
             }
         }
-        Err(e) => RecordResult::failed(e.kind(), e.to_string()),
+        Err(e) => RecordResult::failed(e.kind().as_str(), e.to_string()),
     }
 }
 

@@ -15,9 +15,10 @@ use super::confidence::{field_confidence, leaves, score_leaves, token_ranges, Ca
 use super::grounding::{ground, Grounding, Span};
 use super::prompt::PromptLayout;
 use super::validate::{violations, Validators, Violation};
-use crate::engine::{AddError, AdmitError, StructuredOutputs, SubmitError};
 use crate::engine::{CompiledConstraint, Constraint, EngineClient, EngineRequest, FinishReason, RequestMetrics};
+use crate::engine::{StructuredOutputs, SubmitError};
 use crate::sampling::{ContrastParams, DryParams, SampledToken, SamplingParams};
+use crate::service::ErrorKind;
 use crate::tokenizer::{Tokenizer, TokenizerError};
 
 /// The engine and what turns a schema and a document into a request for it.
@@ -283,19 +284,13 @@ pub enum ExtractError {
 }
 
 impl ExtractError {
-    /// The error's type, as results and the API name it.
-    pub fn kind(&self) -> &'static str {
+    /// The error's kind, as results and the API name it.
+    pub fn kind(&self) -> ErrorKind {
         match self {
-            ExtractError::SchemaRejected(_) => "schema_rejected",
-            ExtractError::Refused(SubmitError::Refused(AddError::Admit(AdmitError::InputTooLong { .. }))) => {
-                "input_too_long"
-            }
-            ExtractError::Refused(SubmitError::Refused(AddError::MaxTokensTooSmall { .. })) => "max_tokens_too_small",
-            ExtractError::Refused(SubmitError::Refused(AddError::NoValidOutput)) => "schema_rejected",
-            ExtractError::Refused(SubmitError::Refused(_)) => "refused",
-            ExtractError::Refused(SubmitError::Stopped) => "unavailable",
-            ExtractError::DocumentTooLong => "input_too_long",
-            ExtractError::Internal(_) => "internal",
+            ExtractError::SchemaRejected(_) => ErrorKind::SchemaRejected,
+            ExtractError::Refused(e) => ErrorKind::of_refusal(e),
+            ExtractError::DocumentTooLong => ErrorKind::InputTooLong,
+            ExtractError::Internal(_) => ErrorKind::Internal,
         }
     }
 }

@@ -6,6 +6,7 @@
 //! error files are written from the results when asked for (`file-out-` and `file-err-` and the
 //! batch's id), so they are never out of step with them.
 
+use crate::service::ErrorKind;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -138,7 +139,7 @@ fn seconds(ms: i64) -> i64 {
 }
 
 fn not_found(what: &str, id: &str) -> ApiError {
-    ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no {what} `{id}`"))
+    ApiError::new(ErrorKind::NotFound, format!("no {what} `{id}`"))
 }
 
 #[utoipa::path(
@@ -194,13 +195,8 @@ pub async fn upload(
 }
 
 fn multipart_error(e: axum::extract::multipart::MultipartError) -> ApiError {
-    let status = e.status();
-    let kind = if status == StatusCode::PAYLOAD_TOO_LARGE {
-        "body_too_large"
-    } else {
-        "bad_request"
-    };
-    ApiError::new(status, kind, format!("multipart body: {}", e.body_text()))
+    let kind = ErrorKind::of_rejected_body(e.status().as_u16());
+    ApiError::new(kind, format!("multipart body: {}", e.body_text()))
 }
 
 fn file_object(id: &str, purpose: &str, filename: &str, bytes: usize, created_ms: i64) -> FileObject {
@@ -349,8 +345,7 @@ fn batch_items(text: &str, endpoint: &str) -> Result<Vec<NewItem>, ApiError> {
         if let Some(id) = &custom_id {
             if let Some(first) = seen.insert(id.clone(), number) {
                 return Err(ApiError::new(
-                    StatusCode::BAD_REQUEST,
-                    "duplicate_custom_id",
+                    ErrorKind::DuplicateCustomId,
                     format!("`custom_id` {id:?} is on line {first} and again on line {number}"),
                 ));
             }
@@ -573,8 +568,7 @@ pub async fn cancel(State(state): State<Arc<AppState>>, Path(id): Path<String>) 
     };
     if !cancelled {
         return Err(ApiError::new(
-            StatusCode::CONFLICT,
-            "batch_not_cancellable",
+            ErrorKind::BatchNotCancellable,
             format!("batch `{id}` has finished: there is nothing left to cancel"),
         ));
     }
@@ -613,22 +607,14 @@ pub(super) async fn run_item(state: &Arc<AppState>, work: jobs::worker::Work) ->
     let (status, body) = match settings.endpoint.as_str() {
         "/extract" => match serde_json::from_value::<super::api::ExtractRequest>(body.clone()) {
             Ok(_) => extract_line(state, &body).await,
-            Err(e) => error_body(ApiError::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "invalid_field",
-                format!("line {line}: {e}"),
-            )),
+            Err(e) => error_body(ApiError::new(ErrorKind::InvalidField, format!("line {line}: {e}"))),
         },
         _ => match serde_json::from_value::<super::openai::ChatCompletionRequest>(body.clone()) {
             Ok(req) if req.stream => error_body(ApiError::bad_request(format!(
                 "line {line}: a batch request cannot stream"
             ))),
             Ok(_) => chat_line(state, &body).await,
-            Err(e) => error_body(ApiError::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "invalid_field",
-                format!("line {line}: {e}"),
-            )),
+            Err(e) => error_body(ApiError::new(ErrorKind::InvalidField, format!("line {line}: {e}"))),
         },
     };
     (
@@ -658,7 +644,7 @@ async fn chat_line(state: &Arc<AppState>, body: &Value) -> (StatusCode, Value) {
             Err(e) => return error_body(ApiError::internal(e.to_string())),
         };
         let result = super::openai::chat(state.clone(), r).await;
-        if matches!(&result, Err(e) if e.detail.kind == "queue_full") {
+        if matches!(&result, Err(e) if e.detail.kind == ErrorKind::QueueFull) {
             tokio::time::sleep(std::time::Duration::from_millis(200)).await;
             continue;
         }

@@ -3,9 +3,9 @@
 //! outcome and times in the metrics when it ends. Handlers decide what to ask; only this
 //! module submits and counts.
 
+use crate::service::ErrorKind;
 use std::sync::Arc;
 
-use axum::http::StatusCode;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::error::ApiError;
@@ -61,10 +61,7 @@ impl Admission {
 pub(super) fn admit(state: &AppState, adding: usize) -> Result<OwnedSemaphorePermit, ApiError> {
     let max = state.admission.max;
     if adding > max {
-        return Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "too_many_choices",
-            format!(
+        return Err(ApiError::new(ErrorKind::TooManyChoices, format!(
                 "this request needs {adding} engine requests at once and the server admits at most {max} (--max-pending); ask for fewer choices (`n`)"
             ),
         ));
@@ -77,8 +74,7 @@ pub(super) fn admit(state: &AppState, adding: usize) -> Result<OwnedSemaphorePer
         .map_err(|_| {
             let pending = state.admission.pending();
             let mut err = ApiError::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                "queue_full",
+                ErrorKind::QueueFull,
                 format!("{pending} requests are pending already; retry later"),
             );
             err.retry_after = Some(1);
@@ -113,38 +109,27 @@ pub(super) fn count(state: &AppState, endpoint: Endpoint, outcome: &str) {
 /// its outcome is known).
 pub(super) fn count_error<T>(state: &AppState, endpoint: Endpoint, result: &Result<T, ApiError>) {
     if let Err(e) = result {
-        count(state, endpoint, &e.detail.kind);
+        count(state, endpoint, e.detail.kind.as_str());
     }
 }
 
+/// The engine's refusal as an API error: the kind from the service's table, the message here.
 pub(super) fn submit_error(e: SubmitError) -> ApiError {
-    match e {
-        SubmitError::Refused(AddError::Admit(AdmitError::InputTooLong { tokens, limit })) => ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "input_too_long",
-            format!("the prompt is {tokens} tokens; this model and cache take at most {limit}"),
-        ),
-        SubmitError::Refused(AddError::MaxTokensTooSmall { max_tokens, minimum }) => {
-            let mut err = ApiError::new(
-                StatusCode::BAD_REQUEST,
-                "max_tokens_too_small",
-                format!(
-                    "at most {max_tokens} tokens fit (max_tokens, and the context after the prompt), but the schema's shortest record is {minimum} bytes; ask for at least {minimum} tokens"
-                ),
-            );
-            err.detail.minimum = Some(minimum.min(u32::MAX as usize) as u32);
-            err
+    let kind = ErrorKind::of_refusal(&e);
+    let message = match &e {
+        SubmitError::Refused(AddError::Admit(AdmitError::InputTooLong { tokens, limit })) => {
+            format!("the prompt is {tokens} tokens; this model and cache take at most {limit}")
         }
-        SubmitError::Refused(e @ AddError::NoValidOutput) => ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "schema_rejected",
-            format!("{e}: no value satisfies the schema"),
+        SubmitError::Refused(AddError::MaxTokensTooSmall { max_tokens, minimum }) => format!(
+            "at most {max_tokens} tokens fit (max_tokens, and the context after the prompt), but the schema's shortest record is {minimum} bytes; ask for at least {minimum} tokens"
         ),
-        SubmitError::Refused(e) => ApiError::bad_request(e.to_string()),
-        SubmitError::Stopped => ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "unavailable",
-            "the engine is shutting down",
-        ),
+        SubmitError::Refused(e @ AddError::NoValidOutput) => format!("{e}: no value satisfies the schema"),
+        SubmitError::Refused(e) => e.to_string(),
+        SubmitError::Stopped => "the engine is shutting down".into(),
+    };
+    let mut err = ApiError::new(kind, message);
+    if let SubmitError::Refused(AddError::MaxTokensTooSmall { minimum, .. }) = e {
+        err.detail.minimum = Some(minimum.min(u32::MAX as usize) as u32);
     }
+    err
 }

@@ -9,6 +9,8 @@ use quarry_grammar::GrammarError;
 use serde::Serialize;
 use utoipa::ToSchema;
 
+use crate::service::ErrorKind;
+
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ErrorBody {
     pub error: ErrorDetail,
@@ -16,11 +18,9 @@ pub struct ErrorBody {
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ErrorDetail {
-    /// A stable machine-readable kind: `bad_request`, `invalid_json`, `unknown_field`,
-    /// `invalid_field`, `invalid_query`, `body_too_large`, `queue_full`, `too_many_choices`, `unknown_job`, `schema_rejected`, `unknown_schema_id`, `input_too_long`,
-    /// `max_tokens_too_small`, `unauthorized`, `internal`.
+    /// A stable machine-readable kind; the status it comes with is fixed per kind.
     #[serde(rename = "type")]
-    pub kind: String,
+    pub kind: ErrorKind,
     pub message: String,
     /// The JSON Schema keyword at fault, for `schema_rejected`.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -43,11 +43,12 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    pub fn new(status: StatusCode, kind: &str, message: impl Into<String>) -> Self {
+    /// An error of `kind`, with the status the kinds' table gives it.
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
         ApiError {
-            status,
+            status: StatusCode::from_u16(kind.status()).expect("the table's statuses are valid"),
             detail: ErrorDetail {
-                kind: kind.into(),
+                kind,
                 message: message.into(),
                 keyword: None,
                 pointer: None,
@@ -58,17 +59,17 @@ impl ApiError {
     }
 
     pub fn bad_request(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::BAD_REQUEST, "bad_request", message)
+        Self::new(ErrorKind::BadRequest, message)
     }
 
     pub fn internal(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
+        Self::new(ErrorKind::Internal, message)
     }
 
     /// A schema that cannot be compiled (malformed, an unresolvable `$ref`, too large, or a
     /// keyword refused in strict mode).
     pub fn schema_rejected(e: GrammarError) -> Self {
-        let mut err = Self::new(StatusCode::BAD_REQUEST, "schema_rejected", e.to_string());
+        let mut err = Self::new(ErrorKind::SchemaRejected, e.to_string());
         if let GrammarError::InvalidSchema { pointer, keyword, .. }
         | GrammarError::Unsupported { pointer, keyword, .. } = e
         {
@@ -88,7 +89,7 @@ impl IntoResponse for ApiError {
         let body_unread = matches!(
             self.status,
             StatusCode::UNAUTHORIZED | StatusCode::PAYLOAD_TOO_LARGE | StatusCode::UNSUPPORTED_MEDIA_TYPE
-        ) || self.detail.kind == "not_found";
+        ) || self.detail.kind == ErrorKind::NotFound;
         let mut response = (self.status, axum::Json(ErrorBody { error: self.detail })).into_response();
         if body_unread {
             response.headers_mut().insert(
@@ -108,42 +109,36 @@ impl IntoResponse for ApiError {
 /// A bad query string names the parameter (400).
 impl From<QueryRejection> for ApiError {
     fn from(r: QueryRejection) -> Self {
-        Self::new(StatusCode::BAD_REQUEST, "invalid_query", r.body_text())
+        Self::new(ErrorKind::InvalidQuery, r.body_text())
     }
 }
 
 /// A body that is not a multipart form (no boundary, another content type).
 impl From<MultipartRejection> for ApiError {
     fn from(r: MultipartRejection) -> Self {
-        Self::new(r.status(), "bad_request", r.body_text())
+        Self::new(ErrorKind::of_rejected_body(r.status().as_u16()), r.body_text())
     }
 }
 
 /// A raw body over the limit (413) or unreadable.
 impl From<BytesRejection> for ApiError {
     fn from(r: BytesRejection) -> Self {
-        let kind = if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            "body_too_large"
-        } else {
-            "bad_request"
-        };
-        Self::new(r.status(), kind, r.body_text())
+        Self::new(ErrorKind::of_rejected_body(r.status().as_u16()), r.body_text())
     }
 }
 
-/// Body rejections become JSON errors too, with axum's status: malformed JSON (400), unknown,
-/// missing or mistyped fields (422; serde names the field and where), a wrong content type
-/// (415), a body over the limit (413).
+/// Body rejections become JSON errors too: malformed JSON (400), unknown, missing or mistyped
+/// fields (422; serde names the field and where), a wrong content type (415), a body over the
+/// limit (413).
 impl From<JsonRejection> for ApiError {
     fn from(r: JsonRejection) -> Self {
         let (status, message) = (r.status(), r.body_text());
         let kind = match r {
-            JsonRejection::JsonDataError(_) if message.contains("unknown field") => "unknown_field",
-            JsonRejection::JsonDataError(_) => "invalid_field",
-            JsonRejection::JsonSyntaxError(_) => "invalid_json",
-            _ if status == StatusCode::PAYLOAD_TOO_LARGE => "body_too_large",
-            _ => "bad_request",
+            JsonRejection::JsonDataError(_) if message.contains("unknown field") => ErrorKind::UnknownField,
+            JsonRejection::JsonDataError(_) => ErrorKind::InvalidField,
+            JsonRejection::JsonSyntaxError(_) => ErrorKind::InvalidJson,
+            _ => ErrorKind::of_rejected_body(status.as_u16()),
         };
-        Self::new(status, kind, message)
+        Self::new(kind, message)
     }
 }

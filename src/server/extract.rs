@@ -1,10 +1,10 @@
 //! `POST /extract`: one document in, one record out that validates against the schema, or an
 //! explicit outcome saying why not.
 
+use crate::service::ErrorKind;
 use std::sync::Arc;
 
 use axum::extract::State;
-use axum::http::StatusCode;
 use axum::Json;
 use quarry_grammar::json::Whitespace;
 
@@ -46,7 +46,7 @@ pub(super) async fn extract_one(state: &Arc<AppState>, req: ExtractRequest) -> R
     let result = run(state, req).await;
     match &result {
         Ok(out) => door::count(state, Endpoint::Extract, out.outcome.name()),
-        Err(e) => door::count(state, Endpoint::Extract, &e.detail.kind),
+        Err(e) => door::count(state, Endpoint::Extract, e.detail.kind.as_str()),
     }
     result
 }
@@ -56,11 +56,13 @@ pub(super) async fn extract_one(state: &Arc<AppState>, req: ExtractRequest) -> R
 pub(super) async fn extract_waiting(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractResponse, ApiError> {
     loop {
         match run(state, req.clone()).await {
-            Err(e) if e.detail.kind == "queue_full" => tokio::time::sleep(std::time::Duration::from_millis(200)).await,
+            Err(e) if e.detail.kind == ErrorKind::QueueFull => {
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await
+            }
             result => {
                 match &result {
                     Ok(out) => door::count(state, Endpoint::Extract, out.outcome.name()),
-                    Err(e) => door::count(state, Endpoint::Extract, &e.detail.kind),
+                    Err(e) => door::count(state, Endpoint::Extract, e.detail.kind.as_str()),
                 }
                 return result;
             }
@@ -137,7 +139,7 @@ async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractRespon
     let x = state.extractor.run(task).await.map_err(|e| match e {
         ExtractError::SchemaRejected(e) => ApiError::schema_rejected(e),
         ExtractError::Refused(e) => door::submit_error(e),
-        e @ ExtractError::DocumentTooLong => ApiError::new(StatusCode::BAD_REQUEST, "input_too_long", e.to_string()),
+        e @ ExtractError::DocumentTooLong => ApiError::new(ErrorKind::InputTooLong, e.to_string()),
         ExtractError::Internal(m) => ApiError::internal(m),
     })?;
     let m = &x.metrics;

@@ -7,6 +7,7 @@
 //! /jobs/{id}/retry` runs the failed items again. An item that fails never fails the job.
 //! Jobs outlive the process: a restarted server finds its jobs, and goes on with their items.
 
+use crate::service::ErrorKind;
 use std::sync::Arc;
 
 use axum::body::{Body, Bytes};
@@ -133,7 +134,7 @@ pub(super) async fn store_call<T: Send + 'static>(
         .map_err(|e| ApiError::internal(e.to_string()))?
         .map_err(|e| match e {
             StoreError::Invalid(message) => ApiError::bad_request(message),
-            e => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "job_store_unavailable", e.to_string()),
+            e => ApiError::new(ErrorKind::JobStoreUnavailable, e.to_string()),
         })
 }
 
@@ -175,7 +176,7 @@ pub async fn create(
         (Some(id), None) => return Err(super::schemas::unknown(&id)),
         (None, Some(text)) => {
             let schema: serde_json::Value = serde_json::from_str(&text)
-                .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "invalid_json", format!("`schema`: {e}")))?;
+                .map_err(|e| ApiError::new(ErrorKind::InvalidJson, format!("`schema`: {e}")))?;
             super::schemas::preflight(&state, &schema, false).await?;
             state.schemas.register(schema)?
         }
@@ -239,7 +240,7 @@ pub(super) async fn run_item(state: &Arc<AppState>, work: jobs::worker::Work) ->
     }
     let result = match settings(&work.job) {
         Ok(s) => extract_item(state, &s, &work).await,
-        Err(e) => RecordResult::failed(&e.detail.kind, e.detail.message),
+        Err(e) => RecordResult::failed(e.detail.kind.as_str(), e.detail.message),
     };
     let ok = result.ok();
     (ok, serde_json::to_value(result).unwrap_or_default())
@@ -270,12 +271,12 @@ async fn extract_item(state: &Arc<AppState>, settings: &Settings, work: &jobs::w
             )
             .with_fields(out.fields)
         }
-        Err(e) => RecordResult::failed(&e.detail.kind, e.detail.message),
+        Err(e) => RecordResult::failed(e.detail.kind.as_str(), e.detail.message),
     }
 }
 
 fn unknown_job(id: &str) -> ApiError {
-    ApiError::new(StatusCode::NOT_FOUND, "unknown_job", format!("no job `{id}`"))
+    ApiError::new(ErrorKind::UnknownJob, format!("no job `{id}`"))
 }
 
 /// An extraction job's settings and status, or 404.
@@ -330,8 +331,7 @@ pub async fn delete(State(state): State<Arc<AppState>>, Path(id): Path<String>) 
             deleted: true,
         })),
         Deleted::Busy => Err(ApiError::new(
-            StatusCode::CONFLICT,
-            "job_running",
+            ErrorKind::JobRunning,
             format!("job `{id}` has items queued or running; delete it once it is done"),
         )),
         Deleted::Missing => Err(unknown_job(&id)),
@@ -456,8 +456,7 @@ pub async fn retry(
     let req: RetryRequest = if body.iter().all(u8::is_ascii_whitespace) {
         RetryRequest::default()
     } else {
-        serde_json::from_slice(&body)
-            .map_err(|e| ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_field", e.to_string()))?
+        serde_json::from_slice(&body).map_err(|e| ApiError::new(ErrorKind::InvalidField, e.to_string()))?
     };
     max_tokens_ok(req.max_tokens)?;
     let key = id.clone();

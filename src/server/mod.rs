@@ -15,6 +15,7 @@ mod request_id;
 pub mod schemas;
 mod ui;
 
+use crate::service::ErrorKind;
 use std::future::IntoFuture;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -199,8 +200,7 @@ async fn health_starting() -> (StatusCode, Json<serde_json::Value>) {
 
 async fn starting() -> ApiError {
     let mut e = ApiError::new(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "starting",
+        ErrorKind::Starting,
         "the server is loading its model; try again shortly",
     );
     e.retry_after = Some(1);
@@ -281,8 +281,7 @@ async fn require_key(State(state): State<Arc<AppState>>, request: Request, next:
         return next.run(request).await;
     }
     ApiError::new(
-        StatusCode::UNAUTHORIZED,
-        "unauthorized",
+        ErrorKind::Unauthorized,
         "a valid API key is required: `Authorization: Bearer KEY`",
     )
     .into_response()
@@ -307,5 +306,5 @@ async fn openapi_json() -> impl IntoResponse {
 }
 
 async fn not_found() -> ApiError {
-    ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route")
+    ApiError::new(ErrorKind::NotFound, "no such route")
 }

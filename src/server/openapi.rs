@@ -18,6 +18,7 @@ use super::openai::{
     ChatCompletionRequest, ChatMessageIn, CompletionRequest, JsonSchemaFormat, ResponseFormat, StreamOptions,
 };
 use super::schemas::{RegisterSchema, SchemaInfo, SchemaList};
+use crate::service::ErrorKind;
 
 #[derive(OpenApi)]
 #[openapi(
@@ -68,6 +69,7 @@ use super::schemas::{RegisterSchema, SchemaInfo, SchemaList};
         Health,
         ErrorBody,
         ErrorDetail,
+        ErrorKind,
         RegisterSchema,
         SchemaInfo,
         SchemaList,
@@ -111,4 +113,26 @@ pub fn spec() -> utoipa::openapi::OpenApi {
 /// The document as committed in openapi/openapi.json.
 pub fn spec_json() -> String {
     spec().to_pretty_json().expect("the spec serializes") + "\n"
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The spec lists every error kind of the service's table and nothing else, and error
+    /// bodies refer to that list.
+    #[test]
+    fn the_spec_lists_every_error_kind() {
+        let spec: serde_json::Value = serde_json::from_str(&spec_json()).unwrap();
+        let listed: Vec<&str> = spec["components"]["schemas"]["ErrorKind"]["enum"]
+            .as_array()
+            .expect("ErrorKind is an enum in the spec")
+            .iter()
+            .map(|v| v.as_str().unwrap())
+            .collect();
+        let table: Vec<&str> = ErrorKind::ALL.iter().map(|k| k.as_str()).collect();
+        assert_eq!(listed, table);
+        let kind = &spec["components"]["schemas"]["ErrorDetail"]["properties"]["type"];
+        assert_eq!(kind["$ref"], "#/components/schemas/ErrorKind", "{kind}");
+    }
 }

@@ -1,12 +1,12 @@
 //! The schema registry: ready-made schemas loaded from schemas/ at start, plus schemas
 //! registered over `POST /schemas`, each compiled once (preflight) and addressable by id.
 
+use crate::service::ErrorKind;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::{Arc, RwLock};
 
 use axum::extract::{Path as UrlPath, State};
-use axum::http::StatusCode;
 use axum::Json;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -72,8 +72,7 @@ impl SchemaRegistry {
         }
         if by_id.len() - self.ready_made >= MAX_REGISTERED {
             return Err(ApiError::new(
-                StatusCode::INSUFFICIENT_STORAGE,
-                "registry_full",
+                ErrorKind::RegistryFull,
                 format!("{MAX_REGISTERED} schemas are registered already"),
             ));
         }
@@ -188,9 +187,5 @@ pub async fn list(State(state): State<Arc<AppState>>) -> Json<SchemaList> {
 }
 
 pub fn unknown(id: &str) -> ApiError {
-    ApiError::new(
-        StatusCode::NOT_FOUND,
-        "unknown_schema_id",
-        format!("no schema with id `{id}`"),
-    )
+    ApiError::new(ErrorKind::UnknownSchemaId, format!("no schema with id `{id}`"))
 }

@@ -212,7 +212,7 @@ fn run_cases(args: &QualityArgs, cases: &[Case]) -> anyhow::Result<Vec<Row>> {
             }
             Err(e) => Row {
                 id: case.id.clone(),
-                outcome: e.kind().into(),
+                outcome: e.kind().as_str().into(),
                 valid: false,
                 fields: score(&case.expected, None),
                 tokens: 0,

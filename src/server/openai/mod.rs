@@ -2,6 +2,7 @@
 //! `json_schema` or `json_object` constrained by the grammar, streaming over SSE, `n`, `stop`,
 //! `logprobs`) and `GET /v1/models`, so OpenAI clients work unchanged.
 
+use crate::service::ErrorKind;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -9,7 +10,6 @@ mod stream;
 pub mod types;
 
 use axum::extract::State;
-use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use quarry_grammar::json::Whitespace;
@@ -262,8 +262,7 @@ fn check_model(state: &AppState, model: &str) -> Result<(), ApiError> {
         return Ok(());
     }
     Err(ApiError::new(
-        StatusCode::NOT_FOUND,
-        "model_not_found",
+        ErrorKind::ModelNotFound,
         format!("this server serves `{}`, not `{model}`", state.model),
     ))
 }
@@ -511,8 +510,7 @@ fn engine_failure(f: FinishReason) -> Option<ApiError> {
     match f {
         FinishReason::Internal => Some(ApiError::internal("the engine failed on this request")),
         FinishReason::Aborted => Some(ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "cancelled",
+            ErrorKind::Cancelled,
             "the request was cancelled before it finished",
         )),
         _ => None,

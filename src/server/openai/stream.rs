@@ -86,7 +86,7 @@ impl Progress {
                 None if self.finishes.len() < self.started.len() => {
                     // A choice's stream ended without its end: the engine stopped under it.
                     let e = crate::server::error::ApiError::internal("the engine stopped before the request finished");
-                    door::count(&self.state, self.head.api.endpoint(), &e.detail.kind);
+                    door::count(&self.state, self.head.api.endpoint(), e.detail.kind.as_str());
                     self.pending.push_back(event(&ErrorBody { error: e.detail }));
                     self.done = true;
                 }
@@ -145,7 +145,7 @@ impl Progress {
             door::observe(&self.state, metrics, self.tokens[index]);
         }
         if let Some(e) = engine_failure(finish) {
-            door::count(&self.state, self.head.api.endpoint(), &e.detail.kind);
+            door::count(&self.state, self.head.api.endpoint(), e.detail.kind.as_str());
             let body = ErrorBody { error: e.detail };
             self.pending.push_back(event(&body));
             self.done = true;
