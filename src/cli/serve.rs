@@ -13,6 +13,7 @@ use crate::extract::Extractor;
 use crate::jobs::{self, Worker, WorkerConfig};
 use crate::runtime::cpu::Prefault;
 use crate::server::{self, AppState};
+use crate::service::Service;
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -112,22 +113,20 @@ fn app_state(
     api_keys: Vec<String>,
     max_pending: usize,
 ) -> anyhow::Result<Arc<AppState>> {
-    let schemas = server::schemas::SchemaRegistry::load(schemas)?;
+    let schemas = crate::service::schemas::SchemaRegistry::load(schemas)?;
     let jobs = job_args.worker()?;
     let (engine, tokenizer) = model_args.engine()?;
     let model = model_args.model_name();
     let device = engine.backend().device_name();
     tracing::info!("quarry: model {model} on {device}");
-    let mut metrics = server::metrics::Metrics::default();
+    let mut metrics = crate::service::metrics::Metrics::default();
     metrics.register_device(&device);
+    let extractor = Arc::new(Extractor::new(EngineClient::start(engine), tokenizer));
     Ok(Arc::new(AppState {
-        extractor: Arc::new(Extractor::new(EngineClient::start(engine), tokenizer)),
-        schemas,
+        service: Arc::new(Service::new(extractor, schemas, metrics, max_pending)),
         model,
         device,
         api_keys,
-        metrics,
-        admission: server::Admission::new(max_pending),
         jobs,
     }))
 }

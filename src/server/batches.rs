@@ -629,7 +629,7 @@ async fn extract_line(state: &Arc<AppState>, body: &Value) -> (StatusCode, Value
         Ok(r) => r,
         Err(e) => return error_body(ApiError::internal(e.to_string())),
     };
-    match super::extract::extract_waiting(state, req).await {
+    match state.service.extract_waiting(req).await.map_err(ApiError::from) {
         Ok(out) => (StatusCode::OK, serde_json::to_value(out).unwrap_or_default()),
         Err(e) => error_body(e),
     }
@@ -648,7 +648,7 @@ async fn chat_line(state: &Arc<AppState>, body: &Value) -> (StatusCode, Value) {
             tokio::time::sleep(std::time::Duration::from_millis(200)).await;
             continue;
         }
-        super::door::count_error(state, super::door::Endpoint::ChatCompletions, &result);
+        super::count_error(state, crate::service::Endpoint::ChatCompletions, &result);
         return match result {
             Ok(response) => {
                 let status = response.status();

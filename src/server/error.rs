@@ -9,7 +9,7 @@ use quarry_grammar::GrammarError;
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use crate::service::ErrorKind;
+use crate::service::{ErrorKind, ServiceError};
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ErrorBody {
@@ -66,16 +66,20 @@ impl ApiError {
         Self::new(ErrorKind::Internal, message)
     }
 
-    /// A schema that cannot be compiled (malformed, an unresolvable `$ref`, too large, or a
-    /// keyword refused in strict mode).
+    /// A schema that cannot be compiled, its keyword and pointer named.
     pub fn schema_rejected(e: GrammarError) -> Self {
-        let mut err = Self::new(ErrorKind::SchemaRejected, e.to_string());
-        if let GrammarError::InvalidSchema { pointer, keyword, .. }
-        | GrammarError::Unsupported { pointer, keyword, .. } = e
-        {
-            err.detail.pointer = Some(pointer);
-            err.detail.keyword = Some(keyword);
-        }
+        ServiceError::schema_rejected(e).into()
+    }
+}
+
+/// The service's error as a response: the status its kind has in the table.
+impl From<ServiceError> for ApiError {
+    fn from(e: ServiceError) -> Self {
+        let mut err = ApiError::new(e.kind, e.message);
+        err.detail.keyword = e.keyword;
+        err.detail.pointer = e.pointer;
+        err.detail.minimum = e.minimum;
+        err.retry_after = e.retry_after;
         err
     }
 }

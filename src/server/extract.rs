@@ -1,23 +1,14 @@
 //! `POST /extract`: one document in, one record out that validates against the schema, or an
 //! explicit outcome saying why not.
 
-use crate::service::ErrorKind;
 use std::sync::Arc;
 
 use axum::extract::State;
 use axum::Json;
-use quarry_grammar::json::Whitespace;
 
-use super::api::{ExtractRequest, ExtractResponse, KeywordEntry, SpeculationUsage, Timings, Usage, WhitespaceOption};
-use super::door::{self, Endpoint};
+use super::api::{ExtractRequest, ExtractResponse};
 use super::error::{ApiError, ErrorBody};
 use super::{ApiJson, AppState};
-use crate::extract::{ExtractError, Outcome, Task, PRETTY};
-use crate::sampling::DryParams;
-
-const DEFAULT_MAX_TOKENS: usize = 512;
-pub(super) const MAX_MAX_TOKENS: usize = 4096;
-const MAX_RETRIES: usize = 4;
 
 #[utoipa::path(
     post,
@@ -37,147 +28,5 @@ pub async fn extract(
     State(state): State<Arc<AppState>>,
     ApiJson(req): ApiJson<ExtractRequest>,
 ) -> Result<Json<ExtractResponse>, ApiError> {
-    extract_one(&state, req).await.map(Json)
-}
-
-/// One extraction, counted in the metrics by its outcome or error type (also for job items
-/// and batch lines).
-pub(super) async fn extract_one(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractResponse, ApiError> {
-    let result = run(state, req).await;
-    match &result {
-        Ok(out) => door::count(state, Endpoint::Extract, out.outcome.name()),
-        Err(e) => door::count(state, Endpoint::Extract, e.detail.kind.as_str()),
-    }
-    result
-}
-
-/// One extraction for a job item or a batch line: a full queue (other traffic) is waited
-/// out, not reported, and the extraction is counted once, when it has run.
-pub(super) async fn extract_waiting(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractResponse, ApiError> {
-    loop {
-        match run(state, req.clone()).await {
-            Err(e) if e.detail.kind == ErrorKind::QueueFull => {
-                tokio::time::sleep(std::time::Duration::from_millis(200)).await
-            }
-            result => {
-                match &result {
-                    Ok(out) => door::count(state, Endpoint::Extract, out.outcome.name()),
-                    Err(e) => door::count(state, Endpoint::Extract, e.detail.kind.as_str()),
-                }
-                return result;
-            }
-        }
-    }
-}
-
-async fn run(state: &Arc<AppState>, req: ExtractRequest) -> Result<ExtractResponse, ApiError> {
-    let schema = match (req.schema, &req.schema_id) {
-        (Some(s), None) => s,
-        (None, Some(id)) => state.schemas.get(id).ok_or_else(|| super::schemas::unknown(id))?,
-        _ => return Err(ApiError::bad_request("give exactly one of `schema` and `schema_id`")),
-    };
-    let o = &req.options;
-    let max_tokens = o.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
-    if max_tokens == 0 || max_tokens > MAX_MAX_TOKENS {
-        return Err(ApiError::bad_request(format!(
-            "`options.max_tokens` must be 1 to {MAX_MAX_TOKENS}"
-        )));
-    }
-    let retries = o.retries.unwrap_or(0);
-    if retries > MAX_RETRIES {
-        return Err(ApiError::bad_request(format!(
-            "`options.retries` must be 0 to {MAX_RETRIES}"
-        )));
-    }
-    let base = Task::new(schema, req.document);
-    let dry = match o.dry_multiplier {
-        Some(m) if !(m.is_finite() && m >= 0.0) => {
-            return Err(ApiError::bad_request("`options.dry_multiplier` must be a number >= 0"))
-        }
-        Some(0.0) => None,
-        Some(multiplier) => Some(DryParams {
-            multiplier,
-            ..Default::default()
-        }),
-        None => base.dry.clone(),
-    };
-    if o.min_confidence.is_some_and(|c| !(0.0..=1.0).contains(&c)) {
-        return Err(ApiError::bad_request(
-            "`options.min_confidence` must be a number from 0 to 1",
-        ));
-    }
-    if o.contrast.is_some_and(|w| !(w.is_finite() && w >= 0.0)) {
-        return Err(ApiError::bad_request("`options.contrast` must be a number >= 0"));
-    }
-    let min_confidence = o.min_confidence;
-    let task = Task {
-        contrast: o.contrast.unwrap_or(base.contrast),
-        instructions: req.instructions,
-        open_objects: o.open_objects.unwrap_or(base.open_objects),
-        ordered_properties: o.ordered_properties.unwrap_or(base.ordered_properties),
-        verbatim: o.verbatim.unwrap_or(base.verbatim),
-        copy_bias: o.copy_bias.unwrap_or(base.copy_bias),
-        speculate: o.speculate.unwrap_or(base.speculate),
-        dry,
-        retries,
-        max_tokens,
-        temperature: o.temperature.unwrap_or(0.0),
-        seed: o.seed,
-        whitespace: match o.whitespace {
-            None => base.whitespace,
-            Some(WhitespaceOption::Compact) => Whitespace::Compact,
-            Some(WhitespaceOption::Pretty) => PRETTY,
-        },
-        priority: o.priority.unwrap_or(0),
-        strict: o.strict.unwrap_or(false),
-        grounding: req.grounding,
-        ..base
-    };
-    // The extractor submits its own engine requests (one, or one per retry, in turn): they
-    // pass this door's admission once, as one request, and hold it until they end.
-    let _admitted = door::admit(state, 1)?;
-    let x = state.extractor.run(task).await.map_err(|e| match e {
-        ExtractError::SchemaRejected(e) => ApiError::schema_rejected(e),
-        ExtractError::Refused(e) => door::submit_error(e),
-        e @ ExtractError::DocumentTooLong => ApiError::new(ErrorKind::InputTooLong, e.to_string()),
-        ExtractError::Internal(m) => ApiError::internal(m),
-    })?;
-    let m = &x.metrics;
-    door::observe(state, m, x.completion_tokens);
-    let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
-    let mut notes = x.compiled.report().map(KeywordEntry::from_report).unwrap_or_default();
-    notes.retain(KeywordEntry::is_caveat);
-    if m.budget_closed {
-        notes.push(KeywordEntry::budget_closed(max_tokens));
-    }
-    let fields = x.field_reports();
-    let review = min_confidence.map(|min| {
-        fields
-            .iter()
-            .filter(|f| f.confidence.is_some_and(|c| c < min))
-            .map(|f| f.pointer.clone())
-            .collect()
-    });
-    Ok(ExtractResponse {
-        fields,
-        review,
-        partial: (x.outcome != Outcome::Ok).then_some(x.text),
-        violations: x.violations,
-        data: x.data,
-        outcome: x.outcome,
-        usage: Usage {
-            prompt_tokens: m.prompt_tokens,
-            completion_tokens: x.completion_tokens,
-            cached_tokens: m.cached_tokens,
-            forced_tokens: m.forced_tokens,
-            speculation: SpeculationUsage::from_counts(&m.drafts),
-        },
-        timings: Timings {
-            queue_ms: ms(m.queue),
-            ttft_ms: ms(m.ttft),
-            total_ms: ms(m.e2e),
-        },
-        notes,
-        grounding: x.grounding,
-    })
+    Ok(Json(state.service.extract(req).await?))
 }

@@ -140,9 +140,9 @@ pub(super) async fn store_call<T: Send + 'static>(
 
 fn max_tokens_ok(n: Option<usize>) -> Result<(), ApiError> {
     match n {
-        Some(n) if n == 0 || n > super::extract::MAX_MAX_TOKENS => Err(ApiError::bad_request(format!(
+        Some(n) if n == 0 || n > crate::service::MAX_MAX_TOKENS => Err(ApiError::bad_request(format!(
             "`max_tokens` must be 1 to {}",
-            super::extract::MAX_MAX_TOKENS
+            crate::service::MAX_MAX_TOKENS
         ))),
         _ => Ok(()),
     }
@@ -172,13 +172,13 @@ pub async fn create(
 ) -> Result<impl IntoResponse, ApiError> {
     max_tokens_ok(params.max_tokens)?;
     let schema_id = match (params.schema_id, params.schema) {
-        (Some(id), None) if state.schemas.get(&id).is_some() => id,
+        (Some(id), None) if state.service.schemas.get(&id).is_some() => id,
         (Some(id), None) => return Err(super::schemas::unknown(&id)),
         (None, Some(text)) => {
             let schema: serde_json::Value = serde_json::from_str(&text)
                 .map_err(|e| ApiError::new(ErrorKind::InvalidJson, format!("`schema`: {e}")))?;
             super::schemas::preflight(&state, &schema, false).await?;
-            state.schemas.register(schema)?
+            state.service.schemas.register(schema)?
         }
         _ => return Err(ApiError::bad_request("give exactly one of `schema_id` and `schema`")),
     };
@@ -195,6 +195,7 @@ pub async fn create(
     let items = records::parse(&body, format, params.text_column.as_deref())
         .map_err(|e| ApiError::bad_request(e.to_string()))?;
     let schema = state
+        .service
         .schemas
         .get(&schema_id)
         .ok_or_else(|| super::schemas::unknown(&schema_id))?;
@@ -259,7 +260,7 @@ async fn extract_item(state: &Arc<AppState>, settings: &Settings, work: &jobs::w
         },
         grounding: false,
     };
-    match super::extract::extract_waiting(state, req).await {
+    match state.service.extract_waiting(req).await.map_err(ApiError::from) {
         Ok(out) => {
             let text = out.partial.unwrap_or_default();
             RecordResult::finished(

@@ -1,14 +1,12 @@
 //! The HTTP service (axum): routes, API types, errors. It validates requests, builds prompts
 //! and hands them to the engine through `EngineClient`; nothing here knows tensors.
 
-pub mod api;
 pub mod batches;
-mod door;
 pub mod error;
 mod extract;
 pub mod jobs;
 mod linger;
-pub mod metrics;
+mod metrics;
 pub mod openai;
 pub mod openapi;
 mod request_id;
@@ -28,10 +26,11 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 
-use crate::extract::Extractor;
+use crate::service::Service;
 use api::Health;
-pub use door::Admission;
 use error::ApiError;
+
+pub use crate::service::api;
 
 /// Largest request body: a document of a few hundred pages.
 pub const MAX_BODY_BYTES: usize = 4 << 20;
@@ -39,17 +38,23 @@ pub const MAX_BODY_BYTES: usize = 4 << 20;
 pub const MAX_JOB_BYTES: usize = 256 << 20;
 
 pub struct AppState {
-    pub extractor: Arc<Extractor>,
-    pub schemas: schemas::SchemaRegistry,
+    /// Every request's way into the engine: admission (`--max-pending`; past it, 429),
+    /// extraction, schemas, metrics.
+    pub service: Arc<Service>,
     pub model: String,
     pub device: String,
     /// Accepted bearer tokens; none means no authentication.
     pub api_keys: Vec<String>,
-    pub metrics: metrics::Metrics,
-    /// Engine requests admitted and not finished, within `--max-pending`; past it, 429.
-    pub admission: Admission,
     /// This process's worker on the job store (which it also hands out to the handlers).
     pub jobs: Arc<crate::jobs::Worker>,
+}
+
+/// Counts a handler's result under `endpoint` where it failed (a success counts itself, when
+/// its outcome is known).
+pub(crate) fn count_error<T>(state: &AppState, endpoint: crate::service::Endpoint, result: &Result<T, ApiError>) {
+    if let Err(e) = result {
+        state.service.count(endpoint, e.detail.kind.as_str());
+    }
 }
 
 /// `axum::Json` whose rejections are JSON errors (`ApiError`).
@@ -174,7 +179,7 @@ pub async fn serve_when_ready(
     let _ = stop.send(());
     serving.await??;
     let _ = worker.await;
-    tokio::task::spawn_blocking(move || state.extractor.client.shutdown()).await?;
+    tokio::task::spawn_blocking(move || state.service.extractor.client.shutdown()).await?;
     Ok(())
 }
 
@@ -235,7 +240,7 @@ pub async fn work(state: Arc<AppState>) -> anyhow::Result<()> {
     tracing::info!("quarry: finishing the job items in flight");
     state.jobs.stop();
     let _ = worker.await;
-    tokio::task::spawn_blocking(move || state.extractor.client.shutdown()).await?;
+    tokio::task::spawn_blocking(move || state.service.extractor.client.shutdown()).await?;
     Ok(())
 }
 
@@ -289,7 +294,7 @@ async fn require_key(State(state): State<Arc<AppState>>, request: Request, next:
 
 #[utoipa::path(get, path = "/health", tag = "service", responses((status = 200, body = Health)))]
 async fn health(State(state): State<Arc<AppState>>) -> Json<Health> {
-    let s = state.extractor.client.stats();
+    let s = state.service.extractor.client.stats();
     Json(Health {
         status: "ok".into(),
         model: state.model.clone(),

@@ -5,7 +5,85 @@
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
+use quarry_grammar::GrammarError;
+
 use crate::engine::{AddError, AdmitError, SubmitError};
+
+/// A failure of the service: its kind, a message for people, and what the kind may add.
+#[derive(Debug, Clone)]
+pub struct ServiceError {
+    pub kind: ErrorKind,
+    pub message: String,
+    /// The JSON Schema keyword at fault and its pointer, for `schema_rejected`.
+    pub keyword: Option<String>,
+    pub pointer: Option<String>,
+    /// The least `max_tokens` that can hold the schema's shortest record, for
+    /// `max_tokens_too_small`.
+    pub minimum: Option<u32>,
+    /// Seconds to wait before retrying, for `queue_full`.
+    pub retry_after: Option<u32>,
+}
+
+impl ServiceError {
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        ServiceError {
+            kind,
+            message: message.into(),
+            keyword: None,
+            pointer: None,
+            minimum: None,
+            retry_after: None,
+        }
+    }
+
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::BadRequest, message)
+    }
+
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Internal, message)
+    }
+
+    /// A schema that cannot be compiled (malformed, an unresolvable `$ref`, too large, or a
+    /// keyword refused in strict mode), naming its keyword and pointer where it can.
+    pub fn schema_rejected(e: GrammarError) -> Self {
+        let mut err = Self::new(ErrorKind::SchemaRejected, e.to_string());
+        if let GrammarError::InvalidSchema { pointer, keyword, .. }
+        | GrammarError::Unsupported { pointer, keyword, .. } = e
+        {
+            err.pointer = Some(pointer);
+            err.keyword = Some(keyword);
+        }
+        err
+    }
+
+    /// The engine's refusal of a request.
+    pub fn refusal(e: SubmitError) -> Self {
+        let kind = ErrorKind::of_refusal(&e);
+        let message = match &e {
+            SubmitError::Refused(AddError::Admit(AdmitError::InputTooLong { tokens, limit })) => {
+                format!("the prompt is {tokens} tokens; this model and cache take at most {limit}")
+            }
+            SubmitError::Refused(AddError::MaxTokensTooSmall { max_tokens, minimum }) => format!(
+                "at most {max_tokens} tokens fit (max_tokens, and the context after the prompt), but the schema's shortest record is {minimum} bytes; ask for at least {minimum} tokens"
+            ),
+            SubmitError::Refused(e @ AddError::NoValidOutput) => format!("{e}: no value satisfies the schema"),
+            SubmitError::Refused(e) => e.to_string(),
+            SubmitError::Stopped => "the engine is shutting down".into(),
+        };
+        let mut err = Self::new(kind, message);
+        if let SubmitError::Refused(AddError::MaxTokensTooSmall { minimum, .. }) = e {
+            err.minimum = Some(minimum.min(u32::MAX as usize) as u32);
+        }
+        err
+    }
+}
+
+impl std::fmt::Display for ServiceError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.kind, self.message)
+    }
+}
 
 /// A stable, machine-readable error kind (the `type` of an error body).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema)]

@@ -17,12 +17,12 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use utoipa::ToSchema;
 
-use super::door::{self, Endpoint};
 use super::error::{ApiError, ErrorBody};
-use super::{ApiJson, AppState};
+use super::{count_error, ApiJson, AppState};
 use crate::engine::{Constraint, EngineRequest, FinishReason, RequestStream};
 use crate::extract::validate::{violations, Violation};
 use crate::sampling::{SampledToken, SamplingParams};
+use crate::service::Endpoint;
 use crate::tokenizer::{ChatMessage, Tokenizer};
 use types::{
     AssistantMessage, ChatChoice, ChatCompletion, ChatLogprobs, CompletionUsage, Model, ModelList, TextChoice,
@@ -115,7 +115,7 @@ pub async fn chat_completions(
     ApiJson(req): ApiJson<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
     let result = chat(state.clone(), req).await;
-    door::count_error(&state, Endpoint::ChatCompletions, &result);
+    count_error(&state, Endpoint::ChatCompletions, &result);
     result
 }
 
@@ -153,14 +153,15 @@ pub(in crate::server) async fn chat(state: Arc<AppState>, req: ChatCompletionReq
     };
     let (compiled, validator, prompt) = tokio::task::spawn_blocking(move || {
         let compiled = constraint
-            .map(|c| work.extractor.structured.compile(&c))
+            .map(|c| work.service.extractor.structured.compile(&c))
             .transpose()
             .map_err(ApiError::schema_rejected)?;
         let validator = schema
-            .map(|s| work.extractor.validators.get(&s))
+            .map(|s| work.service.extractor.validators.get(&s))
             .transpose()
             .map_err(|e| ApiError::bad_request(e.to_string()))?;
         let prompt = work
+            .service
             .extractor
             .tokenizer
             .encode_chat(&messages)
@@ -215,7 +216,7 @@ async fn submit_n(
             constraint: constraint.clone(),
         })
         .collect();
-    door::submit(state, requests).await
+    Ok(state.service.submit(requests).await?)
 }
 
 /// The sampling fields both endpoints share, with the OpenAI API's defaults (temperature 1).
@@ -313,7 +314,7 @@ pub async fn completions(
     ApiJson(req): ApiJson<CompletionRequest>,
 ) -> Result<Response, ApiError> {
     let result = text(state.clone(), req).await;
-    door::count_error(&state, Endpoint::Completions, &result);
+    count_error(&state, Endpoint::Completions, &result);
     result
 }
 
@@ -333,7 +334,7 @@ async fn text(state: Arc<AppState>, req: CompletionRequest) -> Result<Response, 
         }
     };
     let work = state.clone();
-    let prompt = tokio::task::spawn_blocking(move || work.extractor.tokenizer.encode(&text, false))
+    let prompt = tokio::task::spawn_blocking(move || work.service.extractor.tokenizer.encode(&text, false))
         .await
         .map_err(|e| ApiError::internal(e.to_string()))?
         .map_err(|e| ApiError::bad_request(e.to_string()))?;
@@ -396,7 +397,7 @@ async fn complete(state: &AppState, head: &Head, streams: Vec<RequestStream>) ->
     let choices = streams.into_iter().map(|stream| async move {
         let c = stream.collect().await;
         let c = c.ok_or_else(|| ApiError::internal("the engine stopped before the request finished"))?;
-        door::observe(state, &c.metrics, c.tokens.len());
+        state.service.observe(&c.metrics, c.tokens.len());
         // An answer the engine could not finish is an error, never a normal stop; the first
         // error drops the other choices' streams, which aborts them.
         match engine_failure(c.finish) {
@@ -410,11 +411,11 @@ async fn complete(state: &AppState, head: &Head, streams: Vec<RequestStream>) ->
         .map(|c| violations_of(head.validator.as_deref(), &c.text, c.finish))
         .collect();
     let ends = done.iter().zip(&found).map(|(c, v)| (c.finish, v.is_some()));
-    door::count(state, head.api.endpoint(), outcome_of(ends));
+    state.service.count(head.api.endpoint(), outcome_of(ends));
     let completion_tokens = done.iter().map(|c| c.tokens.len()).sum();
     let cached = done.iter().map(|c| c.metrics.cached_tokens).max().unwrap_or(0);
     let usage = CompletionUsage::new(head.prompt_tokens, completion_tokens, cached);
-    let tokenizer = &state.extractor.tokenizer;
+    let tokenizer = &state.service.extractor.tokenizer;
     let response = match head.api {
         Api::Chat => Json(ChatCompletion {
             id: head.id.clone(),

@@ -11,7 +11,7 @@ use serde::Serialize;
 use tokio::sync::mpsc;
 
 use super::types::{ChatChunkChoice, ChatCompletionChunk, CompletionUsage, Delta, TextChoice, TextCompletion};
-use super::{chat_logprobs, door, engine_failure, finish_reason, outcome_of, text_logprobs, violations_of, Api, Head};
+use super::{chat_logprobs, engine_failure, finish_reason, outcome_of, text_logprobs, violations_of, Api, Head};
 use crate::engine::{FinishReason, RequestOutput, RequestStream};
 use crate::server::error::ErrorBody;
 use crate::server::AppState;
@@ -86,13 +86,17 @@ impl Progress {
                 None if self.finishes.len() < self.started.len() => {
                     // A choice's stream ended without its end: the engine stopped under it.
                     let e = crate::server::error::ApiError::internal("the engine stopped before the request finished");
-                    door::count(&self.state, self.head.api.endpoint(), e.detail.kind.as_str());
+                    self.state
+                        .service
+                        .count(self.head.api.endpoint(), e.detail.kind.as_str());
                     self.pending.push_back(event(&ErrorBody { error: e.detail }));
                     self.done = true;
                 }
                 None => {
                     let endpoint = self.head.api.endpoint();
-                    door::count(&self.state, endpoint, outcome_of(self.finishes.iter().copied()));
+                    self.state
+                        .service
+                        .count(endpoint, outcome_of(self.finishes.iter().copied()));
                     if self.include_usage {
                         let usage = CompletionUsage::new(self.head.prompt_tokens, self.completion_tokens, self.cached);
                         self.push_chunk(Vec::new(), Some(usage));
@@ -121,7 +125,7 @@ impl Progress {
             self.texts[index].push_str(&out.text);
         }
         if !out.text.is_empty() || (self.head.logprobs && !out.tokens.is_empty()) {
-            let tokenizer = &self.state.extractor.tokenizer;
+            let tokenizer = &self.state.service.extractor.tokenizer;
             let mut choice = match chat {
                 true => Choice::delta(
                     index,
@@ -142,10 +146,12 @@ impl Progress {
         }
         let Some(finish) = out.finished else { return };
         if let Some(metrics) = &out.metrics {
-            door::observe(&self.state, metrics, self.tokens[index]);
+            self.state.service.observe(metrics, self.tokens[index]);
         }
         if let Some(e) = engine_failure(finish) {
-            door::count(&self.state, self.head.api.endpoint(), e.detail.kind.as_str());
+            self.state
+                .service
+                .count(self.head.api.endpoint(), e.detail.kind.as_str());
             let body = ErrorBody { error: e.detail };
             self.pending.push_back(event(&body));
             self.done = true;
