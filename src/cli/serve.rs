@@ -119,13 +119,9 @@ fn app_state(
     let model = model_args.model_name();
     let device = engine.backend().device_name();
     tracing::info!("quarry: model {model} on {device}");
-    let mut metrics = crate::service::metrics::Metrics::default();
-    metrics.register_device(&device);
     let extractor = Arc::new(Extractor::new(EngineClient::start(engine), tokenizer));
     Ok(Arc::new(AppState {
-        service: Arc::new(Service::new(extractor, schemas, metrics, max_pending)),
-        model,
-        device,
+        service: Arc::new(Service::new(model, device, extractor, schemas, max_pending)),
         api_keys,
         jobs,
     }))

@@ -6,7 +6,8 @@
 //! error files are written from the results when asked for (`file-out-` and `file-err-` and the
 //! batch's id), so they are never out of step with them.
 
-use crate::service::ErrorKind;
+use crate::service::openai::ChatCompletionRequest;
+use crate::service::{Endpoint, ErrorKind};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -609,7 +610,7 @@ pub(super) async fn run_item(state: &Arc<AppState>, work: jobs::worker::Work) ->
             Ok(_) => extract_line(state, &body).await,
             Err(e) => error_body(ApiError::new(ErrorKind::InvalidField, format!("line {line}: {e}"))),
         },
-        _ => match serde_json::from_value::<super::openai::ChatCompletionRequest>(body.clone()) {
+        _ => match serde_json::from_value::<ChatCompletionRequest>(body.clone()) {
             Ok(req) if req.stream => error_body(ApiError::bad_request(format!(
                 "line {line}: a batch request cannot stream"
             ))),
@@ -635,30 +636,27 @@ async fn extract_line(state: &Arc<AppState>, body: &Value) -> (StatusCode, Value
     }
 }
 
-/// A batch's chat request, as the endpoint answers it; a full queue (other traffic) is waited
-/// out, not reported, and the request counted once.
+/// A batch's chat request, as the endpoint would answer it (never streamed); a full queue
+/// (other traffic) is waited out, not reported, and the request counted once.
 async fn chat_line(state: &Arc<AppState>, body: &Value) -> (StatusCode, Value) {
-    loop {
-        let r: super::openai::ChatCompletionRequest = match serde_json::from_value(body.clone()) {
-            Ok(r) => r,
-            Err(e) => return error_body(ApiError::internal(e.to_string())),
-        };
-        let result = super::openai::chat(state.clone(), r).await;
-        if matches!(&result, Err(e) if e.detail.kind == ErrorKind::QueueFull) {
-            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-            continue;
+    let req: ChatCompletionRequest = match serde_json::from_value(body.clone()) {
+        Ok(r) => r,
+        Err(e) => return error_body(ApiError::internal(e.to_string())),
+    };
+    let service = &state.service;
+    let result = loop {
+        match service.start_chat(&req).await {
+            Err(e) if e.kind == ErrorKind::QueueFull => tokio::time::sleep(std::time::Duration::from_millis(200)).await,
+            Err(e) => break Err(e),
+            Ok(started) => break service.complete(started).await,
         }
-        super::count_error(state, crate::service::Endpoint::ChatCompletions, &result);
-        return match result {
-            Ok(response) => {
-                let status = response.status();
-                let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
-                    .await
-                    .unwrap_or_default();
-                (status, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
-            }
-            Err(e) => error_body(e),
-        };
+    };
+    match result {
+        Ok(completion) => (StatusCode::OK, serde_json::to_value(completion).unwrap_or_default()),
+        Err(e) => {
+            service.count(Endpoint::ChatCompletions, e.kind.as_str());
+            error_body(e.into())
+        }
     }
 }
 

@@ -41,8 +41,6 @@ pub struct AppState {
     /// Every request's way into the engine: admission (`--max-pending`; past it, 429),
     /// extraction, schemas, metrics.
     pub service: Arc<Service>,
-    pub model: String,
-    pub device: String,
     /// Accepted bearer tokens; none means no authentication.
     pub api_keys: Vec<String>,
     /// This process's worker on the job store (which it also hands out to the handlers).
@@ -297,8 +295,8 @@ async fn health(State(state): State<Arc<AppState>>) -> Json<Health> {
     let s = state.service.extractor.client.stats();
     Json(Health {
         status: "ok".into(),
-        model: state.model.clone(),
-        device: state.device.clone(),
+        model: state.service.model.clone(),
+        device: state.service.device.clone(),
         waiting: s.waiting,
         running: s.running,
         kv_blocks_free: s.kv_blocks_free,

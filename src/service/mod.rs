@@ -10,6 +10,7 @@ mod extract;
 
 pub use extract::MAX_MAX_TOKENS;
 pub mod metrics;
+pub mod openai;
 pub mod schemas;
 
 use std::sync::Arc;
@@ -42,6 +43,10 @@ impl Endpoint {
 
 /// The model's extractor and engine client, the schema registry, admission and metrics.
 pub struct Service {
+    /// The model's name, as requests name it (`model`) and responses report it.
+    pub model: String,
+    /// The device it runs on.
+    pub device: String,
     pub extractor: Arc<Extractor>,
     pub schemas: schemas::SchemaRegistry,
     pub metrics: metrics::Metrics,
@@ -50,12 +55,17 @@ pub struct Service {
 
 impl Service {
     pub fn new(
+        model: String,
+        device: String,
         extractor: Arc<Extractor>,
         schemas: schemas::SchemaRegistry,
-        metrics: metrics::Metrics,
         max_pending: usize,
     ) -> Self {
+        let mut metrics = metrics::Metrics::default();
+        metrics.register_device(&device);
         Service {
+            model,
+            device,
             extractor,
             schemas,
             metrics,

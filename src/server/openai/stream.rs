@@ -11,10 +11,13 @@ use serde::Serialize;
 use tokio::sync::mpsc;
 
 use super::types::{ChatChunkChoice, ChatCompletionChunk, CompletionUsage, Delta, TextChoice, TextCompletion};
-use super::{chat_logprobs, engine_failure, finish_reason, outcome_of, text_logprobs, violations_of, Api, Head};
 use crate::engine::{FinishReason, RequestOutput, RequestStream};
+use crate::server::error::ApiError;
 use crate::server::error::ErrorBody;
 use crate::server::AppState;
+use crate::service::openai::{
+    chat_logprobs, engine_failure, finish_reason, outcome_of, text_logprobs, violations_of, Api, Head,
+};
 
 /// Dropping the response (the client left) drops the streams, which aborts the requests.
 pub(super) fn respond(state: Arc<AppState>, head: Head, streams: Vec<RequestStream>, include_usage: bool) -> Response {
@@ -85,7 +88,7 @@ impl Progress {
                 Some((index, out)) => self.output(index, out),
                 None if self.finishes.len() < self.started.len() => {
                     // A choice's stream ended without its end: the engine stopped under it.
-                    let e = crate::server::error::ApiError::internal("the engine stopped before the request finished");
+                    let e = ApiError::internal("the engine stopped before the request finished");
                     self.state
                         .service
                         .count(self.head.api.endpoint(), e.detail.kind.as_str());
@@ -148,7 +151,7 @@ impl Progress {
         if let Some(metrics) = &out.metrics {
             self.state.service.observe(metrics, self.tokens[index]);
         }
-        if let Some(e) = engine_failure(finish) {
+        if let Some(e) = engine_failure(finish).map(ApiError::from) {
             self.state
                 .service
                 .count(self.head.api.endpoint(), e.detail.kind.as_str());
