@@ -10,6 +10,7 @@
 //! result.
 
 pub mod postgres;
+pub mod runners;
 pub mod sqlite;
 pub mod worker;
 

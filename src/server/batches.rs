@@ -6,14 +6,13 @@
 //! error files are written from the results when asked for (`file-out-` and `file-err-` and the
 //! batch's id), so they are never out of step with them.
 
-use crate::service::openai::ChatCompletionRequest;
-use crate::service::{Endpoint, ErrorKind};
+use crate::service::ErrorKind;
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use axum::body::Body;
 use axum::extract::{Path, State};
-use axum::http::{header, StatusCode};
+use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::{Deserialize, Serialize};
@@ -23,10 +22,11 @@ use utoipa::{IntoParams, ToSchema};
 use super::error::{ApiError, ErrorBody};
 use super::jobs::store_call;
 use super::{ApiJson, ApiMultipart, ApiQuery, AppState};
-use crate::jobs::{self, worker::Done, Counts, JobSpec, NewItem, NewJob, StoredFile};
+use crate::jobs::runners::{self, BatchSettings};
+use crate::jobs::{self, Counts, JobSpec, NewItem, NewJob, StoredFile};
 
 /// The kind of the jobs batches are.
-pub const KIND: &str = "batch";
+use crate::jobs::runners::BATCH as KIND;
 /// Endpoints a batch line may call.
 const ENDPOINTS: [&str; 2] = ["/v1/chat/completions", "/extract"];
 const OUTPUT_PREFIX: &str = "file-out-";
@@ -67,15 +67,6 @@ pub struct CreateBatch {
     pub completion_window: String,
     #[schema(value_type = Option<Object>)]
     pub metadata: Option<Value>,
-}
-
-#[derive(Debug, Serialize, Deserialize, ToSchema)]
-struct Settings {
-    endpoint: String,
-    input_file_id: String,
-    completion_window: String,
-    #[schema(value_type = Option<Object>)]
-    metadata: Option<Value>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -427,7 +418,7 @@ pub async fn create(
         .ok_or_else(|| not_found("file", &req.input_file_id))?;
     let text = std::str::from_utf8(&file.bytes).map_err(|_| ApiError::bad_request("the input file is not UTF-8"))?;
     let items = batch_items(text, &req.endpoint)?;
-    let settings = Settings {
+    let settings = BatchSettings {
         endpoint: req.endpoint,
         input_file_id: req.input_file_id,
         completion_window: req.completion_window,
@@ -459,7 +450,7 @@ async fn batch_object(state: &AppState, id: &str) -> Result<BatchObject, ApiErro
     let (spec, c) = find(state, id).await?;
     let key = id.to_string();
     let last = store_call(state, move |s| s.last_result_ms(&key)).await?;
-    let settings: Settings =
+    let settings: BatchSettings =
         serde_json::from_value(spec.settings.clone()).map_err(|e| ApiError::internal(format!("batch {id}: {e}")))?;
     let open = c.queued + c.running > 0;
     let status = match (spec.cancelled_ms, open) {
@@ -560,7 +551,7 @@ pub async fn list(
 pub async fn cancel(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Json<BatchObject>, ApiError> {
     let (spec, _) = find(&state, &id).await?;
     let key = id.clone();
-    let ended = store_call(&state, move |s| s.cancel(&key, &cancelled_item())).await?;
+    let ended = store_call(&state, move |s| s.cancel(&key, &runners::cancelled_line())).await?;
     // Cancelling a cancelled batch again is a no-op (another request may have just done it);
     // a completed one stays completed.
     let cancelled = match (ended, spec.cancelled_ms) {
@@ -574,98 +565,6 @@ pub async fn cancel(State(state): State<Arc<AppState>>, Path(id): Path<String>) 
         ));
     }
     Ok(Json(batch_object(&state, &id).await?))
-}
-
-/// The result of a line the batch's cancelling ended before it ran.
-fn cancelled_item() -> Value {
-    failed_item("batch_cancelled", "the batch was cancelled before this request ran")
-}
-
-/// A line that failed without a response (malformed, cancelled, or an internal failure).
-pub(super) fn failed_item(code: &str, message: &str) -> Value {
-    json!({"error": {"code": code, "message": message}})
-}
-
-/// Runs one batch line against its endpoint, as the server would answer it over HTTP.
-pub(super) async fn run_item(state: &Arc<AppState>, work: jobs::worker::Work) -> Done {
-    let failed = |message: String| (false, failed_item("invalid_request", &message));
-    if work.cancelled {
-        return (false, cancelled_item());
-    }
-    let settings: Settings = match serde_json::from_value(work.job.settings.clone()) {
-        Ok(s) => s,
-        Err(e) => return failed(format!("batch {}: {e}", work.job.id)),
-    };
-    let payload: Value = match serde_json::from_str(&work.payload) {
-        Ok(p) => p,
-        Err(e) => return failed(e.to_string()),
-    };
-    if let Some(message) = payload["error"].as_str() {
-        return failed(message.to_string());
-    }
-    let line = payload["line"].as_u64().unwrap_or(0);
-    let body = payload["body"].clone();
-    let (status, body) = match settings.endpoint.as_str() {
-        "/extract" => match serde_json::from_value::<super::api::ExtractRequest>(body.clone()) {
-            Ok(_) => extract_line(state, &body).await,
-            Err(e) => error_body(ApiError::new(ErrorKind::InvalidField, format!("line {line}: {e}"))),
-        },
-        _ => match serde_json::from_value::<ChatCompletionRequest>(body.clone()) {
-            Ok(req) if req.stream => error_body(ApiError::bad_request(format!(
-                "line {line}: a batch request cannot stream"
-            ))),
-            Ok(_) => chat_line(state, &body).await,
-            Err(e) => error_body(ApiError::new(ErrorKind::InvalidField, format!("line {line}: {e}"))),
-        },
-    };
-    (
-        status.is_success(),
-        json!({"status_code": status.as_u16(), "body": body}),
-    )
-}
-
-/// A batch's extraction request; a full queue is waited out.
-async fn extract_line(state: &Arc<AppState>, body: &Value) -> (StatusCode, Value) {
-    let req: super::api::ExtractRequest = match serde_json::from_value(body.clone()) {
-        Ok(r) => r,
-        Err(e) => return error_body(ApiError::internal(e.to_string())),
-    };
-    match state.service.extract_waiting(req).await.map_err(ApiError::from) {
-        Ok(out) => (StatusCode::OK, serde_json::to_value(out).unwrap_or_default()),
-        Err(e) => error_body(e),
-    }
-}
-
-/// A batch's chat request, as the endpoint would answer it (never streamed); a full queue
-/// (other traffic) is waited out, not reported, and the request counted once.
-async fn chat_line(state: &Arc<AppState>, body: &Value) -> (StatusCode, Value) {
-    let req: ChatCompletionRequest = match serde_json::from_value(body.clone()) {
-        Ok(r) => r,
-        Err(e) => return error_body(ApiError::internal(e.to_string())),
-    };
-    let service = &state.service;
-    let result = loop {
-        match service.start_chat(&req).await {
-            Err(e) if e.kind == ErrorKind::QueueFull => tokio::time::sleep(std::time::Duration::from_millis(200)).await,
-            Err(e) => break Err(e),
-            Ok(started) => break service.complete(started).await,
-        }
-    };
-    match result {
-        Ok(completion) => (StatusCode::OK, serde_json::to_value(completion).unwrap_or_default()),
-        Err(e) => {
-            service.count(Endpoint::ChatCompletions, e.kind.as_str());
-            error_body(e.into())
-        }
-    }
-}
-
-fn error_body(e: ApiError) -> (StatusCode, Value) {
-    let status = e.status;
-    (
-        status,
-        serde_json::to_value(ErrorBody { error: e.detail }).unwrap_or_default(),
-    )
 }
 
 #[cfg(test)]

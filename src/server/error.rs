@@ -6,33 +6,9 @@ use axum::extract::rejection::{BytesRejection, JsonRejection, QueryRejection};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use quarry_grammar::GrammarError;
-use serde::Serialize;
-use utoipa::ToSchema;
 
+pub use crate::service::error::{ErrorBody, ErrorDetail};
 use crate::service::{ErrorKind, ServiceError};
-
-#[derive(Debug, Serialize, ToSchema)]
-pub struct ErrorBody {
-    pub error: ErrorDetail,
-}
-
-#[derive(Debug, Serialize, ToSchema)]
-pub struct ErrorDetail {
-    /// A stable machine-readable kind; the status it comes with is fixed per kind.
-    #[serde(rename = "type")]
-    pub kind: ErrorKind,
-    pub message: String,
-    /// The JSON Schema keyword at fault, for `schema_rejected`.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub keyword: Option<String>,
-    /// JSON pointer into the schema, for `schema_rejected`.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub pointer: Option<String>,
-    /// The least `max_tokens` that can hold the schema's shortest record, for
-    /// `max_tokens_too_small`.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub minimum: Option<u32>,
-}
 
 #[derive(Debug)]
 pub struct ApiError {

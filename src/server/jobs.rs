@@ -18,27 +18,18 @@ use axum::Json;
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
-use super::api::{ExtractOptions, ExtractRequest};
 use super::error::{ApiError, ErrorBody};
 use super::{ApiBody, ApiQuery, AppState};
 use crate::extract::records::{self, Format, RecordResult};
 use crate::extract::table::Table;
+use crate::jobs::runners::ExtractSettings as Settings;
 use crate::jobs::{self, Counts, Deleted, JobSpec, JobStore, NewItem, NewJob, StoreError};
 
 /// The kind of the jobs this API makes (`crate::jobs` keeps others too: OpenAI batches).
-pub const KIND: &str = "extract";
-
-/// An extraction job's settings, as stored with it.
-#[derive(Debug, Serialize, Deserialize)]
-struct Settings {
-    schema_id: String,
-    /// The schema itself: an item can run in a process whose registry never saw it.
-    schema: serde_json::Value,
-    max_tokens: Option<usize>,
-}
+use crate::jobs::runners::EXTRACT as KIND;
 
 fn settings(spec: &JobSpec) -> Result<Settings, ApiError> {
-    serde_json::from_value(spec.settings.clone()).map_err(|e| ApiError::internal(format!("job {}: {e}", spec.id)))
+    Ok(Settings::of(spec)?)
 }
 
 /// Result rows per chunk of a streamed results body (and per read from the store).
@@ -224,56 +215,6 @@ pub async fn create(
     store_call(&state, move |s| s.create(&job)).await?;
     state.jobs.wake();
     Ok((StatusCode::ACCEPTED, Json(status)))
-}
-
-/// An item that failed before or outside its extraction, as the store keeps it.
-pub(super) fn failed_item(kind: &str, message: &str) -> serde_json::Value {
-    serde_json::to_value(RecordResult::failed(kind, message.to_string())).unwrap_or_default()
-}
-
-/// One item's result through the extraction path, as the store keeps it.
-pub(super) async fn run_item(state: &Arc<AppState>, work: jobs::worker::Work) -> jobs::worker::Done {
-    if work.cancelled {
-        return (
-            false,
-            failed_item("cancelled", "the job was cancelled before this item ran"),
-        );
-    }
-    let result = match settings(&work.job) {
-        Ok(s) => extract_item(state, &s, &work).await,
-        Err(e) => RecordResult::failed(e.detail.kind.as_str(), e.detail.message),
-    };
-    let ok = result.ok();
-    (ok, serde_json::to_value(result).unwrap_or_default())
-}
-
-/// The item's extraction (a full queue is waited out).
-async fn extract_item(state: &Arc<AppState>, settings: &Settings, work: &jobs::worker::Work) -> RecordResult {
-    let req = ExtractRequest {
-        schema: Some(settings.schema.clone()),
-        schema_id: None,
-        document: work.payload.clone(),
-        instructions: None,
-        options: ExtractOptions {
-            max_tokens: work.max_tokens.or(settings.max_tokens),
-            ..Default::default()
-        },
-        grounding: false,
-    };
-    match state.service.extract_waiting(req).await.map_err(ApiError::from) {
-        Ok(out) => {
-            let text = out.partial.unwrap_or_default();
-            RecordResult::finished(
-                out.outcome,
-                out.data,
-                text,
-                out.usage.completion_tokens,
-                &out.violations,
-            )
-            .with_fields(out.fields)
-        }
-        Err(e) => RecordResult::failed(e.detail.kind.as_str(), e.detail.message),
-    }
 }
 
 fn unknown_job(id: &str) -> ApiError {

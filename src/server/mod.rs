@@ -210,26 +210,6 @@ async fn starting() -> ApiError {
     e
 }
 
-/// One job item, by the kind of its job.
-async fn run_item(state: &Arc<AppState>, work: crate::jobs::worker::Work) -> crate::jobs::worker::Done {
-    match work.job.kind.as_str() {
-        jobs::KIND => jobs::run_item(state, work).await,
-        batches::KIND => batches::run_item(state, work).await,
-        other => {
-            let message = format!("this Quarry has no runner for jobs of kind `{other}`");
-            (false, failed_item(&work.job, &message))
-        }
-    }
-}
-
-/// An item that failed inside Quarry (`internal`), in its job's result shape.
-fn failed_item(job: &crate::jobs::JobSpec, message: &str) -> serde_json::Value {
-    match job.kind.as_str() {
-        jobs::KIND => jobs::failed_item("internal", message),
-        _ => batches::failed_item("internal", message),
-    }
-}
-
 /// Works on the job store until Ctrl-C or SIGTERM, serving nothing (`quarry worker`); then the
 /// items in flight finish and are written, and the rest stay queued for other processes.
 pub async fn work(state: Arc<AppState>) -> anyhow::Result<()> {
@@ -243,13 +223,13 @@ pub async fn work(state: Arc<AppState>) -> anyhow::Result<()> {
 }
 
 fn spawn_worker(state: &Arc<AppState>) -> tokio::task::JoinHandle<()> {
-    let st = state.clone();
+    let service = state.service.clone();
     tokio::spawn(state.jobs.clone().run(
         move |work| {
-            let st = st.clone();
-            async move { run_item(&st, work).await }
+            let service = service.clone();
+            async move { crate::jobs::runners::run_item(&service, work).await }
         },
-        failed_item,
+        crate::jobs::runners::failed_item,
     ))
 }
 

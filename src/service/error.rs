@@ -9,6 +9,44 @@ use quarry_grammar::GrammarError;
 
 use crate::engine::{AddError, AdmitError, SubmitError};
 
+/// An error as the API's bodies carry it (and batch lines and job results store it).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ErrorDetail {
+    /// A stable machine-readable kind; the status it comes with is fixed per kind.
+    #[serde(rename = "type")]
+    pub kind: ErrorKind,
+    pub message: String,
+    /// The JSON Schema keyword at fault, for `schema_rejected`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub keyword: Option<String>,
+    /// JSON pointer into the schema, for `schema_rejected`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pointer: Option<String>,
+    /// The least `max_tokens` that can hold the schema's shortest record, for
+    /// `max_tokens_too_small`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub minimum: Option<u32>,
+}
+
+impl From<&ServiceError> for ErrorBody {
+    fn from(e: &ServiceError) -> Self {
+        ErrorBody {
+            error: ErrorDetail {
+                kind: e.kind,
+                message: e.message.clone(),
+                keyword: e.keyword.clone(),
+                pointer: e.pointer.clone(),
+                minimum: e.minimum,
+            },
+        }
+    }
+}
+
 /// A failure of the service: its kind, a message for people, and what the kind may add.
 #[derive(Debug, Clone)]
 pub struct ServiceError {
