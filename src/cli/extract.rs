@@ -1,6 +1,6 @@
 //! `quarry extract`: one document (`--document`, the record on stdout) or a batch
 //! (`--input FILE.jsonl|csv`, results to `--output FILE.jsonl|csv` in input order) through the
-//! same extraction path as the HTTP service, offline.
+//! service, as `POST /extract` would run it, offline.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -8,7 +8,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use clap::Args;
-use quarry_grammar::json::KeywordStatus;
 use serde_json::Value;
 
 use super::progress::Progress;
@@ -16,7 +15,10 @@ use super::ModelArgs;
 use crate::engine::EngineClient;
 use crate::extract::records::{self, Format, Record, RecordResult};
 use crate::extract::table::Table;
-use crate::extract::{ExtractError, Extraction, Extractor, Outcome, Task};
+use crate::extract::{Extractor, Outcome};
+use crate::service::api::{ExtractOptions, ExtractRequest, ExtractResponse};
+use crate::service::schemas::SchemaRegistry;
+use crate::service::{Service, ServiceError, MAX_MAX_TOKENS};
 
 #[derive(Args)]
 pub struct ExtractArgs {
@@ -48,6 +50,7 @@ pub struct ExtractArgs {
     /// Extra instructions for the model.
     #[arg(long)]
     instructions: Option<String>,
+    /// Most output tokens (1 to 4096).
     #[arg(long, default_value_t = 512)]
     max_tokens: usize,
     /// Refuse a schema with keywords that cannot be enforced (default: enforce the rest and
@@ -67,7 +70,7 @@ pub struct ExtractArgs {
     /// extraction default]
     #[arg(long)]
     contrast: Option<f32>,
-    /// Sample a record that fails validation again, up to this many times.
+    /// Sample a record that fails validation again, up to this many times (at most 4).
     #[arg(long, default_value_t = 0)]
     retries: usize,
     /// Also give each field's confidence (the model's probability of it as written, 0 to 1):
@@ -97,50 +100,64 @@ pub fn run(args: ExtractArgs) -> anyhow::Result<()> {
         }
         None => None,
     };
-    let task = Task {
-        instructions: args.instructions.clone(),
-        max_tokens: args.max_tokens,
-        strict: args.strict,
-        open_objects: args.open_objects,
-        verbatim: args.verbatim,
-        retries: args.retries,
-        ..Task::new(schema, String::new())
-    };
+    anyhow::ensure!(
+        (1..=MAX_MAX_TOKENS).contains(&args.max_tokens),
+        "--max-tokens must be 1 to {MAX_MAX_TOKENS}"
+    );
     anyhow::ensure!(
         args.contrast.is_none_or(|w| w.is_finite() && w >= 0.0),
         "--contrast must be a number >= 0"
     );
-    let task = Task {
-        contrast: args.contrast.unwrap_or(task.contrast),
-        ..task
+    // Every document's request: the options as `POST /extract` takes them.
+    let request = ExtractRequest {
+        schema: Some(schema),
+        schema_id: None,
+        document: String::new(),
+        instructions: args.instructions.clone(),
+        options: ExtractOptions {
+            max_tokens: Some(args.max_tokens),
+            strict: Some(args.strict),
+            open_objects: Some(args.open_objects),
+            verbatim: Some(args.verbatim),
+            contrast: args.contrast,
+            retries: Some(args.retries),
+            ..Default::default()
+        },
+        grounding: false,
     };
     let (engine, tokenizer) = args.model.engine()?;
+    let device = engine.backend().device_name();
     let extractor = Arc::new(Extractor::new(EngineClient::start(engine), tokenizer));
-    // Compile once up front: a schema that cannot compile is one error, not one per item.
-    let compiled = extractor
-        .structured
-        .compile(&task.constraint())
-        .map_err(|e| anyhow::anyhow!("schema_rejected: {e}"))?;
-    for k in compiled.report().map(|r| &r.keywords[..]).unwrap_or_default() {
-        match &k.status {
-            KeywordStatus::Approximated(how) => {
-                eprintln!("note: `{}` at {:?} approximated: {how}", k.keyword, k.pointer)
-            }
-            KeywordStatus::Narrowed(how) => eprintln!("note: `{}` at {:?} narrowed: {how}", k.keyword, k.pointer),
-            KeywordStatus::Rejected(why) => eprintln!("note: `{}` at {:?} not enforced: {why}", k.keyword, k.pointer),
-            _ => {}
-        }
-    }
+    let service = Arc::new(Service::new(
+        args.model.model_name(),
+        device,
+        extractor,
+        SchemaRegistry::default(),
+        usize::MAX,
+    ));
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
         .build()?;
+    // Compile once up front: a schema that cannot compile is one error, not one per item.
+    let notes = runtime
+        .block_on(service.compile_report(&request))
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    for k in notes {
+        let detail = k.detail.unwrap_or_default();
+        match k.status.as_str() {
+            "approximated" => eprintln!("note: `{}` at {:?} approximated: {detail}", k.keyword, k.pointer),
+            "narrowed" => eprintln!("note: `{}` at {:?} narrowed: {detail}", k.keyword, k.pointer),
+            "rejected" => eprintln!("note: `{}` at {:?} not enforced: {detail}", k.keyword, k.pointer),
+            _ => {}
+        }
+    }
     let result = match (batch, &args.document) {
         (Some((items, table)), _) => {
             let sink = Sink::open(args.output.as_deref(), table)?;
             runtime.block_on(run_batch(
-                &extractor,
-                &task,
+                &service,
+                &request,
                 items,
                 sink,
                 args.concurrency,
@@ -148,16 +165,16 @@ pub fn run(args: ExtractArgs) -> anyhow::Result<()> {
             ))
         }
         (None, Some(document)) => {
-            let task = Task {
+            let request = ExtractRequest {
                 document: read(document)?,
-                ..task
+                ..request
             };
-            let x = runtime.block_on(extractor.run(task));
+            let x = runtime.block_on(service.extract(request));
             print_one(x, args.max_tokens, args.confidence)
         }
         (None, None) => unreachable!("clap requires --document or --input"),
     };
-    extractor.client.shutdown();
+    service.shutdown();
     result
 }
 
@@ -167,31 +184,28 @@ fn read(p: &Path) -> anyhow::Result<String> {
 
 /// Prints the record; any other outcome is an error that names it (`truncated`,
 /// `input_too_long`, `internal`).
-fn print_one(x: Result<Extraction, ExtractError>, max_tokens: usize, confidence: bool) -> anyhow::Result<()> {
-    let x = x.map_err(|e| anyhow::anyhow!("{}: {e}", e.kind()))?;
+fn print_one(x: Result<ExtractResponse, ServiceError>, max_tokens: usize, confidence: bool) -> anyhow::Result<()> {
+    let x = x.map_err(|e| anyhow::anyhow!("{e}"))?;
+    let partial = x.partial.unwrap_or_default();
     match x.outcome {
         Outcome::Ok => {
-            println!("{}", x.data.clone().unwrap_or_default());
+            println!("{}", x.data.unwrap_or_default());
             if confidence {
                 eprintln!("confidence (the model's probability of each field as written):");
-                for f in x.field_reports() {
+                for f in &x.fields {
                     let shown = f.confidence.map_or("-".to_string(), |c| format!("{c:.3}"));
                     eprintln!("  {shown:>6}  {}", f.pointer);
                 }
             }
-            let m = &x.metrics;
+            let u = &x.usage;
             eprintln!(
                 "outcome: ok | prompt {} tokens ({} cached), output {} tokens | {:.0} ms",
-                m.prompt_tokens,
-                m.cached_tokens,
-                x.completion_tokens,
-                m.e2e.as_secs_f64() * 1e3
+                u.prompt_tokens, u.cached_tokens, u.completion_tokens, x.timings.total_ms
             );
             Ok(())
         }
         Outcome::Truncated => anyhow::bail!(
-            "truncated: the output did not close within {max_tokens} tokens (raise --max-tokens); partial output: {}",
-            x.text
+            "truncated: the output did not close within {max_tokens} tokens (raise --max-tokens); partial output: {partial}"
         ),
         Outcome::SchemaViolation => {
             let found: Vec<String> = x
@@ -200,35 +214,40 @@ fn print_one(x: Result<Extraction, ExtractError>, max_tokens: usize, confidence:
                 .map(|v| format!("`{}` at {:?}: {}", v.keyword, v.instance_pointer, v.message))
                 .collect();
             anyhow::bail!(
-                "schema_violation: the record fails the schema where the grammar could not enforce it ({}): {}",
-                found.join("; "),
-                x.text
+                "schema_violation: the record fails the schema where the grammar could not enforce it ({}): {partial}",
+                found.join("; ")
             )
         }
-        o => anyhow::bail!("{}: generation ended early: {}", o.name(), x.text),
+        o => anyhow::bail!("{}: generation ended early: {partial}", o.name()),
     }
 }
 
 /// The item's result, with its fields where `confidence` asks for them.
-fn record_result(x: Result<Extraction, ExtractError>, confidence: bool) -> RecordResult {
+fn record_result(x: Result<ExtractResponse, ServiceError>, confidence: bool) -> RecordResult {
     match x {
         Ok(x) => {
-            let fields = confidence.then(|| x.field_reports());
-            let r = RecordResult::finished(x.outcome, x.data, x.text, x.completion_tokens, &x.violations);
-            match fields {
-                Some(f) => r.with_fields(f),
-                None => r,
+            let r = RecordResult::finished(
+                x.outcome,
+                x.data,
+                x.partial.unwrap_or_default(),
+                x.usage.completion_tokens,
+                &x.violations,
+            );
+            if confidence {
+                r.with_fields(x.fields)
+            } else {
+                r
             }
         }
-        Err(e) => RecordResult::failed(e.kind().as_str(), e.to_string()),
+        Err(e) => RecordResult::failed(e.kind.as_str(), e.message),
     }
 }
 
 /// Runs every item, `concurrency` at a time, writing results in input order as soon as all
 /// earlier ones are written.
 async fn run_batch(
-    extractor: &Arc<Extractor>,
-    task: &Task,
+    service: &Arc<Service>,
+    request: &ExtractRequest,
     items: Vec<Record>,
     mut sink: Sink,
     concurrency: usize,
@@ -242,14 +261,14 @@ async fn run_batch(
     loop {
         while tasks.len() < concurrency {
             let Some((i, item)) = pending.next() else { break };
-            let (extractor, task) = (
-                extractor.clone(),
-                Task {
+            let (service, request) = (
+                service.clone(),
+                ExtractRequest {
                     document: item.document.clone(),
-                    ..task.clone()
+                    ..request.clone()
                 },
             );
-            tasks.spawn(async move { (i, record_result(extractor.run(task).await, confidence)) });
+            tasks.spawn(async move { (i, record_result(service.extract(request).await, confidence)) });
         }
         let Some(joined) = tasks.join_next().await else { break };
         let (i, result) = joined?;

@@ -15,7 +15,7 @@ use super::AppState;
     responses((status = 200, description = "Prometheus / OpenMetrics text", content_type = "application/openmetrics-text", body = String))
 )]
 pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
-    let text = state.service.metrics.render(&state.service.extractor.client.stats());
+    let text = state.service.render_metrics();
     (
         [(
             header::CONTENT_TYPE,

@@ -177,7 +177,7 @@ pub async fn serve_when_ready(
     let _ = stop.send(());
     serving.await??;
     let _ = worker.await;
-    tokio::task::spawn_blocking(move || state.service.extractor.client.shutdown()).await?;
+    tokio::task::spawn_blocking(move || state.service.shutdown()).await?;
     Ok(())
 }
 
@@ -218,7 +218,7 @@ pub async fn work(state: Arc<AppState>) -> anyhow::Result<()> {
     tracing::info!("quarry: finishing the job items in flight");
     state.jobs.stop();
     let _ = worker.await;
-    tokio::task::spawn_blocking(move || state.service.extractor.client.shutdown()).await?;
+    tokio::task::spawn_blocking(move || state.service.shutdown()).await?;
     Ok(())
 }
 
@@ -272,7 +272,7 @@ async fn require_key(State(state): State<Arc<AppState>>, request: Request, next:
 
 #[utoipa::path(get, path = "/health", tag = "service", responses((status = 200, body = Health)))]
 async fn health(State(state): State<Arc<AppState>>) -> Json<Health> {
-    let s = state.service.extractor.client.stats();
+    let s = state.service.stats();
     Json(Health {
         status: "ok".into(),
         model: state.service.model.clone(),

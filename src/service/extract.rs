@@ -43,7 +43,8 @@ impl Service {
         }
     }
 
-    async fn run_extract(&self, req: ExtractRequest) -> Result<ExtractResponse, ServiceError> {
+    /// The extraction a request asks for, its options checked; and its `min_confidence`.
+    fn task_of(&self, req: ExtractRequest) -> Result<(Task, Option<f64>), ServiceError> {
         let schema = match (req.schema, &req.schema_id) {
             (Some(s), None) => s,
             (None, Some(id)) => self.schemas.get(id).ok_or_else(|| schemas::unknown(id))?,
@@ -112,6 +113,24 @@ impl Service {
             grounding: req.grounding,
             ..base
         };
+        Ok((task, min_confidence))
+    }
+
+    /// Compiles the schema as this request's extraction would, off the async threads (cached,
+    /// so the extraction finds it); every keyword's status.
+    pub async fn compile_report(&self, req: &ExtractRequest) -> Result<Vec<KeywordEntry>, ServiceError> {
+        let (task, _) = self.task_of(req.clone())?;
+        let extractor = self.extractor.clone();
+        let compiled = tokio::task::spawn_blocking(move || extractor.structured.compile(&task.constraint()))
+            .await
+            .map_err(|e| ServiceError::internal(e.to_string()))?
+            .map_err(ServiceError::schema_rejected)?;
+        Ok(compiled.report().map(KeywordEntry::from_report).unwrap_or_default())
+    }
+
+    async fn run_extract(&self, req: ExtractRequest) -> Result<ExtractResponse, ServiceError> {
+        let (task, min_confidence) = self.task_of(req)?;
+        let max_tokens = task.max_tokens;
         // The extractor submits its own engine requests (one, or one per retry, in turn): they
         // pass this door's admission once, as one request, and hold it until they end.
         let _admitted = self.admission.admit(1)?;

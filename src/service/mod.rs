@@ -20,8 +20,9 @@ pub use error::{ErrorKind, ServiceError};
 
 use serde_json::Value;
 
-use crate::engine::{EngineRequest, RequestMetrics, RequestStream};
+use crate::engine::{EngineRequest, EngineStats, RequestMetrics, RequestStream};
 use crate::extract::{Extractor, Task};
+use crate::tokenizer::Tokenizer;
 
 /// Which API a request came through, as the metrics label it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,6 +93,26 @@ impl Service {
             .unwrap_or_default())
     }
 
+    /// The engine's queue, running requests, KV blocks and counters, now.
+    pub fn stats(&self) -> EngineStats {
+        self.extractor.client.stats()
+    }
+
+    /// The model's tokenizer (for what responses show of tokens: log-probabilities).
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.extractor.tokenizer
+    }
+
+    /// Stops the engine once the requests in it end (blocking).
+    pub fn shutdown(&self) {
+        self.extractor.client.shutdown();
+    }
+
+    /// The metrics' text, with the engine's gauges read now.
+    pub fn render_metrics(&self) -> String {
+        self.metrics.render(&self.stats())
+    }
+
     /// Engine requests admitted and not finished.
     pub fn pending(&self) -> usize {
         self.admission.pending()
@@ -123,5 +144,67 @@ impl Service {
     /// One API request that ended: `ok`, another outcome, or the error kind it was refused with.
     pub fn count(&self, endpoint: Endpoint, outcome: &str) {
         self.metrics.outcome(endpoint.label(), outcome);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    /// Every `.rs` file under `dir`, with its text.
+    fn sources(dir: &Path, out: &mut Vec<(String, String)>) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                sources(&path, out);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                out.push((path.display().to_string(), std::fs::read_to_string(&path).unwrap()));
+            }
+        }
+    }
+
+    /// The doors (the server's handlers, job and batch runners, the CLI) reach the engine only
+    /// through the service: none of them touches the extractor or the engine client. The
+    /// benchmarks under cli/bench measure the engine below the service and may; the CLI's
+    /// composition roots build the extractor they hand to the service.
+    #[test]
+    fn no_door_reaches_past_the_service() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut files = Vec::new();
+        for door in ["server", "jobs", "cli"] {
+            sources(&root.join(door), &mut files);
+        }
+        // Each file's code without comments or whitespace, so a chain split over lines counts.
+        let reach = ["extractor.", "client.submit(", ".structured.compile("];
+        let mut found = Vec::new();
+        for (path, text) in &files {
+            if path.contains("/cli/bench/") {
+                continue;
+            }
+            let code: String = text
+                .lines()
+                .map(|l| l.split("//").next().unwrap_or_default())
+                .collect::<String>()
+                .chars()
+                .filter(|c| !c.is_whitespace())
+                .collect();
+            for r in reach {
+                let starts_word = |at: usize| {
+                    at == 0 || !code.as_bytes()[at - 1].is_ascii_alphanumeric() && code.as_bytes()[at - 1] != b'_'
+                };
+                if code
+                    .match_indices(r)
+                    .any(|(at, _)| r.starts_with('.') || starts_word(at))
+                {
+                    found.push(format!("{path}: {r}"));
+                }
+            }
+        }
+        assert!(files.len() > 20, "read {} files", files.len());
+        assert!(
+            found.is_empty(),
+            "doors that reach past the service:\n{}",
+            found.join("\n")
+        );
     }
 }

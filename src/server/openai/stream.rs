@@ -128,7 +128,7 @@ impl Progress {
             self.texts[index].push_str(&out.text);
         }
         if !out.text.is_empty() || (self.head.logprobs && !out.tokens.is_empty()) {
-            let tokenizer = &self.state.service.extractor.tokenizer;
+            let tokenizer = self.state.service.tokenizer();
             let mut choice = match chat {
                 true => Choice::delta(
                     index,
