@@ -21,17 +21,7 @@ pub struct ApiError {
 impl ApiError {
     /// An error of `kind`, with the status the kinds' table gives it.
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        ApiError {
-            status: StatusCode::from_u16(kind.status()).expect("the table's statuses are valid"),
-            detail: ErrorDetail {
-                kind,
-                message: message.into(),
-                keyword: None,
-                pointer: None,
-                minimum: None,
-            },
-            retry_after: None,
-        }
+        ServiceError::new(kind, message).into()
     }
 
     pub fn bad_request(message: impl Into<String>) -> Self {
@@ -51,12 +41,11 @@ impl ApiError {
 /// The service's error as a response: the status its kind has in the table.
 impl From<ServiceError> for ApiError {
     fn from(e: ServiceError) -> Self {
-        let mut err = ApiError::new(e.kind, e.message);
-        err.detail.keyword = e.keyword;
-        err.detail.pointer = e.pointer;
-        err.detail.minimum = e.minimum;
-        err.retry_after = e.retry_after;
-        err
+        ApiError {
+            status: StatusCode::from_u16(e.kind.status()).expect("the table's statuses are valid"),
+            detail: ErrorBody::from(&e).error,
+            retry_after: e.retry_after,
+        }
     }
 }
 
