@@ -114,6 +114,28 @@ __device__ __forceinline__ float fold_value(FoldWeights w, float total, float pa
     return w.first ? part : __fmaf_rn(total, w.old_w, __fmul_rn(part, w.part_w));
 }
 
+// Hopper (sm_90a, which the host asks NVRTC for on compute capability 9.0) multiplies on
+// wgmma; other cards on mma.sync (below).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FA_WGMMA 1
+#else
+#define FA_WGMMA 0
+#endif
+
+// Where key r's 16-byte piece c of the head lies in a tile (in elements). For mma.sync, rows
+// padded by 8 elements, so the 8 rows of an ldmatrix fall in distinct banks. For wgmma, its
+// 128-byte swizzle: D / 64 panels of 64 dimensions, each 64 keys of 128 bytes, piece c of a
+// panel's row r at r * 128 + (c ^ (r % 8)) * 16 bytes, so the 8 rows of a core matrix fall in
+// distinct banks, for the mma and for the copies alike.
+template <int D>
+__device__ __forceinline__ int tile_offset(int r, int c) {
+#if FA_WGMMA
+    return (c / 8) * (FA_KEYS * 64) + r * 64 + ((c % 8) ^ (r & 7)) * 8;
+#else
+    return r * (D + 8) + c * 8;
+#endif
+}
+
 // The tile's four KV blocks, `blocks`, come in one 16-byte read of the block table (the host pads
 // each sequence's table to a multiple of four entries, and tiles start at multiples of 64 keys).
 // A thread always copies the same 16-byte piece of a key's head, for every STEP-th key; STEP
@@ -123,23 +145,21 @@ __device__ __forceinline__ float fold_value(FoldWeights w, float total, float pa
 template <int D>
 __device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const bf16* k_cache, const bf16* v_cache,
                                           uint4 blocks, u32 kv_size, int kv_head, int k0, int last) {
-    constexpr int STRIDE = D + 8;
     constexpr int CHUNKS = D / 8;
     constexpr int STEP = FA_THREADS / CHUNKS;
     static_assert(FA_BLOCK % STEP == 0, "a pass of keys lies in one KV block");
     const u32 block_of[4] = {blocks.x, blocks.y, blocks.z, blocks.w};
     int c = threadIdx.x % CHUNKS, key = threadIdx.x / CHUNKS;
     u32 col = (u32)kv_head * D + c * 8;
-    bf16* kd = ks + key * STRIDE + c * 8;
-    bf16* vd = vs + key * STRIDE + c * 8;
 #pragma unroll
     for (int p = 0; p < FA_KEYS / STEP; p++) {
+        int r = p * STEP + key;
         u32 slot = block_of[p * STEP / FA_BLOCK] * FA_BLOCK + (p * STEP) % FA_BLOCK + key;
         // Keys past the block's last position may lie past the sequence: zeros, never read.
-        bool in = k0 + p * STEP + key <= last;
+        bool in = k0 + r <= last;
         u32 off = in ? slot * kv_size + col : 0u;
-        cp_async16(kd + p * STEP * STRIDE, k_cache + off, in ? 16 : 0);
-        cp_async16(vd + p * STEP * STRIDE, v_cache + off, in ? 16 : 0);
+        cp_async16(ks + tile_offset<D>(r, c), k_cache + off, in ? 16 : 0);
+        cp_async16(vs + tile_offset<D>(r, c), v_cache + off, in ? 16 : 0);
     }
 }
 
@@ -150,12 +170,6 @@ __device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const bf16* k_cach
 // out the same bits as that path's chains of m16n8k16 (scripts/flash-bench compares them), so a
 // row does not depend on which path computed it either. The block's 4 warps are one warpgroup of
 // 64 rows, FA_ROWS.
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define FA_WGMMA 1
-#else
-#define FA_WGMMA 0
-#endif
-
 #if FA_WGMMA
 __device__ __forceinline__ void wgmma_fence() {
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -229,30 +243,6 @@ __device__ __forceinline__ void wgmma_n128(float (&d)[16][4], const u32* a, u64 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1), "n"(TNSP_B));
 }
 
-// A tile in the 128-byte swizzle wgmma reads: D / 64 panels of 64 dimensions, each 64 keys of
-// 128 bytes; key r's 16-byte piece c of a panel lies at r * 128 + (c ^ (r % 8)) * 16, so the 8
-// rows of a core matrix fall in distinct banks, for the mma and for these copies alike.
-// Threads take the pieces as load_tile does.
-template <int D>
-__device__ __forceinline__ void load_tile_swizzled(bf16* ks, bf16* vs, const bf16* k_cache, const bf16* v_cache,
-                                                   uint4 blocks, u32 kv_size, int kv_head, int k0, int last) {
-    constexpr int CHUNKS = D / 8;
-    constexpr int STEP = FA_THREADS / CHUNKS;
-    static_assert(FA_BLOCK % STEP == 0, "a pass of keys lies in one KV block");
-    const u32 block_of[4] = {blocks.x, blocks.y, blocks.z, blocks.w};
-    int c = threadIdx.x % CHUNKS, key = threadIdx.x / CHUNKS;
-    u32 col = (u32)kv_head * D + c * 8;
-#pragma unroll
-    for (int p = 0; p < FA_KEYS / STEP; p++) {
-        int r = p * STEP + key;
-        u32 slot = block_of[p * STEP / FA_BLOCK] * FA_BLOCK + (p * STEP) % FA_BLOCK + key;
-        bool in = k0 + r <= last;
-        u32 off = in ? slot * kv_size + col : 0u;
-        int dst = (c / 8) * (FA_KEYS * 64) + r * 64 + ((c % 8) ^ (r & 7)) * 8;
-        cp_async16(ks + dst, k_cache + off, in ? 16 : 0);
-        cp_async16(vs + dst, v_cache + off, in ? 16 : 0);
-    }
-}
 #endif
 
 // The maximum (MAX) or sum of this thread's 16 values of row rr in a tile of scores, as a
@@ -351,22 +341,14 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
     // A tile's KV blocks are read from the table a tile ahead of its copy, so the copy never
     // waits on that read.
     auto blocks_of = [&](int k0) { return *reinterpret_cast<const uint4*>(table + k0 / FA_BLOCK); };
-#if FA_WGMMA
-    load_tile_swizzled<D>(stages, stages + TILE, k_cache, v_cache, blocks_of(first_key), kv_size, kv_head, first_key, last);
-#else
     load_tile<D>(stages, stages + TILE, k_cache, v_cache, blocks_of(first_key), kv_size, kv_head, first_key, last);
-#endif
     cp_async_commit();
     uint4 upcoming = tiles > 1 ? blocks_of(first_key + FA_KEYS) : make_uint4(0, 0, 0, 0);
     for (int i = 0; i < tiles; i++) {
         int k0 = first_key + i * FA_KEYS;
         if (i + 1 < tiles) {
             bf16* next = stages + ((i + 1) & 1) * 2 * TILE;
-#if FA_WGMMA
-            load_tile_swizzled<D>(next, next + TILE, k_cache, v_cache, upcoming, kv_size, kv_head, k0 + FA_KEYS, last);
-#else
             load_tile<D>(next, next + TILE, k_cache, v_cache, upcoming, kv_size, kv_head, k0 + FA_KEYS, last);
-#endif
             if (i + 2 < tiles) upcoming = blocks_of(k0 + 2 * FA_KEYS);
         }
         cp_async_commit();

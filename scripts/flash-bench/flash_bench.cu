@@ -11,18 +11,11 @@
 #include <vector>
 #include <algorithm>
 #include <cuda_runtime.h>
+#include "bench_util.h"
 #include "../../kernels/prelude.cuh"
 #include FA_SRC
 #define FA_ENTRY flash_attention_d128
 #define FA_ROWS_ITEM 64
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1);} } while (0)
-
-static unsigned long long rng = 1;
-static unsigned short rbf() {
-    rng = rng * 6364136223846793005ULL + 1442695040888963407ULL;
-    float f = ((rng >> 40) / (float)(1 << 24)) * 2.0f - 1.0f;
-    unsigned u; memcpy(&u, &f, 4); return (unsigned short)(u >> 16);
-}
 
 int main(int argc, char** argv) {
     const char* which = argc > 1 ? argv[1] : "prefill4k";

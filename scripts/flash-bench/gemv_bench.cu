@@ -10,20 +10,14 @@
 #include <vector>
 #include <algorithm>
 #include <cuda_runtime.h>
+#include "bench_util.h"
 #include "../../kernels/prelude.cuh"
 #include GEMV_SRC
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1);} } while (0)
-
-static unsigned long long rng = 7;
-static unsigned short rbf() {
-    rng = rng * 6364136223846793005ULL + 1442695040888963407ULL;
-    float f = ((rng >> 40) / (float)(1 << 24)) * 2.0f - 1.0f;
-    unsigned u; memcpy(&u, &f, 4); return (unsigned short)(u >> 16);
-}
 
 static float median_ms(std::vector<float> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; }
 
 int main(int argc, char** argv) {
+    rng = 7;
     int warps = argc > 1 ? atoi(argv[1]) : 8;
     const char* dump = argc > 2 ? argv[2] : nullptr;
     cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
