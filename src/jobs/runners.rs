@@ -12,7 +12,7 @@ use crate::extract::records::RecordResult;
 use crate::service::api::{ExtractOptions, ExtractRequest};
 use crate::service::error::ErrorBody;
 use crate::service::openai::ChatCompletionRequest;
-use crate::service::{Endpoint, ErrorKind, Service, ServiceError};
+use crate::service::{ErrorKind, Service, ServiceError};
 
 /// Extraction jobs (`POST /jobs`).
 pub const EXTRACT: &str = "extract";
@@ -151,7 +151,10 @@ async fn run_line(service: &Service, work: Work) -> Done {
             Ok(req) if req.stream => Err(ServiceError::bad_request(format!(
                 "line {line}: a batch request cannot stream"
             ))),
-            Ok(req) => chat_line(service, &req).await,
+            Ok(req) => service
+                .chat_waiting(&req)
+                .await
+                .map(|c| serde_json::to_value(c).unwrap_or_default()),
             Err(e) => invalid(e),
         },
     };
@@ -166,22 +169,4 @@ async fn run_line(service: &Service, work: Work) -> Done {
         (200..300).contains(&status),
         json!({"status_code": status, "body": body}),
     )
-}
-
-/// A batch's chat request, never streamed; counted once, when it has run.
-async fn chat_line(service: &Service, req: &ChatCompletionRequest) -> Result<Value, ServiceError> {
-    let result = loop {
-        match service.start_chat(req).await {
-            Err(e) if e.kind == ErrorKind::QueueFull => tokio::time::sleep(std::time::Duration::from_millis(200)).await,
-            Err(e) => break Err(e),
-            Ok(started) => break service.complete(started).await,
-        }
-    };
-    match result {
-        Ok(completion) => Ok(serde_json::to_value(completion).unwrap_or_default()),
-        Err(e) => {
-            service.count(Endpoint::ChatCompletions, e.kind.as_str());
-            Err(e)
-        }
-    }
 }

@@ -253,11 +253,6 @@ impl ErrorKind {
         self.entry().1
     }
 
-    /// The kind of a name the table gives (job results and batch lines store the name).
-    pub fn parse(name: &str) -> Option<ErrorKind> {
-        ErrorKind::ALL.into_iter().find(|k| k.as_str() == name)
-    }
-
     /// The kind of the engine's refusal of a request.
     pub fn of_refusal(e: &SubmitError) -> ErrorKind {
         match e {
@@ -303,9 +298,7 @@ mod tests {
         for kind in ErrorKind::ALL {
             assert!(names.insert(kind.as_str()), "{kind:?} shares its name");
             assert_eq!(serde_json::to_value(kind).unwrap(), kind.as_str(), "{kind:?}");
-            assert_eq!(ErrorKind::parse(kind.as_str()), Some(kind));
             assert!((400..600).contains(&kind.status()), "{kind:?}");
         }
-        assert_eq!(ErrorKind::parse("no_such_kind"), None);
     }
 }

@@ -2,9 +2,12 @@
 //! fields scored and reported.
 
 use quarry_grammar::json::Whitespace;
+use serde_json::Value;
 
-use super::api::{ExtractRequest, ExtractResponse, KeywordEntry, SpeculationUsage, Timings, Usage, WhitespaceOption};
-use super::{schemas, Endpoint, ErrorKind, Service, ServiceError};
+use super::api::{
+    ExtractOptions, ExtractRequest, ExtractResponse, KeywordEntry, SpeculationUsage, Timings, Usage, WhitespaceOption,
+};
+use super::{schemas, until_admitted, Endpoint, ErrorKind, Service, ServiceError};
 use crate::extract::{ExtractError, Outcome, Task, PRETTY};
 use crate::sampling::DryParams;
 
@@ -23,17 +26,9 @@ impl Service {
     /// One extraction for a job item or a batch line: a full queue (other traffic) is waited
     /// out, not reported, and the extraction is counted once, when it has run.
     pub async fn extract_waiting(&self, req: ExtractRequest) -> Result<ExtractResponse, ServiceError> {
-        loop {
-            match self.run_extract(req.clone()).await {
-                Err(e) if e.kind == ErrorKind::QueueFull => {
-                    tokio::time::sleep(std::time::Duration::from_millis(200)).await
-                }
-                result => {
-                    self.count_extraction(&result);
-                    return result;
-                }
-            }
-        }
+        let result = until_admitted(|| self.run_extract(req.clone())).await;
+        self.count_extraction(&result);
+        result
     }
 
     fn count_extraction(&self, result: &Result<ExtractResponse, ServiceError>) {
@@ -114,6 +109,23 @@ impl Service {
             ..base
         };
         Ok((task, min_confidence))
+    }
+
+    /// The keyword report of `schema` compiled as an extraction with the default options (and
+    /// `strict`) compiles it, so that the first such extraction finds it cached.
+    pub async fn preflight(&self, schema: &Value, strict: bool) -> Result<Vec<KeywordEntry>, ServiceError> {
+        let req = ExtractRequest {
+            schema: Some(schema.clone()),
+            schema_id: None,
+            document: String::new(),
+            instructions: None,
+            options: ExtractOptions {
+                strict: Some(strict),
+                ..Default::default()
+            },
+            grounding: false,
+        };
+        self.compile_report(&req).await
     }
 
     /// Compiles the schema as this request's extraction would, off the async threads (cached,

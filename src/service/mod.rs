@@ -18,10 +18,8 @@ use std::sync::Arc;
 pub use admission::Admission;
 pub use error::{ErrorKind, ServiceError};
 
-use serde_json::Value;
-
 use crate::engine::{EngineRequest, EngineStats, RequestMetrics, RequestStream};
-use crate::extract::{Extractor, Task};
+use crate::extract::Extractor;
 use crate::tokenizer::Tokenizer;
 
 /// Which API a request came through, as the metrics label it.
@@ -54,6 +52,21 @@ pub struct Service {
     admission: Admission,
 }
 
+/// `attempt` again while the queue is full of other traffic: job items and batch lines wait
+/// rather than report it.
+async fn until_admitted<T, F, Fut>(mut attempt: F) -> Result<T, ServiceError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, ServiceError>>,
+{
+    loop {
+        match attempt().await {
+            Err(e) if e.kind == ErrorKind::QueueFull => tokio::time::sleep(std::time::Duration::from_millis(200)).await,
+            result => return result,
+        }
+    }
+}
+
 impl Service {
     pub fn new(
         model: String,
@@ -74,25 +87,6 @@ impl Service {
         }
     }
 
-    /// Compiles `schema` as an extraction with the default options would, off the async
-    /// threads, so that the first extraction finds it cached; its keyword report.
-    pub async fn preflight(&self, schema: &Value, strict: bool) -> Result<Vec<api::KeywordEntry>, ServiceError> {
-        let constraint = Task {
-            strict,
-            ..Task::new(schema.clone(), String::new())
-        }
-        .constraint();
-        let extractor = self.extractor.clone();
-        let compiled = tokio::task::spawn_blocking(move || extractor.structured.compile(&constraint))
-            .await
-            .map_err(|e| ServiceError::internal(e.to_string()))?
-            .map_err(ServiceError::schema_rejected)?;
-        Ok(compiled
-            .report()
-            .map(api::KeywordEntry::from_report)
-            .unwrap_or_default())
-    }
-
     /// The engine's queue, running requests, KV blocks and counters, now.
     pub fn stats(&self) -> EngineStats {
         self.extractor.client.stats()
@@ -111,11 +105,6 @@ impl Service {
     /// The metrics' text, with the engine's gauges read now.
     pub fn render_metrics(&self) -> String {
         self.metrics.render(&self.stats())
-    }
-
-    /// Engine requests admitted and not finished.
-    pub fn pending(&self) -> usize {
-        self.admission.pending()
     }
 
     /// Admits the requests together (all or none), then hands them to the engine; each stream

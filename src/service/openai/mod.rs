@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use utoipa::ToSchema;
 
-use super::{Endpoint, ErrorKind, Service, ServiceError};
+use super::{until_admitted, Endpoint, ErrorKind, Service, ServiceError};
 use crate::engine::{Constraint, EngineRequest, FinishReason, RequestStream};
 use crate::extract::validate::{violations, Violation};
 use crate::sampling::{SampledToken, SamplingParams};
@@ -202,6 +202,19 @@ impl Service {
             ..Head::new(Api::Chat, &streams, &self.model, prompt_tokens, req.logprobs)
         };
         Ok(Started { head, streams })
+    }
+
+    /// A chat completion run to its end for a batch line (never streamed): a full queue is
+    /// waited out, not reported, and a failure counted once.
+    pub async fn chat_waiting(&self, req: &ChatCompletionRequest) -> Result<Completion, ServiceError> {
+        let result = match until_admitted(|| self.start_chat(req)).await {
+            Ok(started) => self.complete(started).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = &result {
+            self.count(Endpoint::ChatCompletions, e.kind.as_str());
+        }
+        result
     }
 
     /// A text completion's choices, submitted (counted as `start_chat`'s).
