@@ -164,4 +164,3 @@ extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32)
         }
     }
 }
-
