@@ -8,6 +8,5 @@ extern "C" __global__ void silu_mul(const float* gate_up, bf16* out, int inter, 
     long long row = idx / inter;
     int i = (int)(idx - row * inter);
     const float* g = gate_up + row * 2 * inter;
-    float x = g[i];
-    out[idx] = f32_to_bf16(x / (1.0f + expf(-x)) * g[inter + i]);
+    out[idx] = f32_to_bf16(silu_times(g[i], g[inter + i]));
 }

@@ -21,12 +21,8 @@ extern "C" __global__ void rope_and_cache(const float* qkv, int width, const u32
         int h = i / half, j = i % half;
         int a = halves ? j : 2 * j;
         int b = halves ? j + half : 2 * j + 1;
-        float x0 = row[h * head_dim + a], x1 = row[h * head_dim + b];
-        bf16 ra = f32_to_bf16(x0 * c[j] - x1 * s[j]);
-        bf16 rb = f32_to_bf16(x0 * s[j] + x1 * c[j]);
         bf16* dst = h < heads ? q_row + h * head_dim : k_cache + slot + (h - heads) * head_dim;
-        dst[a] = ra;
-        dst[b] = rb;
+        rotate_pair(row[h * head_dim + a], row[h * head_dim + b], c[j], s[j], dst + a, dst + b);
     }
     for (int i = threadIdx.x; i < kv_size; i += blockDim.x) {
         v_cache[slot + i] = f32_to_bf16(row[q_size + kv_size + i]);

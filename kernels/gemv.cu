@@ -101,15 +101,18 @@ __device__ __forceinline__ void gemv_mma_block(float* c, uint4 wa, uint4 wb, uin
     mma_m16n8k16(c, wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
 }
 
-extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32)
-    gemv_mma(const bf16* __restrict__ x, const bf16* __restrict__ w, float* __restrict__ y, int rows, int n, int k) {
+// One block's product for two columns per lane group (the mma's M rows g and g + 8, whose weight
+// rows are wa_row and wb_row: any two rows of w, which lets a caller pair the columns its epilogue
+// needs together). Warp 0 returns true with the block's sums in s: s[0], s[1] the first column
+// for rows 2t and 2t + 1, s[2], s[3] the second column for the same rows; the other warps return
+// false. Every caller thus sums over k in the same order.
+__device__ __forceinline__ bool gemv_mma_pair(const bf16* __restrict__ x, const bf16* __restrict__ wa_row,
+                                              const bf16* __restrict__ wb_row, int rows, int k, float* s) {
     __shared__ float part[GEMV_MMA_MAX_WARPS][32][4];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     int g = lane >> 2, t = lane & 3;
-    int ca = blockIdx.x * GEMV_MMA_COLS + g, cb = ca + 8;
-    // Columns past n read the last one; their sums are never written.
-    const uint4* wa = reinterpret_cast<const uint4*>(w + (size_t)min(ca, n - 1) * k) + t;
-    const uint4* wb = reinterpret_cast<const uint4*>(w + (size_t)min(cb, n - 1) * k) + t;
+    const uint4* wa = reinterpret_cast<const uint4*>(wa_row) + t;
+    const uint4* wb = reinterpret_cast<const uint4*>(wb_row) + t;
     bool has_row = g < rows;
     const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)(has_row ? g : 0) * k) + t;
     uint4 zero = make_uint4(0, 0, 0, 0);
@@ -151,16 +154,93 @@ extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32)
 #pragma unroll
     for (int e = 0; e < 4; e++) part[warp][lane][e] = c[e];
     __syncthreads();
-    if (warp == 0) {
-        float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int v = 0; v < warps; v++)
+    if (warp != 0) return false;
 #pragma unroll
-            for (int e = 0; e < 4; e++) s[e] += part[v][lane][e];
-        // c0, c1: column ca, rows 2t and 2t + 1; c2, c3: column cb, the same rows.
+    for (int e = 0; e < 4; e++) s[e] = 0.0f;
+    for (int v = 0; v < warps; v++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            int row = 2 * t + (e & 1), col = e < 2 ? ca : cb;
-            if (row < rows && col < n) y[(size_t)row * n + col] = s[e];
+        for (int e = 0; e < 4; e++) s[e] += part[v][lane][e];
+    return true;
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32)
+    gemv_mma(const bf16* __restrict__ x, const bf16* __restrict__ w, float* __restrict__ y, int rows, int n, int k) {
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int ca = blockIdx.x * GEMV_MMA_COLS + g, cb = ca + 8;
+    // Columns past n read the last one; their sums are never written.
+    float s[4];
+    if (!gemv_mma_pair(x, w + (size_t)min(ca, n - 1) * k, w + (size_t)min(cb, n - 1) * k, rows, k, s)) return;
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        int row = 2 * t + (e & 1), col = e < 2 ? ca : cb;
+        if (row < rows && col < n) y[(size_t)row * n + col] = s[e];
+    }
+}
+
+// The gate|up product with SiLU(gate) * up applied to its sums: a lane group's two columns are
+// gate j and up j (w is [gate; up], inter rows each), and the block writes the down projection's
+// bf16 input, as gemv_mma then silu_mul would, without the [gate | up] round trip or a launch.
+extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32)
+    gemv_mma_silu(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ out, int rows,
+                  int inter, int k) {
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int j = blockIdx.x * (GEMV_MMA_COLS / 2) + g, jr = min(j, inter - 1);
+    float s[4];
+    if (!gemv_mma_pair(x, w + (size_t)jr * k, w + (size_t)(inter + jr) * k, rows, k, s)) return;
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+        int row = 2 * t + e;
+        if (row < rows && j < inter) out[(size_t)row * inter + j] = f32_to_bf16(silu_times(s[e], s[2 + e]));
+    }
+}
+
+// The q|k|v product with the rest of kernels/cache.cu's work on its sums: qwen2's bias added,
+// q and k rotated, q written as attention's bf16 input and k and v into the token's KV slot. A
+// lane group's two columns are a rotary pair of a q or k head (adjacent or half a head apart, as
+// `halves` says), or two neighbouring columns of v; pairs are numbered q and k heads first, then
+// v. Arguments after k are rope_and_cache's.
+extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32)
+    gemv_mma_rope(const bf16* __restrict__ x, const bf16* __restrict__ w, int rows, int k, const float* bias,
+                  const u32* positions, const float* cos_t, const float* sin_t, int heads, int kv_heads,
+                  int head_dim, int halves, const u32* slots, bf16* q_out, bf16* k_cache, bf16* v_cache) {
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int half = head_dim / 2;
+    int rotated = (heads + kv_heads) * half, pairs = rotated + kv_heads * half;
+    int p = min(blockIdx.x * (GEMV_MMA_COLS / 2) + g, pairs - 1);
+    bool real = blockIdx.x * (GEMV_MMA_COLS / 2) + g < pairs;
+    int h = p / half, j = p - h * half;
+    int a = halves ? j : 2 * j, b = halves ? j + half : 2 * j + 1;
+    int ca, cb;
+    if (p < rotated) {
+        ca = h * head_dim + a;
+        cb = h * head_dim + b;
+    } else {
+        ca = (heads + kv_heads) * head_dim + 2 * (p - rotated);
+        cb = ca + 1;
+    }
+    float s[4];
+    if (!gemv_mma_pair(x, w + (size_t)ca * k, w + (size_t)cb * k, rows, k, s)) return;
+    if (!real) return;
+    int q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+        int row = 2 * t + e;
+        if (row >= rows) continue;
+        float x0 = s[e], x1 = s[2 + e];
+        if (bias) {
+            x0 += bias[ca];
+            x1 += bias[cb];
+        }
+        size_t slot = (size_t)slots[row] * kv_size;
+        if (p < rotated) {
+            size_t at = (size_t)positions[row] * half + j;
+            bf16* dst = h < heads ? q_out + (size_t)row * q_size + h * head_dim
+                                  : k_cache + slot + (h - heads) * head_dim;
+            rotate_pair(x0, x1, cos_t[at], sin_t[at], dst + a, dst + b);
+        } else {
+            bf16* dst = v_cache + slot + (ca - (heads + kv_heads) * head_dim);
+            dst[0] = f32_to_bf16(x0);
+            dst[1] = f32_to_bf16(x1);
         }
     }
 }

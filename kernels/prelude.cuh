@@ -31,6 +31,19 @@ __device__ __forceinline__ bf16 f32_to_bf16(float f) {
     return (bf16)(u >> 16);
 }
 
+// SiLU(gate) * up: one expression for the kernel that applies it alone and the GEMV that applies
+// it to its own sums, so the two give the same bits.
+__device__ __forceinline__ float silu_times(float gate, float up) {
+    return gate / (1.0f + expf(-gate)) * up;
+}
+
+// One rotary pair (x0, x1) turned by the angle whose cosine and sine are c and s; shared by the
+// rope kernel and the GEMV that rotates its own sums, for the same bits.
+__device__ __forceinline__ void rotate_pair(float x0, float x1, float c, float s, bf16* a, bf16* b) {
+    *a = f32_to_bf16(x0 * c - x1 * s);
+    *b = f32_to_bf16(x0 * s + x1 * c);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

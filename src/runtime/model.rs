@@ -1,9 +1,9 @@
 //! The decoder, written once for every backend: llama and qwen2 (a llama whose q, k and v
 //! projections have biases, with its own rope style, both read from the config). A backend
 //! keeps the weights in its own form (`Weights`) and computes the coarse operations of `Ops`
-//! (fused where it can: q|k|v and gate|up are one projection each, the residual add goes with
-//! the norm, rope with the cache write) over activations it owns. This file says what a forward
-//! pass is; a backend says how each step of it runs.
+//! over activations it owns, fused where it can: q|k|v and gate|up are one projection each, the
+//! residual add goes with the norm, rope and the cache write with the q|k|v projection, SiLU
+//! with gate|up. This file says what a forward pass is; a backend says how each step of it runs.
 
 use super::error::Result;
 
@@ -49,14 +49,13 @@ pub trait Ops<W: Weights> {
     fn add_rms_norm(&mut self, first: bool, weight: &W::Vector) -> Result<()>;
     /// `output = input * weight^T`.
     fn linear(&mut self, weight: &W::Linear, input: Act, output: Act) -> Result<()>;
-    /// Adds `bias` to every row of `to`.
-    fn add_bias(&mut self, bias: &W::Vector, to: Act) -> Result<()>;
-    /// Rotates the q and k heads of `Qkv` and writes k and v into layer `layer`'s KV cache.
-    fn rope_and_cache(&mut self, layer: usize) -> Result<()>;
+    /// `Normed` through q|k|v (plus `bias`, qwen2's), the q and k heads rotated, and k and v
+    /// written into layer `layer`'s KV cache, where attention reads them with the queries.
+    fn qkv_rope_and_cache(&mut self, qkv: &W::Linear, bias: Option<&W::Vector>, layer: usize) -> Result<()>;
     /// Paged attention of the rotated queries over layer `layer`'s cache, into `Attn`.
     fn attention(&mut self, layer: usize) -> Result<()>;
-    /// SiLU(gate) * up of `GateUp`, into `Hidden`.
-    fn silu_mul(&mut self) -> Result<()>;
+    /// `Normed` through gate|up, then SiLU(gate) * up into `Hidden`.
+    fn gate_up_silu(&mut self, gate_up: &W::Linear) -> Result<()>;
     /// The last residual add and the final norm, on the rows whose logits are wanted only,
     /// then the head.
     fn logits(&mut self, norm: &W::Vector, head: Head<'_, W>) -> Result<()>;
@@ -71,11 +70,7 @@ pub struct Attention<W: Weights> {
 
 impl<W: Weights> Attention<W> {
     fn forward(&self, ops: &mut impl Ops<W>, layer: usize) -> Result<()> {
-        ops.linear(&self.qkv, Act::Normed, Act::Qkv)?;
-        if let Some(bias) = &self.qkv_bias {
-            ops.add_bias(bias, Act::Qkv)?;
-        }
-        ops.rope_and_cache(layer)?;
+        ops.qkv_rope_and_cache(&self.qkv, self.qkv_bias.as_ref(), layer)?;
         ops.attention(layer)?;
         ops.linear(&self.out, Act::Attn, Act::Branch)
     }
@@ -88,8 +83,7 @@ pub struct Mlp<W: Weights> {
 
 impl<W: Weights> Mlp<W> {
     fn forward(&self, ops: &mut impl Ops<W>) -> Result<()> {
-        ops.linear(&self.gate_up, Act::Normed, Act::GateUp)?;
-        ops.silu_mul()?;
+        ops.gate_up_silu(&self.gate_up)?;
         ops.linear(&self.down, Act::Hidden, Act::Branch)
     }
 }

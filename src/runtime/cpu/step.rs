@@ -92,16 +92,15 @@ impl Ops<CpuWeights> for CpuStep<'_> {
         result
     }
 
-    fn add_bias(&mut self, bias: &Vec<f32>, to: Act) -> Result<()> {
-        for row in self.buffers.get(to).chunks_mut(bias.len()) {
-            row.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
-        }
-        Ok(())
-    }
-
-    fn rope_and_cache(&mut self, layer: usize) -> Result<()> {
+    fn qkv_rope_and_cache(&mut self, qkv: &super::linear::Linear, bias: Option<&Vec<f32>>, layer: usize) -> Result<()> {
+        self.linear(qkv, Act::Normed, Act::Qkv)?;
         let (q_size, kv_size, width) = (self.cfg.q_size(), self.cfg.kv_size(), self.qkv_width());
         let qkv = &mut self.buffers.qkv;
+        if let Some(bias) = bias {
+            for row in qkv.chunks_mut(bias.len()) {
+                row.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
+            }
+        }
         // Every head of q and of k rotates; v does not.
         ops::rope_rows(self.rope, qkv, width, q_size + kv_size, &self.batch.positions);
         let rows: &[f32] = qkv;
@@ -133,7 +132,8 @@ impl Ops<CpuWeights> for CpuStep<'_> {
         Ok(())
     }
 
-    fn silu_mul(&mut self) -> Result<()> {
+    fn gate_up_silu(&mut self, gate_up: &super::linear::Linear) -> Result<()> {
+        self.linear(gate_up, Act::Normed, Act::GateUp)?;
         let b = &mut *self.buffers;
         ops::silu_mul(&b.gate_up, self.cfg.intermediate_size, &mut b.act);
         Ok(())

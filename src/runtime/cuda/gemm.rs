@@ -16,6 +16,7 @@ use cudarc::cublaslt::sys::{
 };
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr};
 
+use super::kernels::Kernels;
 use crate::runtime::error::{Result, RuntimeError};
 
 pub struct Gemm {
@@ -23,6 +24,8 @@ pub struct Gemm {
     stream: Arc<CudaStream>,
     gemv: CudaFunction,
     gemv_mma: CudaFunction,
+    gemv_mma_silu: CudaFunction,
+    gemv_mma_rope: CudaFunction,
     /// cuBLAS's scratch space: Hopper kernels want one (NVIDIA suggests 32 MiB), and without
     /// it cuBLAS may choose slower ones.
     workspace: CudaSlice<u8>,
@@ -181,6 +184,25 @@ const GEMV_MMA_COLS: usize = 16;
 /// gate|up 95% -> 96%); sixteen k-blocks in flight lose (57-68%).
 const GEMV_MMA_WARPS: usize = 16;
 
+/// What the fused q|k|v product does after the product (kernels/cache.cu's `rope_and_cache`
+/// takes the same): device addresses, 0 for no bias.
+pub struct RopeArgs {
+    pub bias: u64,
+    pub positions: u64,
+    pub cos: u64,
+    pub sin: u64,
+    pub heads: i32,
+    pub kv_heads: i32,
+    pub head_dim: i32,
+    /// 1: pairs half a head apart (qwen2, HF llama); 0: adjacent (GGUF llama).
+    pub halves: i32,
+    pub slots: u64,
+    /// The rotated queries, bf16 `[rows, heads * head_dim]`.
+    pub q: u64,
+    pub k_cache: u64,
+    pub v_cache: u64,
+}
+
 /// The product's element type: f32 feeds the kernels that follow in full precision.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum OutType {
@@ -188,7 +210,7 @@ pub enum OutType {
 }
 
 impl Gemm {
-    pub fn new(stream: Arc<CudaStream>, gemv: CudaFunction, gemv_mma: CudaFunction) -> Result<Self> {
+    pub fn new(stream: Arc<CudaStream>, kernels: &Kernels) -> Result<Self> {
         let handle = lt::create_handle().map_err(|e| RuntimeError::Device(format!("starting cuBLASLt: {e}")))?;
         let workspace = stream
             .alloc_zeros::<u8>(WORKSPACE_BYTES)
@@ -196,8 +218,10 @@ impl Gemm {
         Ok(Gemm {
             handle,
             stream,
-            gemv,
-            gemv_mma,
+            gemv: kernels.gemv_bf16.clone(),
+            gemv_mma: kernels.gemv_mma.clone(),
+            gemv_mma_silu: kernels.gemv_mma_silu.clone(),
+            gemv_mma_rope: kernels.gemv_mma_rope.clone(),
             workspace,
             plans: Mutex::new(HashMap::new()),
         })
@@ -207,11 +231,11 @@ impl Gemm {
     /// device addresses of buffers the caller keeps alive for the stream's work.
     #[allow(clippy::too_many_arguments)]
     pub fn matmul(&self, x: u64, w: u64, y: u64, out: OutType, rows: usize, n: usize, k: usize) -> Result<()> {
-        // The GEMV kernels read rows 16 bytes at a time.
-        let aligned = (x | w).is_multiple_of(16);
-        if rows <= GEMV_MAX_ROWS && k.is_multiple_of(32) && aligned {
+        if Self::takes_mma_gemv(x, w, rows, k) {
             return self.gemv_mma(x, w, y, rows, n, k);
         }
+        // The GEMV kernels read rows 16 bytes at a time.
+        let aligned = (x | w).is_multiple_of(16);
         if rows <= GEMV_MAX_ROWS && n * k <= GEMV_MAX_WEIGHTS && k.is_multiple_of(8) && aligned {
             return self.gemv(x, w, y, rows, n, k);
         }
@@ -228,6 +252,54 @@ impl Gemm {
     pub fn gemv_mma(&self, x: u64, w: u64, y: u64, rows: usize, n: usize, k: usize) -> Result<()> {
         let blocks = n.div_ceil(GEMV_MMA_COLS);
         self.launch_gemv(&self.gemv_mma, blocks, GEMV_MMA_WARPS, [x, w, y], rows, n, k)
+    }
+
+    /// Whether `matmul` would run this product on the tensor-core GEMV, which alone has the
+    /// fused forms below: a few rows, k a multiple of 32, rows read 16 bytes at a time.
+    pub fn takes_mma_gemv(x: u64, w: u64, rows: usize, k: usize) -> bool {
+        rows <= GEMV_MAX_ROWS && k.is_multiple_of(32) && (x | w).is_multiple_of(16)
+    }
+
+    /// The gate|up product (`w` is `[gate; up]`, `2 * inter` rows of `k`) with SiLU(gate) * up
+    /// applied to its sums, into bf16 `out[rows, inter]`: the bits of `gemv_mma` then the
+    /// `silu_mul` kernel, in one launch. Only where `takes_mma_gemv`.
+    pub fn gemv_silu(&self, x: u64, w: u64, out: u64, rows: usize, inter: usize, k: usize) -> Result<()> {
+        let blocks = inter.div_ceil(GEMV_MMA_COLS / 2);
+        let f = &self.gemv_mma_silu;
+        self.launch_gemv(f, blocks, GEMV_MMA_WARPS, [x, w, out], rows, inter, k)
+    }
+
+    /// The q|k|v product with the rope-and-cache kernel's work done on its sums (and `rope.bias`
+    /// added first): the bits of `gemv_mma`, `add_bias` and `rope_and_cache`, in one launch. Only
+    /// where `takes_mma_gemv`.
+    pub fn gemv_rope(&self, x: u64, w: u64, rows: usize, k: usize, rope: &RopeArgs) -> Result<()> {
+        let pairs = (rope.heads + 2 * rope.kv_heads) as usize * rope.head_dim as usize / 2;
+        let blocks = pairs.div_ceil(GEMV_MMA_COLS / 2);
+        let (r, k32) = (rows as i32, k as i32);
+        super::launch(
+            &self.stream,
+            &self.gemv_mma_rope,
+            (blocks as u32, 1),
+            (GEMV_MMA_WARPS * 32) as u32,
+            &[
+                &x,
+                &w,
+                &r,
+                &k32,
+                &rope.bias,
+                &rope.positions,
+                &rope.cos,
+                &rope.sin,
+                &rope.heads,
+                &rope.kv_heads,
+                &rope.head_dim,
+                &rope.halves,
+                &rope.slots,
+                &rope.q,
+                &rope.k_cache,
+                &rope.v_cache,
+            ],
+        )
     }
 
     /// Both GEMV kernels take `(x, w, y, rows, n, k)`.

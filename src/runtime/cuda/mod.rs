@@ -118,8 +118,9 @@ struct Buffers {
     act: CudaSlice<u16>,
     head_in: CudaSlice<u16>,
     logits: CudaSlice<f32>,
-    /// The partitions of split attention (attention.rs).
+    /// The partitions of split attention and their tickets (attention.rs).
     partials: CudaSlice<f32>,
+    tickets: CudaSlice<u32>,
 }
 
 impl Buffers {
@@ -153,6 +154,7 @@ impl Buffers {
             partials: stream
                 .alloc_zeros(attention::general_scratch_len(target_blocks, cfg.head_dim).max(attention::SCRATCH_FLOATS))
                 .map_err(oom)?,
+            tickets: stream.alloc_zeros(attention::FLASH_TICKETS).map_err(oom)?,
         })
     }
 }
@@ -212,7 +214,7 @@ impl CudaBackend {
             options.max_num_seqs.max(1),
             target_blocks,
         )?;
-        let gemm = Gemm::new(stream.clone(), kernels.gemv_bf16.clone(), kernels.gemv_mma.clone())?;
+        let gemm = Gemm::new(stream.clone(), &kernels)?;
         stream.synchronize().map_err(device_err("loading the weights"))?;
 
         // The KV cache takes what is left of the memory budget.
@@ -438,7 +440,10 @@ impl Backend for CudaBackend {
                 hidden: self.ptr(&b.act),
                 head_in: self.ptr(&b.head_in),
                 logits: self.ptr(&b.logits),
-                partials: self.ptr(&b.partials),
+                scratch: attention::Scratch {
+                    partials: self.ptr(&b.partials),
+                    tickets: self.ptr(&b.tickets),
+                },
             },
         };
         self.weights.forward(&mut step)?;

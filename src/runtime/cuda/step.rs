@@ -7,7 +7,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
 use super::attention::{self, AttentionArgs, Plan};
-use super::gemm::{Gemm, OutType};
+use super::gemm::{Gemm, OutType, RopeArgs};
 use super::kernels::Kernels;
 use super::timing::{Phase, Timing};
 use super::weights::CudaWeights;
@@ -49,7 +49,7 @@ pub struct Buffers {
     pub hidden: u64,
     pub head_in: u64,
     pub logits: u64,
-    pub partials: u64,
+    pub scratch: attention::Scratch,
 }
 
 pub struct CudaStep<'a> {
@@ -79,6 +79,25 @@ impl CudaStep<'_> {
     /// A kernel with a block of `ROW_THREADS` per token.
     fn per_token(&self, f: &cudarc::driver::CudaFunction, args: &[&dyn Arg]) -> Result<()> {
         launch(self.stream, f, (self.meta.tokens as u32, 1), ROW_THREADS, args)
+    }
+
+    /// What rotating q|k|v and writing layer `layer`'s cache takes, fused or not.
+    fn rope_args(&self, bias: Option<&CudaSlice<f32>>, layer: usize) -> RopeArgs {
+        let c = self.cfg;
+        RopeArgs {
+            bias: bias.map_or(0, |b| self.ptr(b)),
+            positions: self.meta.positions,
+            cos: self.rope.0,
+            sin: self.rope.1,
+            heads: c.num_heads as i32,
+            kv_heads: c.num_kv_heads as i32,
+            head_dim: c.head_dim as i32,
+            halves: (c.rope_style == RopeStyle::Halves) as i32,
+            slots: self.meta.slots,
+            q: self.buf.q,
+            k_cache: self.ptr(&self.k_cache[layer]),
+            v_cache: self.ptr(&self.v_cache[layer]),
+        }
     }
 
     /// An activation's address and width.
@@ -132,36 +151,35 @@ impl Ops<CudaWeights> for CudaStep<'_> {
             .matmul(x, self.ptr(weight), y, OutType::F32, self.meta.tokens, n, k)
     }
 
-    fn add_bias(&mut self, bias: &CudaSlice<f32>, to: Act) -> Result<()> {
+    fn qkv_rope_and_cache(&mut self, qkv: &CudaSlice<u16>, bias: Option<&CudaSlice<f32>>, layer: usize) -> Result<()> {
+        let rope = self.rope_args(bias, layer);
+        let (x, k, w) = (self.buf.normed, self.cfg.hidden_size, self.ptr(qkv));
+        if Gemm::takes_mma_gemv(x, w, self.meta.tokens, k) {
+            self.mark(Phase::Gemm);
+            return self.gemm.gemv_rope(x, w, self.meta.tokens, k, &rope);
+        }
+        self.linear(qkv, Act::Normed, Act::Qkv)?;
         self.mark(Phase::Elementwise);
-        let (x, width) = self.act(to);
-        let width = width as i32;
-        self.per_token(&self.kernels.add_bias, &[&x, &self.ptr(bias), &width])
-    }
-
-    fn rope_and_cache(&mut self, layer: usize) -> Result<()> {
-        self.mark(Phase::Elementwise);
-        let c = self.cfg;
-        let width = c.qkv_size() as i32;
-        let (heads, kv_heads, head_dim) = (c.num_heads as i32, c.num_kv_heads as i32, c.head_dim as i32);
-        let halves = (c.rope_style == RopeStyle::Halves) as i32;
-        let (kc, vc) = (self.ptr(&self.k_cache[layer]), self.ptr(&self.v_cache[layer]));
+        let width = self.cfg.qkv_size() as i32;
+        if rope.bias != 0 {
+            self.per_token(&self.kernels.add_bias, &[&self.buf.qkv, &rope.bias, &width])?;
+        }
         self.per_token(
             &self.kernels.rope_and_cache,
             &[
                 &self.buf.qkv,
                 &width,
-                &self.meta.positions,
-                &self.rope.0,
-                &self.rope.1,
-                &heads,
-                &kv_heads,
-                &head_dim,
-                &halves,
-                &self.meta.slots,
-                &self.buf.q,
-                &kc,
-                &vc,
+                &rope.positions,
+                &rope.cos,
+                &rope.sin,
+                &rope.heads,
+                &rope.kv_heads,
+                &rope.head_dim,
+                &rope.halves,
+                &rope.slots,
+                &rope.q,
+                &rope.k_cache,
+                &rope.v_cache,
             ],
         )
     }
@@ -192,13 +210,19 @@ impl Ops<CudaWeights> for CudaStep<'_> {
             m.plan,
             m.tokens,
             m.max_len,
-            self.buf.partials,
+            self.buf.scratch,
         )
     }
 
-    fn silu_mul(&mut self) -> Result<()> {
-        self.mark(Phase::Elementwise);
+    fn gate_up_silu(&mut self, gate_up: &CudaSlice<u16>) -> Result<()> {
         let inter = self.cfg.intermediate_size;
+        let (x, k, w) = (self.buf.normed, self.cfg.hidden_size, self.ptr(gate_up));
+        if Gemm::takes_mma_gemv(x, w, self.meta.tokens, k) {
+            self.mark(Phase::Gemm);
+            return self.gemm.gemv_silu(x, w, self.buf.hidden, self.meta.tokens, inter, k);
+        }
+        self.linear(gate_up, Act::Normed, Act::GateUp)?;
+        self.mark(Phase::Elementwise);
         silu_mul(
             self.stream,
             self.kernels,

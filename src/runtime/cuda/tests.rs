@@ -23,7 +23,7 @@ fn gpu() -> Option<Gpu> {
     unsafe { ctx.disable_event_tracking() };
     let stream = ctx.default_stream();
     let k = Kernels::load(&ctx).expect("kernels compile");
-    let gemm = Gemm::new(stream.clone(), k.gemv_bf16.clone(), k.gemv_mma.clone()).expect("cublas");
+    let gemm = Gemm::new(stream.clone(), &k).expect("cublas");
     Some(Gpu {
         _ctx: ctx,
         stream,
@@ -444,11 +444,18 @@ impl KvFixture {
         };
         let q_d = g.bf16s(&q);
         let out: CudaSlice<u16> = g.stream.clone_htod(&vec![0xffffu16; d.tokens * q_size]).unwrap(); // NaN
-        let partials = g.zeros_f32(attention::SCRATCH_FLOATS);
+        let (partials, tickets) = (
+            g.zeros_f32(attention::SCRATCH_FLOATS),
+            g.u32s(&[0; attention::FLASH_TICKETS]),
+        );
+        let scratch = attention::Scratch {
+            partials: g.p(&partials),
+            tickets: g.p(&tickets),
+        };
         let buffers = [g.p(&q_d), g.p(&out), g.p(&self.kc), g.p(&self.vc)];
         let args = d.args(g, buffers, self.heads, self.kv_heads, self.head_dim);
         let (tokens, max_len) = (d.tokens, d.max_len);
-        attention::launch(&g.stream, k, &args, plan, tokens, max_len, g.p(&partials)).unwrap();
+        attention::launch(&g.stream, k, &args, plan, tokens, max_len, scratch).unwrap();
         g.stream.synchronize().unwrap();
         g.stream.clone_dtoh(&out).unwrap()
     }
@@ -767,6 +774,120 @@ fn gemv_rows_are_bitwise_the_same_for_one_to_eight_rows() {
     }
 }
 
+/// The GEMV with its epilogue fused (SiLU on gate|up; bias, rope and the cache write on q|k|v)
+/// gives the bits of the product followed by the separate kernels, for 1 to 8 rows, both rope
+/// styles, with and without a bias; the rope outputs are checked against the CPU reference by
+/// `rope_and_cache_rotates_queries_and_keys_and_writes_the_cache`.
+#[test]
+fn fused_gemv_epilogues_give_the_bits_of_the_separate_kernels() {
+    let Some(g) = gpu() else { return };
+    let bits = |s: &CudaSlice<u16>| -> Vec<u16> { g.stream.clone_dtoh(s).unwrap() };
+    // (hidden, heads, kv_heads, head_dim, intermediate, bias)
+    for (d, heads, kv_heads, head_dim, inter, bias) in [
+        (576usize, 9usize, 3usize, 64usize, 1536usize, false),
+        (4096, 32, 8, 128, 14336, false),
+        (896, 14, 2, 64, 4864, true),
+    ] {
+        let (q_size, kv_size) = (heads * head_dim, kv_heads * head_dim);
+        let width = q_size + 2 * kv_size;
+        let x = rounded(&values(8 * d, 41));
+        let (w_qkv, w_gu) = (rounded(&values(width * d, 42)), rounded(&values(2 * inter * d, 43)));
+        let (xd, qkv_d, gu_d) = (g.bf16s(&x), g.bf16s(&w_qkv), g.bf16s(&w_gu));
+        let bias_d = g.f32s(&values(width, 44));
+        let (cos, sin) = crate::runtime::cpu::rope_tables(head_dim, 10_000.0, 64);
+        let (cos_d, sin_d) = (g.f32s(&cos), g.f32s(&sin));
+        let positions = g.u32s(&[0, 1, 17, 63, 5, 9, 2, 40]);
+        let slots = g.u32s(&[3, 0, 15, 7, 8, 1, 12, 4]);
+        for rows in 1..=8usize {
+            let tag = format!("d={d} heads={heads}/{kv_heads}x{head_dim} bias={bias} rows={rows}");
+            // SiLU(gate) * up.
+            let (fused, gate_up, apart) = (
+                g.zeros_bf16(rows * inter),
+                g.zeros_f32(rows * 2 * inter),
+                g.zeros_bf16(rows * inter),
+            );
+            g.gemm
+                .gemv_silu(g.p(&xd), g.p(&gu_d), g.p(&fused), rows, inter, d)
+                .unwrap();
+            g.gemm
+                .gemv_mma(g.p(&xd), g.p(&gu_d), g.p(&gate_up), rows, 2 * inter, d)
+                .unwrap();
+            silu_mul(&g.stream, &g.k, g.p(&gate_up), g.p(&apart), rows, inter).unwrap();
+            assert!(bits(&fused) == bits(&apart), "gate|up with SiLU, {tag}");
+            // q|k|v, rotated and cached.
+            for halves in [0i32, 1] {
+                let outputs = || {
+                    (
+                        g.zeros_bf16(rows * q_size),
+                        g.zeros_bf16(16 * kv_size),
+                        g.zeros_bf16(16 * kv_size),
+                    )
+                };
+                let args = |q: &CudaSlice<u16>, kc: &CudaSlice<u16>, vc: &CudaSlice<u16>| gemm::RopeArgs {
+                    bias: if bias { g.p(&bias_d) } else { 0 },
+                    positions: g.p(&positions),
+                    cos: g.p(&cos_d),
+                    sin: g.p(&sin_d),
+                    heads: heads as i32,
+                    kv_heads: kv_heads as i32,
+                    head_dim: head_dim as i32,
+                    halves,
+                    slots: g.p(&slots),
+                    q: g.p(q),
+                    k_cache: g.p(kc),
+                    v_cache: g.p(vc),
+                };
+                let (q1, k1, v1) = outputs();
+                g.gemm
+                    .gemv_rope(g.p(&xd), g.p(&qkv_d), rows, d, &args(&q1, &k1, &v1))
+                    .unwrap();
+                let (q2, k2, v2) = outputs();
+                let a = args(&q2, &k2, &v2);
+                let qkv = g.zeros_f32(rows * width);
+                g.gemm
+                    .gemv_mma(g.p(&xd), g.p(&qkv_d), g.p(&qkv), rows, width, d)
+                    .unwrap();
+                let w32 = width as i32;
+                if bias {
+                    g.run(
+                        &g.k.add_bias,
+                        (rows as u32, 1),
+                        ROW_THREADS,
+                        &[&g.p(&qkv), &a.bias, &w32],
+                    );
+                }
+                g.run(
+                    &g.k.rope_and_cache,
+                    (rows as u32, 1),
+                    ROW_THREADS,
+                    &[
+                        &g.p(&qkv),
+                        &w32,
+                        &a.positions,
+                        &a.cos,
+                        &a.sin,
+                        &a.heads,
+                        &a.kv_heads,
+                        &a.head_dim,
+                        &a.halves,
+                        &a.slots,
+                        &a.q,
+                        &a.k_cache,
+                        &a.v_cache,
+                    ],
+                );
+                for (what, got, want) in [("q", &q1, &q2), ("k cache", &k1, &k2), ("v cache", &v1, &v2)] {
+                    assert!(
+                        bits(got) == bits(want),
+                        "q|k|v with rope, {what}, halves={halves}, {tag}"
+                    );
+                }
+                assert!(bits(&k1).iter().any(|&b| b != 0), "the cache was written, {tag}");
+            }
+        }
+    }
+}
+
 #[test]
 fn bitmask_clears_exactly_the_refused_tokens_and_argmax_picks_the_first_best() {
     let Some(g) = gpu() else { return };
@@ -1035,7 +1156,14 @@ fn kernel_speeds() {
         let (tokens, max_len) = (d.tokens, d.max_len);
         let q = random_bf16(&g, tokens * q_size, 3);
         let out = g.zeros_bf16(tokens * q_size);
-        let partials = g.zeros_f32(attention::SCRATCH_FLOATS);
+        let (partials, tickets) = (
+            g.zeros_f32(attention::SCRATCH_FLOATS),
+            g.u32s(&[0; attention::FLASH_TICKETS]),
+        );
+        let scratch = attention::Scratch {
+            partials: g.p(&partials),
+            tickets: g.p(&tickets),
+        };
         let sms = g
             .stream
             .context()
@@ -1044,7 +1172,7 @@ fn kernel_speeds() {
         let plan = d.plan(&g, hd, heads, kv_heads, 4 * sms);
         let args = d.args(&g, [g.p(&q), g.p(&out), g.p(&kc), g.p(&vc)], heads, kv_heads, hd);
         let ms = median_ms(&g, 10, &|_| {
-            attention::launch(&g.stream, &g.k, &args, plan, tokens, max_len, g.p(&partials)).unwrap()
+            attention::launch(&g.stream, &g.k, &args, plan, tokens, max_len, scratch).unwrap()
         });
         let mode = match plan {
             attention::Plan::Flash { split: Some(p), .. } => format!("split {p}"),

@@ -1,6 +1,10 @@
 //! Where a GPU step's time goes, when `QUARRY_CUDA_TIMING=1`: an event before each kernel and
 //! GEMM, read back once the step is done, summed per kind of work and printed when the backend
-//! is dropped. Off by default: the events and the synchronization cost time themselves.
+//! is dropped. Off by default: the events and the synchronization cost time themselves. Events
+//! between kernels also stop them overlapping (launcher.rs), so the phases add up to more than
+//! the step takes; `QUARRY_CUDA_TIMING=step` puts events only around each step and its sampling,
+//! which gives the GPU's own time for a step, from its first kernel to its last, overlaps kept
+//! and the host's gaps between steps left out.
 
 use std::cell::RefCell;
 use std::sync::Arc;
@@ -42,14 +46,18 @@ struct Totals {
 
 pub struct Timing {
     ctx: Arc<CudaContext>,
+    /// `QUARRY_CUDA_TIMING=step`: one interval per step, counted under its first phase.
+    whole_steps: bool,
     marks: RefCell<Vec<(Phase, CudaEvent)>>,
     totals: RefCell<Totals>,
 }
 
 impl Timing {
     pub fn from_env(ctx: &Arc<CudaContext>) -> Option<Self> {
-        (std::env::var("QUARRY_CUDA_TIMING").as_deref() == Ok("1")).then(|| Timing {
+        let mode = std::env::var("QUARRY_CUDA_TIMING").ok()?;
+        (mode == "1" || mode == "step").then(|| Timing {
             ctx: ctx.clone(),
+            whole_steps: mode == "step",
             marks: RefCell::new(Vec::new()),
             totals: RefCell::new(Totals::default()),
         })
@@ -57,6 +65,9 @@ impl Timing {
 
     /// The work queued from here to the next mark counts as `phase`.
     pub fn mark(&self, phase: Phase, stream: &CudaStream) {
+        if self.whole_steps && phase != Phase::End && !self.marks.borrow().is_empty() {
+            return;
+        }
         if let Ok(e) = self
             .ctx
             .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
@@ -108,10 +119,24 @@ impl Timing {
             t.run_wall.as_secs_f64() * 1e3 / steps,
             t.sample_wall.as_secs_f64() * 1e3 / steps
         );
+        let decode = t.decode_steps.max(1) as f64;
+        if self.whole_steps {
+            let sample = t.gpu_ms[PHASES.len() - 1];
+            let run: f64 = t.gpu_ms.iter().sum::<f64>() - sample;
+            let decode_run = t.decode_ms.iter().sum::<f64>() - t.decode_ms[PHASES.len() - 1];
+            line.push_str(&format!(
+                " span {:.3} ms a step, sampling {:.3} ms\nquarry cuda timing, the {} decode steps alone: GPU span {:.3} ms a step, sampling {:.3} ms",
+                run / steps,
+                sample / steps,
+                t.decode_steps,
+                decode_run / decode,
+                t.decode_ms[PHASES.len() - 1] / decode
+            ));
+            return line;
+        }
         for (p, ms) in PHASES.iter().zip(t.gpu_ms) {
             line.push_str(&format!(" {p:?} {:.2} ms", ms / steps));
         }
-        let decode = t.decode_steps.max(1) as f64;
         line.push_str(&format!(
             "\nquarry cuda timing, the {} decode steps alone: GPU {:.2} ms a step:",
             t.decode_steps,
