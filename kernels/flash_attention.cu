@@ -20,9 +20,8 @@
 // partition's (max, sum, unnormalized values) is computed from scratch and folded into the
 // row's total, partition after partition, by `fold`. A block either walks all partitions itself
 // (whole mode: `partials` null) or computes one (split mode: blockIdx.z, for few rows over long
-// contexts) and writes it; the last of an item's split blocks to finish (a ticket per item and
-// KV head) then folds them in the same order with the same arithmetic: the two modes give the
-// same bits, and a split needs no merge kernel after it.
+// contexts) and writes it for flash_merge, which folds them in the same order with the same
+// arithmetic: the two modes give the same bits.
 #define FA_BLOCK 16  // tokens per KV block: the host sends only such caches here
 #define FA_WARPS 4
 #define FA_THREADS (32 * FA_WARPS)
@@ -113,35 +112,6 @@ __device__ __forceinline__ FoldWeights fold_scalars(float& M, float& L, float m,
 
 __device__ __forceinline__ float fold_value(FoldWeights w, float total, float part) {
     return w.first ? part : __fmaf_rn(total, w.old_w, __fmul_rn(part, w.part_w));
-}
-
-// A (token, head)'s output in dimension d from its `parts` partition records (max, sum, then
-// the head's values), folded in order. The records are read MERGE_AHEAD at a time before they
-// are folded, so a long context's partitions are not one dependent read after another; they
-// come from L2 (other blocks wrote them).
-#define MERGE_AHEAD 8
-__device__ __forceinline__ float merged_value(const float* recs, int parts, int head_dim, int d) {
-    float M = NEG_INF, L = 0.0f, A = 0.0f;
-    for (int p0 = 0; p0 < parts; p0 += MERGE_AHEAD) {
-        float m[MERGE_AHEAD], l[MERGE_AHEAD], a[MERGE_AHEAD];
-#pragma unroll
-        for (int u = 0; u < MERGE_AHEAD; u++) {
-            if (p0 + u < parts) {
-                const float* rec = recs + (size_t)(p0 + u) * (head_dim + 2);
-                m[u] = __ldcg(rec);
-                l[u] = __ldcg(rec + 1);
-                a[u] = __ldcg(rec + 2 + d);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < MERGE_AHEAD; u++) {
-            if (p0 + u < parts) {
-                FoldWeights w = fold_scalars(M, L, m[u], l[u]);
-                A = fold_value(w, A, a[u]);
-            }
-        }
-    }
-    return __fmul_rn(A, __frcp_rn(L));
 }
 
 // Hopper (sm_90a, which the host asks NVRTC for on compute capability 9.0) multiplies on
@@ -295,7 +265,7 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
                                                 const u32* __restrict__ items, const u32* __restrict__ positions,
                                                 const u32* __restrict__ block_tables, int max_blocks, int num_heads,
                                                 int num_kv_heads, float scale_log2,
-                                                float* __restrict__ partials, int max_parts, u32* tickets) {
+                                                float* __restrict__ partials, int max_parts) {
     constexpr int STRIDE = D + 8;  // a 16-byte pad puts the 8 rows of an ldmatrix in distinct banks
     constexpr int TILE = FA_KEYS * STRIDE;
     constexpr int NT = D / 8;   // 8-wide column tiles of the output
@@ -549,32 +519,7 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
         }
     }
 
-    if (split) {
-        // The item's split blocks are those with keys for its last row; the last to get here
-        // folds every row's records. The verdict goes through the tiles' shared memory, whose
-        // copies are all done.
-        volatile u32* folds = reinterpret_cast<volatile u32*>(fa_smem);
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            u32* ticket = tickets + blockIdx.x * gridDim.y + blockIdx.y;
-            bool last_one = atomicAdd(ticket, 1u) == (u32)(last / FA_PART);
-            if (last_one) *ticket = 0;  // ready for the next launch, which follows this one in the stream
-            *folds = last_one;
-        }
-        __syncthreads();
-        if (!*folds) return;
-        __threadfence();
-        for (int i = threadIdx.x; i < rows_here * D; i += FA_THREADS) {
-            int r = row0 + i / D, d = i % D;
-            int tk = token0 + r / group, hd = kv_head * group + r % group;
-            const float* recs = partials + ((size_t)tk * num_heads + hd) * max_parts * (D + 2);
-            float v = merged_value(recs, positions[tk] / FA_PART + 1, D, d);
-            out[tk * q_stride + hd * D + d] = f32_to_bf16(v);
-        }
-        return;
-    }
-    if (warp_active) {
+    if (!split && warp_active) {
 #pragma unroll
         for (int rr = 0; rr < 2; rr++) {
             if (tok[rr] < 0) continue;
@@ -594,10 +539,44 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
     extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_d##D(                              \
         const bf16* q, bf16* out, const bf16* k_cache, const bf16* v_cache, const u32* items,                 \
         const u32* positions, const u32* block_tables, int max_blocks, int num_heads, int num_kv_heads,        \
-        float scale_log2, float* partials, int max_parts, u32* tickets) {                                       \
+        float scale_log2, float* partials, int max_parts) {                                                     \
         after_previous_kernel();                                                                                \
         flash_attention<D>(q, out, k_cache, v_cache, items, positions, block_tables, max_blocks, num_heads,    \
-                           num_kv_heads, scale_log2, partials, max_parts, tickets);                             \
+                           num_kv_heads, scale_log2, partials, max_parts);                                      \
     }
 FLASH_ENTRY(64)
 FLASH_ENTRY(128)
+
+// Folds the partitions split mode wrote, in order, with `fold`: one block per (token, head),
+// one thread per dimension of the head. The records are read MERGE_AHEAD at a time before they
+// are folded, so a long context's partitions are not one dependent read after another.
+#define MERGE_AHEAD 8
+extern "C" __global__ void flash_merge(const float* __restrict__ partials, const u32* __restrict__ positions,
+                                       bf16* __restrict__ out, int num_heads, int head_dim, int max_parts) {
+    after_previous_kernel();
+    int tok = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
+    if (d >= head_dim) return;
+    int parts = (int)positions[tok] / FA_PART + 1;
+    const float* recs = partials + ((size_t)tok * num_heads + head) * max_parts * (head_dim + 2);
+    float M = NEG_INF, L = 0.0f, A = 0.0f;
+    for (int p0 = 0; p0 < parts; p0 += MERGE_AHEAD) {
+        float m[MERGE_AHEAD], l[MERGE_AHEAD], a[MERGE_AHEAD];
+#pragma unroll
+        for (int u = 0; u < MERGE_AHEAD; u++) {
+            if (p0 + u < parts) {
+                const float* rec = recs + (size_t)(p0 + u) * (head_dim + 2);
+                m[u] = rec[0];
+                l[u] = rec[1];
+                a[u] = rec[2 + d];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < MERGE_AHEAD; u++) {
+            if (p0 + u < parts) {
+                FoldWeights w = fold_scalars(M, L, m[u], l[u]);
+                A = fold_value(w, A, a[u]);
+            }
+        }
+    }
+    out[((size_t)tok * num_heads + head) * head_dim + d] = f32_to_bf16(__fmul_rn(A, __frcp_rn(L)));
+}

@@ -60,19 +60,13 @@ int main(int argc, char** argv) {
     int sms; CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     bool split = parts > 1 && count * kvh < 4 * sms;
     CK(cudaMalloc(&part, (size_t)8 << 22));
-    u32* tickets;
-    CK(cudaMalloc(&tickets, 4096 * 4)); CK(cudaMemset(tickets, 0, 4096 * 4));
     int smem = 4 * 64 * (D + 8) * 2 + (split ? 0 : FA_WARPS * 16 * (D + 8) * 4);
     CK(cudaFuncSetAttribute(FA_ENTRY, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     float scale = 1.0f / sqrtf((float)D) * 1.4426950408889634f;
     auto run = [&]() {
         dim3 grid(count, kvh, split ? parts : 1);
-#ifdef MERGE_KERNEL  // a kernel from before the split blocks folded their own records (build flag)
         FA_ENTRY<<<grid, FA_THREADS, smem>>>(q, o, k, v, it, pos, tab, maxblocks, heads, kvh, scale, split ? part : nullptr, split ? parts : 1);
-        if (split) flash_merge<<<dim3(tokens, heads), D>>>(part, pos, o, heads, D, parts);
-#else
-        FA_ENTRY<<<grid, FA_THREADS, smem>>>(q, o, k, v, it, pos, tab, maxblocks, heads, kvh, scale, split ? part : nullptr, split ? parts : 1, tickets);
-#endif
+        if (split && !getenv("NOMERGE")) flash_merge<<<dim3(tokens, heads), D>>>(part, pos, o, heads, D, parts);
     };
     run(); CK(cudaDeviceSynchronize());
     cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);

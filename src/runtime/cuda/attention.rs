@@ -1,10 +1,9 @@
 //! Paged attention over a flattened batch. Heads of 64 and 128 take the tensor-core kernel
 //! (kernels/flash_attention.cu): rows of one sequence and one KV head in items of 64, keys in
 //! fixed partitions of 512 at absolute positions, folded in order either inside the block or,
-//! where too few blocks would fill the GPU, by the last of blocks that computed one each; both
-//! give the same bits, so the choice, made per batch, never changes a request's output. Other
-//! head sizes take the general kernel (kernels/attention.cu), which splits keys by the batch's
-//! shape.
+//! where too few blocks would fill the GPU, by a merge kernel; both give the same bits, so the
+//! choice, made per batch, never changes a request's output. Other head sizes take the general
+//! kernel (kernels/attention.cu), which splits keys by the batch's shape.
 
 use std::sync::Arc;
 
@@ -27,18 +26,6 @@ const FLASH_THREADS: u32 = 128;
 
 /// Floats of scratch for split attention's partitions.
 pub const SCRATCH_FLOATS: usize = 8 << 20;
-
-/// Tickets of split flash attention: one per (item, KV head), counting the item's partitions
-/// done so that the last one folds them (zero between launches).
-pub const FLASH_TICKETS: usize = 4096;
-
-/// Device scratch that attention may use: the partitions' records, and the tickets (allocated
-/// zeroed, `FLASH_TICKETS` of them).
-#[derive(Clone, Copy, Debug)]
-pub struct Scratch {
-    pub partials: u64,
-    pub tickets: u64,
-}
 
 /// The width of the block tables the flash kernel reads: each sequence's row padded to a
 /// multiple of four entries (it reads a tile's four blocks at once).
@@ -138,11 +125,7 @@ impl Plan {
         }
         let parts = max_len.max(1).div_ceil(FLASH_PART);
         let records = tokens * heads * parts * (head_dim + 2);
-        let split = (parts > 1
-            && count * kv_heads < target_blocks
-            && count * kv_heads <= FLASH_TICKETS
-            && records <= SCRATCH_FLOATS)
-            .then_some(parts);
+        let split = (parts > 1 && count * kv_heads < target_blocks && records <= SCRATCH_FLOATS).then_some(parts);
         Plan::Flash { items, count, split }
     }
 }
@@ -174,11 +157,11 @@ pub fn launch(
     plan: Plan,
     tokens: usize,
     max_len: usize,
-    scratch: Scratch,
+    partials: u64,
 ) -> Result<()> {
     match plan {
-        Plan::Flash { items, count, split } => launch_flash(stream, k, a, items, count, split, scratch),
-        Plan::General { part_keys } => launch_general(stream, k, a, tokens, max_len, part_keys, scratch.partials),
+        Plan::Flash { items, count, split } => launch_flash(stream, k, a, items, count, split, tokens, partials),
+        Plan::General { part_keys } => launch_general(stream, k, a, tokens, max_len, part_keys, partials),
     }
 }
 
@@ -190,7 +173,8 @@ fn launch_flash(
     items: u64,
     count: usize,
     split: Option<usize>,
-    scratch: Scratch,
+    tokens: usize,
+    partials: u64,
 ) -> Result<()> {
     if count == 0 {
         return Ok(());
@@ -212,8 +196,8 @@ fn launch_flash(
     };
     let scale_log2 = a.scale * std::f32::consts::LOG2_E;
     let parts = split.unwrap_or(1);
-    let (records, max_parts) = match split {
-        Some(p) => (scratch.partials, p as i32),
+    let (scratch, max_parts) = match split {
+        Some(p) => (partials, p as i32),
         None => (0u64, 1i32),
     };
     super::launch_smem(
@@ -234,11 +218,20 @@ fn launch_flash(
             &a.heads,
             &a.kv_heads,
             &scale_log2,
-            &records,
+            &scratch,
             &max_parts,
-            &scratch.tickets,
         ],
-    )
+    )?;
+    if split.is_some() {
+        super::launch(
+            stream,
+            &k.flash_merge,
+            (tokens as u32, a.heads as u32),
+            a.head_dim as u32,
+            &[&partials, &a.positions, &a.out, &a.heads, &a.head_dim, &max_parts],
+        )?;
+    }
+    Ok(())
 }
 
 fn launch_general(

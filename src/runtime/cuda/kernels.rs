@@ -34,7 +34,7 @@ const SOURCES: &[(&str, &str, &[&str])] = &[
     (
         "flash_attention.cu",
         include_str!("../../../kernels/flash_attention.cu"),
-        &["flash_attention_d64", "flash_attention_d128"],
+        &["flash_attention_d64", "flash_attention_d128", "flash_merge"],
     ),
     (
         "gemv.cu",
@@ -78,6 +78,7 @@ pub struct Kernels {
     pub attention_merge: CudaFunction,
     pub flash_attention_d64: CudaFunction,
     pub flash_attention_d128: CudaFunction,
+    pub flash_merge: CudaFunction,
     pub gemv_bf16: CudaFunction,
     pub gemv_mma: CudaFunction,
     pub gemv_mma_silu: CudaFunction,
@@ -176,6 +177,7 @@ impl Kernels {
             attention_merge: take("attention_merge"),
             flash_attention_d64: take("flash_attention_d64"),
             flash_attention_d128: take("flash_attention_d128"),
+            flash_merge: take("flash_merge"),
             gemv_bf16: take("gemv_bf16"),
             gemv_mma: take("gemv_mma"),
             gemv_mma_silu: take("gemv_mma_silu"),

@@ -134,7 +134,13 @@ mod tests {
             let mut waiting = vec!["after_previous_kernel".to_string()];
             for chunk in source.split("__device__").skip(1) {
                 let body = chunk.split("__global__").next().unwrap_or("");
-                let name = body.split('(').next().unwrap_or("").split_whitespace().last().unwrap_or("");
+                let name = body
+                    .split('(')
+                    .next()
+                    .unwrap_or("")
+                    .split_whitespace()
+                    .last()
+                    .unwrap_or("");
                 if waiting.iter().any(|w| body.contains(&format!("{w}("))) {
                     waiting.push(name.to_string());
                 }

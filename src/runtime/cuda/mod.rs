@@ -118,9 +118,8 @@ struct Buffers {
     act: CudaSlice<u16>,
     head_in: CudaSlice<u16>,
     logits: CudaSlice<f32>,
-    /// The partitions of split attention and their tickets (attention.rs).
+    /// The partitions of split attention (attention.rs).
     partials: CudaSlice<f32>,
-    tickets: CudaSlice<u32>,
 }
 
 impl Buffers {
@@ -154,7 +153,6 @@ impl Buffers {
             partials: stream
                 .alloc_zeros(attention::general_scratch_len(target_blocks, cfg.head_dim).max(attention::SCRATCH_FLOATS))
                 .map_err(oom)?,
-            tickets: stream.alloc_zeros(attention::FLASH_TICKETS).map_err(oom)?,
         })
     }
 }
@@ -440,10 +438,7 @@ impl Backend for CudaBackend {
                 hidden: self.ptr(&b.act),
                 head_in: self.ptr(&b.head_in),
                 logits: self.ptr(&b.logits),
-                scratch: attention::Scratch {
-                    partials: self.ptr(&b.partials),
-                    tickets: self.ptr(&b.tickets),
-                },
+                partials: self.ptr(&b.partials),
             },
         };
         self.weights.forward(&mut step)?;

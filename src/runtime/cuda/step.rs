@@ -49,7 +49,7 @@ pub struct Buffers {
     pub hidden: u64,
     pub head_in: u64,
     pub logits: u64,
-    pub scratch: attention::Scratch,
+    pub partials: u64,
 }
 
 pub struct CudaStep<'a> {
@@ -210,7 +210,7 @@ impl Ops<CudaWeights> for CudaStep<'_> {
             m.plan,
             m.tokens,
             m.max_len,
-            self.buf.scratch,
+            self.buf.partials,
         )
     }
 

@@ -444,18 +444,11 @@ impl KvFixture {
         };
         let q_d = g.bf16s(&q);
         let out: CudaSlice<u16> = g.stream.clone_htod(&vec![0xffffu16; d.tokens * q_size]).unwrap(); // NaN
-        let (partials, tickets) = (
-            g.zeros_f32(attention::SCRATCH_FLOATS),
-            g.u32s(&[0; attention::FLASH_TICKETS]),
-        );
-        let scratch = attention::Scratch {
-            partials: g.p(&partials),
-            tickets: g.p(&tickets),
-        };
+        let partials = g.zeros_f32(attention::SCRATCH_FLOATS);
         let buffers = [g.p(&q_d), g.p(&out), g.p(&self.kc), g.p(&self.vc)];
         let args = d.args(g, buffers, self.heads, self.kv_heads, self.head_dim);
         let (tokens, max_len) = (d.tokens, d.max_len);
-        attention::launch(&g.stream, k, &args, plan, tokens, max_len, scratch).unwrap();
+        attention::launch(&g.stream, k, &args, plan, tokens, max_len, g.p(&partials)).unwrap();
         g.stream.synchronize().unwrap();
         g.stream.clone_dtoh(&out).unwrap()
     }
@@ -1156,14 +1149,7 @@ fn kernel_speeds() {
         let (tokens, max_len) = (d.tokens, d.max_len);
         let q = random_bf16(&g, tokens * q_size, 3);
         let out = g.zeros_bf16(tokens * q_size);
-        let (partials, tickets) = (
-            g.zeros_f32(attention::SCRATCH_FLOATS),
-            g.u32s(&[0; attention::FLASH_TICKETS]),
-        );
-        let scratch = attention::Scratch {
-            partials: g.p(&partials),
-            tickets: g.p(&tickets),
-        };
+        let partials = g.zeros_f32(attention::SCRATCH_FLOATS);
         let sms = g
             .stream
             .context()
@@ -1172,7 +1158,7 @@ fn kernel_speeds() {
         let plan = d.plan(&g, hd, heads, kv_heads, 4 * sms);
         let args = d.args(&g, [g.p(&q), g.p(&out), g.p(&kc), g.p(&vc)], heads, kv_heads, hd);
         let ms = median_ms(&g, 10, &|_| {
-            attention::launch(&g.stream, &g.k, &args, plan, tokens, max_len, scratch).unwrap()
+            attention::launch(&g.stream, &g.k, &args, plan, tokens, max_len, g.p(&partials)).unwrap()
         });
         let mode = match plan {
             attention::Plan::Flash { split: Some(p), .. } => format!("split {p}"),
