@@ -11,6 +11,19 @@ __device__ __forceinline__ int mask_bit(const u32* masks, const int* mask_rows, 
     return (masks[(size_t)m * words + (*t >> 5)] >> (*t & 31)) & 1u;
 }
 
+// Context-aware decoding: row r becomes (1 + w) * row - w * row twins[r] (-1: no twin), with
+// one_plus[r] = 1 + w and weight[r] = w as the host rounds them, each product and the
+// difference rounded as the engine's `contrast` rounds them. Twins are rows no other row turns
+// into. Grid: (rows, ceil(vocab / blockDim)).
+extern "C" __global__ void contrast_rows(float* logits, const int* twins, const float* one_plus, const float* weight,
+                                         int vocab) {
+    after_previous_kernel();
+    int r = blockIdx.x, t = blockIdx.y * blockDim.x + threadIdx.x, twin = twins[r];
+    if (twin < 0 || t >= vocab) return;
+    float* row = logits + (size_t)r * vocab;
+    row[t] = __fsub_rn(__fmul_rn(one_plus[r], row[t]), __fmul_rn(weight[r], logits[(size_t)twin * vocab + t]));
+}
+
 extern "C" __global__ void apply_bitmask(float* logits, const u32* masks, const int* mask_rows,
                                          int vocab, int words) {
     after_previous_kernel();

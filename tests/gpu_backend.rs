@@ -206,9 +206,10 @@ fn device_draws_match_the_host_on_the_same_logits() {
     let masks = [Some(&mask0[..]), None, Some(&mask2[..])];
     let biases = [Some((&copy0[..], 1.5f32)), None, None];
     let pens: [&[Penalty]; 3] = [&pen0, &pen1, &[]];
-    // The final scores the draw sees: mask, bias, penalties.
-    let host_scores = |r: usize, narrower: Option<&[u32]>| -> Vec<f32> {
-        let mut scores: Vec<f32> = logits.row(r).to_vec();
+    // The final scores the draw sees, from row r's logits (or `base`, contrasted): mask, bias,
+    // penalties.
+    let scores_from = |base: &[f32], r: usize, narrower: Option<&[u32]>| -> Vec<f32> {
+        let mut scores: Vec<f32> = base.to_vec();
         for (t, x) in scores.iter_mut().enumerate() {
             let open = masks[r].is_none_or(|m| allowed(m, t)) && narrower.is_none_or(|m| allowed(m, t));
             if !open {
@@ -228,6 +229,7 @@ fn device_draws_match_the_host_on_the_same_logits() {
         }
         scores
     };
+    let host_scores = |r: usize, narrower: Option<&[u32]>| scores_from(logits.row(r), r, narrower);
     let host = |r: usize, narrower: Option<&[u32]>| -> u32 { quarry::sampling::argmax(&host_scores(r, narrower)) };
     // The confidence as the host sampler computes it, from the same final scores.
     let check_confidence =
@@ -255,6 +257,7 @@ fn device_draws_match_the_host_on_the_same_logits() {
         },
         bias: biases[r],
         penalties: pens[r],
+        contrast: None,
     };
     // Log-probabilities as the host sampler reports them: of the logits after the mask and the
     // bias, before penalties.
@@ -299,6 +302,7 @@ fn device_draws_match_the_host_on_the_same_logits() {
         .map(|r| RowRequest {
             mask: masks[r],
             draw: Some(draw(r, 0.0, 0)),
+            logits_back: true,
         })
         .collect();
     gpu.run(&batch).unwrap();
@@ -335,6 +339,7 @@ fn device_draws_match_the_host_on_the_same_logits() {
             .map(|&r| RowRequest {
                 mask: masks[r],
                 draw: Some(draw(r, 1.0, 5)),
+                logits_back: true,
             })
             .collect();
         let got = gpu.sample(&requests).unwrap();
@@ -357,7 +362,7 @@ fn device_draws_match_the_host_on_the_same_logits() {
     }
     // Rows without a draw come back as logits, in row order.
     gpu.run(&batch).unwrap();
-    let mixed = [greedy[0], RowRequest { mask: None, draw: None }, greedy[2]];
+    let mixed = [greedy[0], RowRequest::LOGITS, greedy[2]];
     let out = gpu.sample(&mixed).unwrap();
     assert_eq!(out.tokens[1], None);
     assert_eq!(out.host_row(1).unwrap(), logits.row(1));
@@ -365,4 +370,42 @@ fn device_draws_match_the_host_on_the_same_logits() {
         (out.tokens[0], out.tokens[2]),
         (Some(host(0, None)), Some(host(2, None)))
     );
+    // Context-aware decoding on the device: row 0 contrasted with row 2 (its twin, whose logits
+    // stay there), then masked, biased and penalized as before; the same token and confidence
+    // as the engine's host path, which contrasts the two rows' logits with `contrast`.
+    // The weight: the first that moves row 0's token, so that ignoring it could not pass.
+    let contrasted_scores = |w: f32| {
+        let base = quarry::engine::contrast::contrast(logits.row(0), logits.row(2), w);
+        scores_from(&base, 0, None)
+    };
+    let weight = [0.5f32, 1.0, 2.0, 4.0, 8.0]
+        .into_iter()
+        .find(|&w| quarry::sampling::argmax(&contrasted_scores(w)) != host(0, None))
+        .expect("some weight of contrast moves row 0's token");
+    gpu.run(&batch).unwrap();
+    let contrasted = RowRequest {
+        mask: masks[0],
+        draw: Some(Draw {
+            contrast: Some((2, weight)),
+            ..draw(0, 0.0, 0)
+        }),
+        logits_back: true,
+    };
+    let twin = RowRequest {
+        logits_back: false,
+        ..RowRequest::LOGITS
+    };
+    let out = gpu.sample(&[contrasted, greedy[1], twin]).unwrap();
+    let scores = contrasted_scores(weight);
+    let want = quarry::sampling::argmax(&scores);
+    assert_eq!(out.tokens[0], Some(want), "the contrasted row, weight {weight}");
+    let conf = out.confidence[0].expect("asked for");
+    assert_eq!(conf.choices, TokenConfidence::of(&scores, want).choices);
+    assert_eq!(out.tokens[1], Some(host(1, None)));
+    assert_eq!(
+        (out.tokens[2], out.host_row(2)),
+        (None, None),
+        "the twin's logits stay on the device"
+    );
+    assert_eq!(out.logits.rows(), 0);
 }

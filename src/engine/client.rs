@@ -26,6 +26,8 @@ pub struct EngineStats {
     pub drafts: super::speculation::DraftCounts,
     /// Draft-model passes that failed (the engine then drops the draft model and decodes on).
     pub draft_model_failures: u64,
+    /// Full logits rows the backend copied to the host (`Backend::logits_rows_copied`).
+    pub logits_rows_copied: u64,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -49,7 +49,7 @@ pub trait Backend: Send {
     /// `run`, then every row's logits.
     fn forward(&mut self, batch: &ForwardBatch) -> Result<Logits> {
         self.run(batch)?;
-        let rows = vec![RowRequest { mask: None, draw: None }; batch.logits_rows.len()];
+        let rows = vec![RowRequest::LOGITS; batch.logits_rows.len()];
         Ok(self.sample(&rows)?.logits)
     }
 
@@ -61,6 +61,12 @@ pub trait Backend: Send {
 
     /// A short human-readable name of the device, for logs and benchmarks.
     fn device_name(&self) -> String;
+
+    /// Full rows of logits copied from the device to the host so far (rows the engine drew
+    /// itself); 0 where the logits are on the host anyway.
+    fn logits_rows_copied(&self) -> u64 {
+        0
+    }
 }
 
 /// What the engine asks of one sampled row.
@@ -71,13 +77,28 @@ pub struct RowRequest<'a> {
     pub mask: Option<&'a [u32]>,
     /// How to draw the row where its logits are; `None`: the engine samples it from its logits
     pub draw: Option<Draw<'a>>,
+    /// Where `draw` is `None`: whether its logits come back (false for a contrast twin whose
+    /// rows are all drawn where the logits are).
+    pub logits_back: bool,
 }
 
-/// One row's draw, in the engine sampler's order: the grammar's mask, the copy bias, the
-/// penalties, then the argmax (temperature 0) or a seeded draw after temperature, min-p, top-k
-/// and top-p.
+impl RowRequest<'_> {
+    /// A row whose logits come back to the engine.
+    pub const LOGITS: RowRequest<'static> = RowRequest {
+        mask: None,
+        draw: None,
+        logits_back: true,
+    };
+}
+
+/// One row's draw, in the engine sampler's order: contrast with its twin's row, the grammar's
+/// mask, the copy bias, the penalties, then the argmax (temperature 0) or a seeded draw after
+/// temperature, min-p, top-k and top-p.
 #[derive(Clone, Copy, Debug)]
 pub struct Draw<'a> {
+    /// Context-aware decoding (engine/contrast.rs): the row is drawn from `(1 + weight) * row
+    /// - weight * twin`, `twin` being another row of the same step (the index of its request).
+    pub contrast: Option<(usize, f32)>,
     pub params: DrawParams,
     /// Added to the logits of the tokens this mask allows.
     pub bias: Option<(&'a [u32], f32)>,
@@ -169,8 +190,11 @@ pub struct Sampled {
     pub logprobs: Vec<Option<RowLogprobs>>,
     /// Per row drawn with `confidence` asked for: the drawn token's.
     pub confidence: Vec<Option<TokenConfidence>>,
-    /// The rows without a token, in row order.
+    /// The rows without a token whose logits came back (`RowRequest::logits_back`), in row
+    /// order.
     pub logits: Logits,
+    /// Per row: whether `logits` holds it.
+    pub has_logits: Vec<bool>,
 }
 
 impl Sampled {
@@ -180,16 +204,17 @@ impl Sampled {
             tokens: vec![None; logits.rows()],
             logprobs: vec![None; logits.rows()],
             confidence: vec![None; logits.rows()],
+            has_logits: vec![true; logits.rows()],
             logits,
         }
     }
 
     /// The logits of row `row`, where the backend did not decide it.
     pub fn host_row(&self, row: usize) -> Option<&[f32]> {
-        if self.tokens.get(row)?.is_some() {
+        if !*self.has_logits.get(row)? {
             return None;
         }
-        let before = self.tokens[..row].iter().filter(|t| t.is_none()).count();
+        let before = self.has_logits[..row].iter().filter(|&&h| h).count();
         Some(self.logits.row(before))
     }
 }

@@ -50,6 +50,7 @@ pub struct Metrics {
     prefix_hit_rate: Gauge<f64, AtomicU64>,
     preemptions: Gauge,
     draft_model_failures: Gauge,
+    logits_rows_copied: Gauge,
 }
 
 impl Metrics {
@@ -84,6 +85,7 @@ impl Default for Metrics {
             prefix_hit_rate: Gauge::default(),
             preemptions: Gauge::default(),
             draft_model_failures: Gauge::default(),
+            logits_rows_copied: Gauge::default(),
         };
         let r = &mut m.registry;
         r.register(
@@ -157,6 +159,11 @@ impl Default for Metrics {
             "Speculative decoding: draft-model passes that failed (the draft model is then dropped; requests go on without it)",
             m.draft_model_failures.clone(),
         );
+        r.register(
+            "logits_rows_copied",
+            "Full rows of logits copied from the GPU to the host, for the engine to draw them itself (none on the default paths)",
+            m.logits_rows_copied.clone(),
+        );
         m
     }
 }
@@ -210,6 +217,7 @@ impl Metrics {
         self.prefix_hit_rate.set(stats.prefix_cache.hit_rate());
         self.preemptions.set(stats.preemptions as i64);
         self.draft_model_failures.set(stats.draft_model_failures as i64);
+        self.logits_rows_copied.set(stats.logits_rows_copied as i64);
         let mut text = String::new();
         let _ = encode(&mut text, &self.registry);
         text

@@ -303,6 +303,7 @@ impl EngineCore {
             steps: self.steps,
             drafts: self.drafts,
             draft_model_failures: self.draft_model_failures,
+            logits_rows_copied: self.backend.logits_rows_copied(),
         }
     }
 
@@ -444,9 +445,9 @@ impl EngineCore {
 
     /// Each sampling request's run of tokens: the drafts the model agrees with, then its own
     /// token after them. Where the backend draws on its device, each row's draw goes with it
-    /// (the sampler's parameters and penalties, and the copy bias's mask, as they stand after
-    /// the drafts before the row); the rows it leaves come back as logits for the request's
-    /// sampler.
+    /// (the sampler's parameters and penalties, the copy bias's mask, as they stand after the
+    /// drafts before the row, and a contrasting request's twin row); the rows it leaves come
+    /// back as logits for the request's sampler.
     fn sample(
         &mut self,
         sampling: &[Sampling],
@@ -454,9 +455,12 @@ impl EngineCore {
     ) -> Result<Vec<Vec<SampledToken>>, RuntimeError> {
         let words = bitmask_words(self.tokenizer.vocab_size());
         let mut draws: Vec<Option<DeviceDraw>> = vec![None; grammar.len()];
+        // A contrasting row's twin row, and whether a row's logits must come back (a twin's
+        // need not where its request's row is drawn beside it, on the device).
+        let mut contrasts: Vec<Option<(usize, f32)>> = vec![None; grammar.len()];
+        let mut logits_back = vec![true; grammar.len()];
         if self.backend.draws_on_device() {
-            // A contrasting request's rows are drawn on the host, beside its twin's logits.
-            for v in sampling.iter().filter(|v| v.twin.is_none()) {
+            for v in sampling {
                 let Some(state) = self.scheduler.state_mut(v.s.id) else {
                     continue;
                 };
@@ -470,6 +474,10 @@ impl EngineCore {
                         break;
                     }
                     draws[row] = Some(state.sampler.device_draw());
+                    if let Some((twin, weight)) = v.twin {
+                        contrasts[row] = Some((twin + j, weight));
+                        logits_back[twin + j] = false;
+                    }
                     let Some(&draft) = v.drafts.get(j) else { break };
                     state.sampler.record(draft);
                 }
@@ -481,13 +489,16 @@ impl EngineCore {
         let requests: Vec<RowRequest<'_>> = grammar
             .iter()
             .zip(&draws)
-            .map(|(g, draw)| RowRequest {
+            .enumerate()
+            .map(|(row, (g, draw))| RowRequest {
                 mask: g.mask.as_deref(),
                 draw: draw.as_ref().map(|d| Draw {
                     params: d.params,
                     bias: g.copy.as_ref().map(|(c, b)| (&c[..], *b)),
                     penalties: &d.penalties,
+                    contrast: contrasts[row],
                 }),
+                logits_back: logits_back[row],
             })
             .collect();
         let decided = self.backend.sample(&requests)?;

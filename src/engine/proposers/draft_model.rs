@@ -98,6 +98,7 @@ impl DraftModel {
             },
             bias: None,
             penalties: &[],
+            contrast: None,
         };
         let on_device = self.backend.draws_on_device();
         let requests: Vec<RowRequest<'_>> = rows
@@ -107,6 +108,7 @@ impl DraftModel {
             .map(|(row, _)| RowRequest {
                 mask: row.mask,
                 draw: on_device.then_some(greedy),
+                logits_back: true,
             })
             .collect();
         let sampled = self.backend.sample(&requests)?;

@@ -50,6 +50,7 @@ const SOURCES: &[(&str, &str, &[&str])] = &[
         "sampling.cu",
         include_str!("../../../kernels/sampling.cu"),
         &[
+            "contrast_rows",
             "apply_bitmask",
             "add_bias_where",
             "apply_penalties",
@@ -84,6 +85,7 @@ pub struct Kernels {
     pub gemv_mma_silu: CudaFunction,
     pub gemv_mma_rope: CudaFunction,
     pub silu_mul: CudaFunction,
+    pub contrast_rows: CudaFunction,
     pub apply_bitmask: CudaFunction,
     pub add_bias_where: CudaFunction,
     pub apply_penalties: CudaFunction,
@@ -183,6 +185,7 @@ impl Kernels {
             gemv_mma_silu: take("gemv_mma_silu"),
             gemv_mma_rope: take("gemv_mma_rope"),
             silu_mul: take("silu_mul"),
+            contrast_rows: take("contrast_rows"),
             apply_bitmask: take("apply_bitmask"),
             add_bias_where: take("add_bias_where"),
             apply_penalties: take("apply_penalties"),

@@ -94,6 +94,8 @@ pub struct CudaBackend {
     penalties: sample::PenaltyArrays,
     /// The last draw's device scratch (the saved values a redraw puts back live there).
     sample_scratch: Option<CudaSlice<u32>>,
+    /// Full logits rows copied to the host so far (`Backend::logits_rows_copied`).
+    rows_copied: u64,
     run_staging: Staging,
     sample_staging: Staging,
     redraw_staging: Staging,
@@ -293,6 +295,7 @@ impl CudaBackend {
             drawn: Vec::new(),
             penalties: Default::default(),
             sample_scratch: None,
+            rows_copied: 0,
             run_staging,
             sample_staging,
             redraw_staging,
@@ -459,6 +462,10 @@ impl Backend for CudaBackend {
 
     fn draws_on_device(&self) -> bool {
         true
+    }
+
+    fn logits_rows_copied(&self) -> u64 {
+        self.rows_copied
     }
 }
 

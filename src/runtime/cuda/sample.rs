@@ -1,8 +1,9 @@
 //! Sampling where the logits are (kernels/sampling.cu). Per drawn row, in the engine sampler's
-//! order: the grammar's mask and the copy bias, the log-probabilities where asked for, the
-//! penalties (the values they replace are kept), then the argmax or a seeded draw, and the drawn
-//! token's confidence where asked for. Only token ids, log-probabilities and confidences come
-//! back, and the logits of the rows the engine keeps for itself.
+//! order: contrast with its twin's row, the grammar's mask and the copy bias, the
+//! log-probabilities where asked for, the penalties (the values they replace are kept), then the
+//! argmax or a seeded draw, and the drawn token's confidence where asked for. Only token ids,
+//! log-probabilities and confidences come back, and the logits of the rows the engine keeps for
+//! itself.
 
 use cudarc::driver::CudaSlice;
 
@@ -62,6 +63,8 @@ pub(super) struct PenaltyArrays {
 struct RowSpec<'a> {
     mask: Option<&'a [u32]>,
     bias: Option<(&'a [u32], f32)>,
+    /// The twin row (among the same logits) and the weight, for contrast.
+    contrast: Option<(usize, f32)>,
     drawn: &'a mut Drawn,
 }
 
@@ -105,6 +108,7 @@ impl CudaBackend {
                 d.as_mut().map(|drawn| RowSpec {
                     mask: r.mask,
                     bias: r.draw.as_ref().and_then(|d| d.bias),
+                    contrast: r.draw.as_ref().and_then(|d| d.contrast),
                     drawn,
                 })
             })
@@ -122,15 +126,19 @@ impl CudaBackend {
         self.drawn = drawn;
 
         // The rows left to the engine: their logits come back, one copy per run of rows.
+        let has_logits: Vec<bool> = (0..rows)
+            .map(|i| self.drawn[i].is_none() && requests[i].logits_back)
+            .collect();
+        self.rows_copied += has_logits.iter().filter(|&&h| h).count() as u64;
         let mut data = Vec::new();
         let mut i = 0;
         while i < rows {
-            if self.drawn[i].is_some() {
+            if !has_logits[i] {
                 i += 1;
                 continue;
             }
             let start = i;
-            while i < rows && self.drawn[i].is_none() {
+            while i < rows && has_logits[i] {
                 i += 1;
             }
             let part = s
@@ -159,6 +167,7 @@ impl CudaBackend {
                 vocab_size: vocab,
                 data,
             },
+            has_logits,
         })
     }
 
@@ -186,9 +195,11 @@ impl CudaBackend {
             )?;
         }
         let at = all + (row * vocab * std::mem::size_of::<f32>()) as u64;
+        // The row's logits were contrasted in place by its first draw.
         let mut specs = vec![Some(RowSpec {
             mask: Some(mask),
             bias: None,
+            contrast: None,
             drawn: &mut drawn,
         })];
         // The row keeps its first draw's record: another redraw restores from the same values.
@@ -246,6 +257,22 @@ impl CudaBackend {
                 n_bias += 1;
             }
         }
+        let mut twins = vec![-1i32; rows];
+        let (mut one_plus, mut weights) = (vec![0f32; rows], vec![0f32; rows]);
+        for (i, spec) in specs.iter().enumerate() {
+            if let Some((twin, w)) = spec.as_ref().and_then(|r| r.contrast) {
+                if twin >= rows || specs[twin].is_some() {
+                    return Err(RuntimeError::InvalidBatch(format!(
+                        "row {i} contrasts with row {twin}, which is not an undrawn row of the step"
+                    )));
+                }
+                (twins[i], one_plus[i], weights[i]) = (twin as i32, 1.0 + w, w);
+            }
+        }
+        let contrasted = twins.iter().any(|&t| t >= 0);
+        let twins_at = st.push_i32(&twins)?;
+        let one_plus_at = st.push_f32(&one_plus)?;
+        let weights_at = st.push_f32(&weights)?;
         let mask_rows_at = st.push_i32(&mask_rows)?;
         let bias_rows_at = st.push_i32(&bias_rows)?;
         let bias_values_at = st.push_f32(&bias)?;
@@ -330,6 +357,15 @@ impl CudaBackend {
         let (v, w) = (vocab as i32, words as i32);
         let cols = (vocab as u32).div_ceil(THREADS);
         let k = &self.kernels;
+        if contrasted {
+            launch(
+                &s,
+                &k.contrast_rows,
+                (rows as u32, cols),
+                THREADS,
+                &[&logits, &at(twins_at), &at(one_plus_at), &at(weights_at), &v],
+            )?;
+        }
         if let Some(m) = masks_at {
             let grid = (rows as u32, cols);
             launch(
