@@ -101,78 +101,20 @@ __device__ __forceinline__ void gemv_mma_block(float* c, uint4 wa, uint4 wb, uin
     mma_m16n8k16(c, wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
 }
 
-// The norm of the residual stream before a product, fused into it (a few rows): x_in (f32
-// rows of k) plus branch (null before the first layer) is the stream; block 0 writes it to
-// x_out, and every block normalizes it into shared memory as the product's bf16 operand.
-struct StreamNorm {
-    const float* x_in;
-    const float* branch;
-    const float* weight;
-    float* x_out;
-    float eps;
-};
-
-// kernels/norm.cu's add_rms_norm runs ROW_THREADS (1024) threads a row; a GEMV block of 512
-// stands for them two by two (thread j for j and j + 512), summing in their order and reducing
-// in block_reduce's, so the operand has add_rms_norm's bits.
-#define NORM_THREADS 1024
-__device__ __forceinline__ void norm_rows(const StreamNorm& n, int rows, int d, bf16* xs) {
-    __shared__ float partial[32];
-    __shared__ float total;
-    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    for (int r = 0; r < rows; r++) {
-        const float* xr = n.x_in + (size_t)r * d;
-        const float* br = n.branch ? n.branch + (size_t)r * d : nullptr;
-        float ss[2] = {0.0f, 0.0f};
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            for (int i = tid + h * (NORM_THREADS / 2); i < d; i += NORM_THREADS) {
-                float v = xr[i];
-                if (br) v += br[i];
-                ss[h] += v * v;
-            }
-        }
-        float a = warp_sum(ss[0]), b = warp_sum(ss[1]);
-        if (lane == 0) {
-            partial[warp] = a;
-            partial[warp + NORM_THREADS / 64] = b;
-        }
-        __syncthreads();
-        if (warp == 0) {
-            float t = warp_sum(partial[lane]);
-            if (lane == 0) total = t;
-        }
-        __syncthreads();
-        float scale = rsqrtf(total / (float)d + n.eps);
-        for (int i = tid; i < d; i += NORM_THREADS / 2) {
-            // add_rms_norm reads the sum back from the stream and adds 0 (-0 becomes +0).
-            float v = br ? (xr[i] + br[i]) + 0.0f : xr[i];
-            if (blockIdx.x == 0) n.x_out[(size_t)r * d + i] = br ? xr[i] + br[i] : v;
-            xs[(size_t)r * d + i] = f32_to_bf16(v * scale * n.weight[i]);
-        }
-        __syncthreads();
-    }
-}
-
 // One block's product for two columns per lane group (the mma's M rows g and g + 8, whose weight
 // rows are wa_row and wb_row: any two rows of w, which lets a caller pair the columns its epilogue
 // needs together). Warp 0 returns true with the block's sums in s: s[0], s[1] the first column
 // for rows 2t and 2t + 1, s[2], s[3] the second column for the same rows; the other warps return
 // false. Every caller thus sums over k in the same order.
-// With `norm`, x is null: the operand is the normalized stream (norm_rows), rows of k in the
-// block's dynamic shared memory.
 __device__ __forceinline__ bool gemv_mma_pair(const bf16* __restrict__ x, const bf16* __restrict__ wa_row,
-                                              const bf16* __restrict__ wb_row, int rows, int k, float* s,
-                                              const StreamNorm* norm = nullptr) {
+                                              const bf16* __restrict__ wb_row, int rows, int k, float* s) {
     __shared__ float part[GEMV_MMA_MAX_WARPS][32][4];
-    extern __shared__ __align__(16) bf16 normed[];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     int g = lane >> 2, t = lane & 3;
     const uint4* wa = reinterpret_cast<const uint4*>(wa_row) + t;
     const uint4* wb = reinterpret_cast<const uint4*>(wb_row) + t;
     bool has_row = g < rows;
-    const bf16* x_rows = norm ? normed : x;
-    const uint4* xr = reinterpret_cast<const uint4*>(x_rows + (size_t)(has_row ? g : 0) * k) + t;
+    const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)(has_row ? g : 0) * k) + t;
     uint4 zero = make_uint4(0, 0, 0, 0);
     int blocks = k >> 5;
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -190,7 +132,6 @@ __device__ __forceinline__ bool gemv_mma_pair(const bf16* __restrict__ x, const 
         }
     }
     after_previous_kernel();
-    if (norm) norm_rows(*norm, rows, k, normed);
     for (; b + (GEMV_MMA_UNROLL - 1) * warps < blocks; b += GEMV_MMA_UNROLL * warps) {
         uint4 vx[GEMV_MMA_UNROLL];
 #pragma unroll
@@ -239,13 +180,13 @@ extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32)
 // The gate|up product with SiLU(gate) * up applied to its sums: a lane group's two columns are
 // gate j and up j (w is [gate; up], inter rows each), and the block writes the down projection's
 // bf16 input, as gemv_mma then silu_mul would, without the [gate | up] round trip or a launch.
-__device__ __forceinline__ void gate_up_silu(const bf16* __restrict__ x, const bf16* __restrict__ w,
-                                             bf16* __restrict__ out, int rows, int inter, int k,
-                                             const StreamNorm* norm) {
+extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32)
+    gemv_mma_silu(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ out, int rows,
+                  int inter, int k) {
     int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int j = blockIdx.x * (GEMV_MMA_COLS / 2) + g, jr = min(j, inter - 1);
     float s[4];
-    if (!gemv_mma_pair(x, w + (size_t)jr * k, w + (size_t)(inter + jr) * k, rows, k, s, norm)) return;
+    if (!gemv_mma_pair(x, w + (size_t)jr * k, w + (size_t)(inter + jr) * k, rows, k, s)) return;
 #pragma unroll
     for (int e = 0; e < 2; e++) {
         int row = 2 * t + e;
@@ -253,30 +194,15 @@ __device__ __forceinline__ void gate_up_silu(const bf16* __restrict__ x, const b
     }
 }
 
-extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32)
-    gemv_mma_silu(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ out, int rows,
-                  int inter, int k) {
-    gate_up_silu(x, w, out, rows, inter, k, nullptr);
-}
-
-// The same after the stream's norm (norm_rows; 512 threads and rows * k * 2 bytes of dynamic
-// shared memory): add_rms_norm and gemv_mma_silu in one launch.
-extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32)
-    gemv_mma_norm_silu(StreamNorm norm, const bf16* __restrict__ w, bf16* __restrict__ out, int rows, int inter,
-                       int k) {
-    gate_up_silu(nullptr, w, out, rows, inter, k, &norm);
-}
-
 // The q|k|v product with the rest of kernels/cache.cu's work on its sums: qwen2's bias added,
 // q and k rotated, q written as attention's bf16 input and k and v into the token's KV slot. A
 // lane group's two columns are a rotary pair of a q or k head (adjacent or half a head apart, as
 // `halves` says), or two neighbouring columns of v; pairs are numbered q and k heads first, then
 // v. Arguments after k are rope_and_cache's.
-__device__ __forceinline__ void qkv_rope(const bf16* __restrict__ x, const bf16* __restrict__ w, int rows, int k,
-                                         const float* bias, const u32* positions, const float* cos_t,
-                                         const float* sin_t, int heads, int kv_heads, int head_dim, int halves,
-                                         const u32* slots, bf16* q_out, bf16* k_cache, bf16* v_cache,
-                                         const StreamNorm* norm) {
+extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32)
+    gemv_mma_rope(const bf16* __restrict__ x, const bf16* __restrict__ w, int rows, int k, const float* bias,
+                  const u32* positions, const float* cos_t, const float* sin_t, int heads, int kv_heads,
+                  int head_dim, int halves, const u32* slots, bf16* q_out, bf16* k_cache, bf16* v_cache) {
     int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int half = head_dim / 2;
     int rotated = (heads + kv_heads) * half, pairs = rotated + kv_heads * half;
@@ -293,7 +219,7 @@ __device__ __forceinline__ void qkv_rope(const bf16* __restrict__ x, const bf16*
         cb = ca + 1;
     }
     float s[4];
-    if (!gemv_mma_pair(x, w + (size_t)ca * k, w + (size_t)cb * k, rows, k, s, norm)) return;
+    if (!gemv_mma_pair(x, w + (size_t)ca * k, w + (size_t)cb * k, rows, k, s)) return;
     if (!real) return;
     int q_size = heads * head_dim, kv_size = kv_heads * head_dim;
 #pragma unroll
@@ -317,22 +243,4 @@ __device__ __forceinline__ void qkv_rope(const bf16* __restrict__ x, const bf16*
             dst[1] = f32_to_bf16(x1);
         }
     }
-}
-
-extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32)
-    gemv_mma_rope(const bf16* __restrict__ x, const bf16* __restrict__ w, int rows, int k, const float* bias,
-                  const u32* positions, const float* cos_t, const float* sin_t, int heads, int kv_heads,
-                  int head_dim, int halves, const u32* slots, bf16* q_out, bf16* k_cache, bf16* v_cache) {
-    qkv_rope(x, w, rows, k, bias, positions, cos_t, sin_t, heads, kv_heads, head_dim, halves, slots, q_out, k_cache,
-             v_cache, nullptr);
-}
-
-// The same after the stream's norm, as gemv_mma_norm_silu: add_rms_norm and gemv_mma_rope in one
-// launch.
-extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32)
-    gemv_mma_norm_rope(StreamNorm norm, const bf16* __restrict__ w, int rows, int k, const float* bias,
-                       const u32* positions, const float* cos_t, const float* sin_t, int heads, int kv_heads,
-                       int head_dim, int halves, const u32* slots, bf16* q_out, bf16* k_cache, bf16* v_cache) {
-    qkv_rope(nullptr, w, rows, k, bias, positions, cos_t, sin_t, heads, kv_heads, head_dim, halves, slots, q_out,
-             k_cache, v_cache, &norm);
 }

@@ -26,8 +26,6 @@ pub struct Gemm {
     gemv_mma: CudaFunction,
     gemv_mma_silu: CudaFunction,
     gemv_mma_rope: CudaFunction,
-    gemv_mma_norm_silu: CudaFunction,
-    gemv_mma_norm_rope: CudaFunction,
     /// cuBLAS's scratch space: Hopper kernels want one (NVIDIA suggests 32 MiB), and without
     /// it cuBLAS may choose slower ones.
     workspace: CudaSlice<u8>,
@@ -186,35 +184,6 @@ const GEMV_MMA_COLS: usize = 16;
 /// gate|up 95% -> 96%); sixteen k-blocks in flight lose (57-68%).
 const GEMV_MMA_WARPS: usize = 16;
 
-/// Bytes of shared memory a fused norm may take for its rows (with the GEMV's own 8 KB, under
-/// the 48 KB a block gets without asking).
-const NORM_SMEM_BYTES: usize = 32 << 10;
-
-/// The product's left operand: bf16 rows, or the residual stream normalized on the way in.
-pub enum Operand {
-    Rows(u64),
-    Norm(StreamNorm),
-}
-
-/// kernels/gemv.cu's `StreamNorm`: the residual stream `x_in` (f32 rows of k) plus `branch` (0:
-/// none yet), normalized by `weight` (`add_rms_norm`'s arithmetic); the block that writes it
-/// writes the sum to `x_out`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct StreamNorm {
-    pub x_in: u64,
-    pub branch: u64,
-    pub weight: u64,
-    pub x_out: u64,
-    pub eps: f32,
-}
-
-impl super::Arg for StreamNorm {
-    fn as_param(&self) -> *mut std::ffi::c_void {
-        self as *const StreamNorm as *mut std::ffi::c_void
-    }
-}
-
 /// What the fused q|k|v product does after the product (kernels/cache.cu's `rope_and_cache`
 /// takes the same): device addresses, 0 for no bias.
 pub struct RopeArgs {
@@ -253,8 +222,6 @@ impl Gemm {
             gemv_mma: kernels.gemv_mma.clone(),
             gemv_mma_silu: kernels.gemv_mma_silu.clone(),
             gemv_mma_rope: kernels.gemv_mma_rope.clone(),
-            gemv_mma_norm_silu: kernels.gemv_mma_norm_silu.clone(),
-            gemv_mma_norm_rope: kernels.gemv_mma_norm_rope.clone(),
             workspace,
             plans: Mutex::new(HashMap::new()),
         })
@@ -293,59 +260,29 @@ impl Gemm {
         rows <= GEMV_MAX_ROWS && k.is_multiple_of(32) && (x | w).is_multiple_of(16)
     }
 
-    /// Whether a product can take the residual stream's norm into itself (`Operand::Norm`): the
-    /// tensor-core GEMV's conditions, with the normalized rows in 32 KB of shared memory.
-    pub fn takes_norm(w: u64, rows: usize, k: usize) -> bool {
-        Self::takes_mma_gemv(0, w, rows, k) && rows * k * 2 <= NORM_SMEM_BYTES
-    }
-
     /// The gate|up product (`w` is `[gate; up]`, `2 * inter` rows of `k`) with SiLU(gate) * up
     /// applied to its sums, into bf16 `out[rows, inter]`: the bits of `gemv_mma` then the
-    /// `silu_mul` kernel (and before them `add_rms_norm`, for `Operand::Norm`), in one launch.
-    /// Only where `takes_mma_gemv` (`takes_norm`).
-    pub fn gemv_silu(&self, x: Operand, w: u64, out: u64, rows: usize, inter: usize, k: usize) -> Result<()> {
-        let blocks = (inter.div_ceil(GEMV_MMA_COLS / 2) as u32, 1);
-        let threads = (GEMV_MMA_WARPS * 32) as u32;
-        let (r, i32_, k32) = (rows as i32, inter as i32, k as i32);
-        match x {
-            Operand::Rows(x) => super::launch(
-                &self.stream,
-                &self.gemv_mma_silu,
-                blocks,
-                threads,
-                &[&x, &w, &out, &r, &i32_, &k32],
-            ),
-            Operand::Norm(n) => super::launch_smem(
-                &self.stream,
-                &self.gemv_mma_norm_silu,
-                (blocks.0, 1, 1),
-                threads,
-                (rows * k * 2) as u32,
-                &[&n, &w, &out, &r, &i32_, &k32],
-            ),
-        }
+    /// `silu_mul` kernel, in one launch. Only where `takes_mma_gemv`.
+    pub fn gemv_silu(&self, x: u64, w: u64, out: u64, rows: usize, inter: usize, k: usize) -> Result<()> {
+        let blocks = inter.div_ceil(GEMV_MMA_COLS / 2);
+        let f = &self.gemv_mma_silu;
+        self.launch_gemv(f, blocks, GEMV_MMA_WARPS, [x, w, out], rows, inter, k)
     }
 
     /// The q|k|v product with the rope-and-cache kernel's work done on its sums (and `rope.bias`
-    /// added first): the bits of `gemv_mma`, `add_bias` and `rope_and_cache` (and before them
-    /// `add_rms_norm`, for `Operand::Norm`), in one launch. Only where `takes_mma_gemv`
-    /// (`takes_norm`).
-    pub fn gemv_rope(&self, x: Operand, w: u64, rows: usize, k: usize, rope: &RopeArgs) -> Result<()> {
+    /// added first): the bits of `gemv_mma`, `add_bias` and `rope_and_cache`, in one launch. Only
+    /// where `takes_mma_gemv`.
+    pub fn gemv_rope(&self, x: u64, w: u64, rows: usize, k: usize, rope: &RopeArgs) -> Result<()> {
         let pairs = (rope.heads + 2 * rope.kv_heads) as usize * rope.head_dim as usize / 2;
         let blocks = pairs.div_ceil(GEMV_MMA_COLS / 2);
         let (r, k32) = (rows as i32, k as i32);
-        let (f, smem, x_arg): (_, usize, &dyn super::Arg) = match &x {
-            Operand::Rows(x) => (&self.gemv_mma_rope, 0, x),
-            Operand::Norm(n) => (&self.gemv_mma_norm_rope, rows * k * 2, n),
-        };
-        super::launch_smem(
+        super::launch(
             &self.stream,
-            f,
-            (blocks as u32, 1, 1),
+            &self.gemv_mma_rope,
+            (blocks as u32, 1),
             (GEMV_MMA_WARPS * 32) as u32,
-            smem as u32,
             &[
-                x_arg,
+                &x,
                 &w,
                 &r,
                 &k32,

@@ -39,14 +39,7 @@ const SOURCES: &[(&str, &str, &[&str])] = &[
     (
         "gemv.cu",
         include_str!("../../../kernels/gemv.cu"),
-        &[
-            "gemv_bf16",
-            "gemv_mma",
-            "gemv_mma_silu",
-            "gemv_mma_rope",
-            "gemv_mma_norm_silu",
-            "gemv_mma_norm_rope",
-        ],
+        &["gemv_bf16", "gemv_mma", "gemv_mma_silu", "gemv_mma_rope"],
     ),
     (
         "activation.cu",
@@ -91,8 +84,6 @@ pub struct Kernels {
     pub gemv_mma: CudaFunction,
     pub gemv_mma_silu: CudaFunction,
     pub gemv_mma_rope: CudaFunction,
-    pub gemv_mma_norm_silu: CudaFunction,
-    pub gemv_mma_norm_rope: CudaFunction,
     pub silu_mul: CudaFunction,
     pub contrast_rows: CudaFunction,
     pub apply_bitmask: CudaFunction,
@@ -193,8 +184,6 @@ impl Kernels {
             gemv_mma: take("gemv_mma"),
             gemv_mma_silu: take("gemv_mma_silu"),
             gemv_mma_rope: take("gemv_mma_rope"),
-            gemv_mma_norm_silu: take("gemv_mma_norm_silu"),
-            gemv_mma_norm_rope: take("gemv_mma_norm_rope"),
             silu_mul: take("silu_mul"),
             contrast_rows: take("contrast_rows"),
             apply_bitmask: take("apply_bitmask"),

@@ -110,9 +110,6 @@ struct Buffers {
     tokens: usize,
     rows: usize,
     x: CudaSlice<f32>,
-    /// The residual stream's other buffer: a norm fused into a product reads the stream from
-    /// one and writes it, with the branch added, to the other.
-    x_spare: CudaSlice<f32>,
     branch: CudaSlice<f32>,
     normed: CudaSlice<u16>,
     qkv: CudaSlice<f32>,
@@ -146,7 +143,6 @@ impl Buffers {
             tokens,
             rows,
             x: stream.alloc_zeros(tokens * d).map_err(oom)?,
-            x_spare: stream.alloc_zeros(tokens * d).map_err(oom)?,
             branch: stream.alloc_zeros(tokens * d).map_err(oom)?,
             normed: stream.alloc_zeros(tokens * d).map_err(oom)?,
             qkv: stream.alloc_zeros(tokens * width).map_err(oom)?,
@@ -436,7 +432,6 @@ impl Backend for CudaBackend {
             },
             buf: step::Buffers {
                 x: self.ptr(&b.x),
-                x_spare: self.ptr(&b.x_spare),
                 normed: self.ptr(&b.normed),
                 qkv: self.ptr(&b.qkv),
                 q: self.ptr(&b.q),
@@ -448,7 +443,6 @@ impl Backend for CudaBackend {
                 logits: self.ptr(&b.logits),
                 partials: self.ptr(&b.partials),
             },
-            pending_norm: None,
         };
         self.weights.forward(&mut step)?;
         self.rows = rows;

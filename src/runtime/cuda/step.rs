@@ -2,12 +2,12 @@
 //! backend's stream over its activation buffers, with the batch's metadata already on the
 //! device (one staged copy) and the step's attention plan made once for every layer.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
 use super::attention::{self, AttentionArgs, Plan};
-use super::gemm::{Gemm, Operand, OutType, RopeArgs, StreamNorm};
+use super::gemm::{Gemm, OutType, RopeArgs};
 use super::kernels::Kernels;
 use super::timing::{Phase, Timing};
 use super::weights::CudaWeights;
@@ -15,26 +15,6 @@ use super::{launch, silu_mul, Arg, ROW_THREADS};
 use crate::runtime::config::{ModelConfig, RopeStyle};
 use crate::runtime::error::Result;
 use crate::runtime::model::{Act, Head, Ops};
-
-/// The products a norm may be fused into.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum FusedNorm {
-    Qkv,
-    GateUp,
-}
-
-/// Whether the norm before `product` is fused into it where it fits: both by default;
-/// `QUARRY_CUDA_FUSED_NORM=0` neither, `=qkv` the q|k|v product's only (for comparison, as
-/// `QUARRY_CUDA_PDL`). Decided once per process.
-fn fused_norm(product: FusedNorm) -> bool {
-    static MODE: OnceLock<String> = OnceLock::new();
-    let mode = MODE.get_or_init(|| std::env::var("QUARRY_CUDA_FUSED_NORM").unwrap_or_default());
-    match mode.as_str() {
-        "0" => false,
-        "qkv" => product == FusedNorm::Qkv,
-        _ => true,
-    }
-}
 
 /// Device addresses of the batch's metadata.
 pub struct Meta {
@@ -57,10 +37,8 @@ pub struct Meta {
 
 /// Device addresses of the activations (runtime/model.rs's `Act`s and the backend's own).
 pub struct Buffers {
-    /// The residual stream, f32, and the buffer it moves to when a norm is fused into a
-    /// product (the two swap).
+    /// The residual stream, f32.
     pub x: u64,
-    pub x_spare: u64,
     pub normed: u64,
     pub qkv: u64,
     /// The rotated queries, bf16.
@@ -85,9 +63,6 @@ pub struct CudaStep<'a> {
     pub v_cache: &'a [CudaSlice<u16>],
     pub meta: Meta,
     pub buf: Buffers,
-    /// A norm asked for and not yet run (the branch to add, 0 for none; the weight): the
-    /// product after it may take it in (kernels/gemv.cu's `StreamNorm`).
-    pub pending_norm: Option<(u64, u64)>,
 }
 
 impl CudaStep<'_> {
@@ -104,56 +79,6 @@ impl CudaStep<'_> {
     /// A kernel with a block of `ROW_THREADS` per token.
     fn per_token(&self, f: &cudarc::driver::CudaFunction, args: &[&dyn Arg]) -> Result<()> {
         launch(self.stream, f, (self.meta.tokens as u32, 1), ROW_THREADS, args)
-    }
-
-    /// Runs the norm asked for last, where no product took it in: the stream plus the branch
-    /// stays in `x`, its norm goes to `Normed`.
-    fn run_pending_norm(&mut self) -> Result<()> {
-        let Some((residual, weight)) = self.pending_norm.take() else {
-            return Ok(());
-        };
-        self.mark(Phase::Elementwise);
-        let (null, write_back) = (0u64, 1i32);
-        let (d, eps) = (self.cfg.hidden_size as i32, self.cfg.rms_norm_eps);
-        self.per_token(
-            &self.kernels.add_rms_norm,
-            &[
-                &self.buf.x,
-                &residual,
-                &null,
-                &write_back,
-                &weight,
-                &self.buf.normed,
-                &d,
-                &eps,
-            ],
-        )
-    }
-
-    /// The left operand of a product of `Normed` by `w`: the pending norm, taken into the
-    /// product where it can be (the stream then moves to the spare buffer), else `Normed` once
-    /// the norm has run. `product`: which one, for `QUARRY_CUDA_FUSED_NORM`.
-    fn normed_operand(&mut self, w: u64, product: FusedNorm) -> Result<Option<Operand>> {
-        let (rows, k) = (self.meta.tokens, self.cfg.hidden_size);
-        match self.pending_norm {
-            Some((branch, weight)) if Gemm::takes_norm(w, rows, k) && fused_norm(product) => {
-                self.pending_norm = None;
-                let norm = StreamNorm {
-                    x_in: self.buf.x,
-                    branch,
-                    weight,
-                    x_out: self.buf.x_spare,
-                    eps: self.cfg.rms_norm_eps,
-                };
-                std::mem::swap(&mut self.buf.x, &mut self.buf.x_spare);
-                Ok(Some(Operand::Norm(norm)))
-            }
-            _ => {
-                self.run_pending_norm()?;
-                let x = self.buf.normed;
-                Ok(Gemm::takes_mma_gemv(x, w, rows, k).then_some(Operand::Rows(x)))
-            }
-        }
     }
 
     /// What rotating q|k|v and writing layer `layer`'s cache takes, fused or not.
@@ -200,14 +125,26 @@ impl Ops<CudaWeights> for CudaStep<'_> {
     }
 
     fn add_rms_norm(&mut self, first: bool, weight: &CudaSlice<f32>) -> Result<()> {
-        self.run_pending_norm()?;
+        self.mark(Phase::Elementwise);
         let residual = if first { 0u64 } else { self.buf.branch };
-        self.pending_norm = Some((residual, self.ptr(weight)));
-        Ok(())
+        let (null, write_back) = (0u64, 1i32);
+        let (d, eps) = (self.cfg.hidden_size as i32, self.cfg.rms_norm_eps);
+        self.per_token(
+            &self.kernels.add_rms_norm,
+            &[
+                &self.buf.x,
+                &residual,
+                &null,
+                &write_back,
+                &self.ptr(weight),
+                &self.buf.normed,
+                &d,
+                &eps,
+            ],
+        )
     }
 
     fn linear(&mut self, weight: &CudaSlice<u16>, input: Act, output: Act) -> Result<()> {
-        self.run_pending_norm()?;
         self.mark(Phase::Gemm);
         let ((x, k), (y, n)) = (self.act(input), self.act(output));
         self.gemm
@@ -216,8 +153,8 @@ impl Ops<CudaWeights> for CudaStep<'_> {
 
     fn qkv_rope_and_cache(&mut self, qkv: &CudaSlice<u16>, bias: Option<&CudaSlice<f32>>, layer: usize) -> Result<()> {
         let rope = self.rope_args(bias, layer);
-        let (k, w) = (self.cfg.hidden_size, self.ptr(qkv));
-        if let Some(x) = self.normed_operand(w, FusedNorm::Qkv)? {
+        let (x, k, w) = (self.buf.normed, self.cfg.hidden_size, self.ptr(qkv));
+        if Gemm::takes_mma_gemv(x, w, self.meta.tokens, k) {
             self.mark(Phase::Gemm);
             return self.gemm.gemv_rope(x, w, self.meta.tokens, k, &rope);
         }
@@ -248,7 +185,6 @@ impl Ops<CudaWeights> for CudaStep<'_> {
     }
 
     fn attention(&mut self, layer: usize) -> Result<()> {
-        self.run_pending_norm()?;
         self.mark(Phase::Attention);
         let c = self.cfg;
         let args = AttentionArgs {
@@ -280,8 +216,8 @@ impl Ops<CudaWeights> for CudaStep<'_> {
 
     fn gate_up_silu(&mut self, gate_up: &CudaSlice<u16>) -> Result<()> {
         let inter = self.cfg.intermediate_size;
-        let (k, w) = (self.cfg.hidden_size, self.ptr(gate_up));
-        if let Some(x) = self.normed_operand(w, FusedNorm::GateUp)? {
+        let (x, k, w) = (self.buf.normed, self.cfg.hidden_size, self.ptr(gate_up));
+        if Gemm::takes_mma_gemv(x, w, self.meta.tokens, k) {
             self.mark(Phase::Gemm);
             return self.gemm.gemv_silu(x, w, self.buf.hidden, self.meta.tokens, inter, k);
         }
@@ -298,7 +234,6 @@ impl Ops<CudaWeights> for CudaStep<'_> {
     }
 
     fn logits(&mut self, norm: &CudaSlice<f32>, head: Head<'_, CudaWeights>) -> Result<()> {
-        self.run_pending_norm()?;
         let rows = self.meta.rows;
         if rows == 0 {
             return Ok(());
