@@ -203,6 +203,25 @@ pub struct RopeArgs {
     pub v_cache: u64,
 }
 
+impl RopeArgs {
+    /// The arguments after the bias, in the order both kernels take them.
+    pub fn kernel_args(&self) -> [&dyn super::Arg; 11] {
+        [
+            &self.positions,
+            &self.cos,
+            &self.sin,
+            &self.heads,
+            &self.kv_heads,
+            &self.head_dim,
+            &self.halves,
+            &self.slots,
+            &self.q,
+            &self.k_cache,
+            &self.v_cache,
+        ]
+    }
+}
+
 /// The product's element type: f32 feeds the kernels that follow in full precision.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum OutType {
@@ -276,29 +295,14 @@ impl Gemm {
         let pairs = (rope.heads + 2 * rope.kv_heads) as usize * rope.head_dim as usize / 2;
         let blocks = pairs.div_ceil(GEMV_MMA_COLS / 2);
         let (r, k32) = (rows as i32, k as i32);
+        let mut args: Vec<&dyn super::Arg> = vec![&x, &w, &r, &k32, &rope.bias];
+        args.extend(rope.kernel_args());
         super::launch(
             &self.stream,
             &self.gemv_mma_rope,
             (blocks as u32, 1),
             (GEMV_MMA_WARPS * 32) as u32,
-            &[
-                &x,
-                &w,
-                &r,
-                &k32,
-                &rope.bias,
-                &rope.positions,
-                &rope.cos,
-                &rope.sin,
-                &rope.heads,
-                &rope.kv_heads,
-                &rope.head_dim,
-                &rope.halves,
-                &rope.slots,
-                &rope.q,
-                &rope.k_cache,
-                &rope.v_cache,
-            ],
+            &args,
         )
     }
 

@@ -164,24 +164,9 @@ impl Ops<CudaWeights> for CudaStep<'_> {
         if rope.bias != 0 {
             self.per_token(&self.kernels.add_bias, &[&self.buf.qkv, &rope.bias, &width])?;
         }
-        self.per_token(
-            &self.kernels.rope_and_cache,
-            &[
-                &self.buf.qkv,
-                &width,
-                &rope.positions,
-                &rope.cos,
-                &rope.sin,
-                &rope.heads,
-                &rope.kv_heads,
-                &rope.head_dim,
-                &rope.halves,
-                &rope.slots,
-                &rope.q,
-                &rope.k_cache,
-                &rope.v_cache,
-            ],
-        )
+        let mut args: Vec<&dyn Arg> = vec![&self.buf.qkv, &width];
+        args.extend(rope.kernel_args());
+        self.per_token(&self.kernels.rope_and_cache, &args)
     }
 
     fn attention(&mut self, layer: usize) -> Result<()> {

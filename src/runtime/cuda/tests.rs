@@ -849,26 +849,10 @@ fn fused_gemv_epilogues_give_the_bits_of_the_separate_kernels() {
                         &[&g.p(&qkv), &a.bias, &w32],
                     );
                 }
-                g.run(
-                    &g.k.rope_and_cache,
-                    (rows as u32, 1),
-                    ROW_THREADS,
-                    &[
-                        &g.p(&qkv),
-                        &w32,
-                        &a.positions,
-                        &a.cos,
-                        &a.sin,
-                        &a.heads,
-                        &a.kv_heads,
-                        &a.head_dim,
-                        &a.halves,
-                        &a.slots,
-                        &a.q,
-                        &a.k_cache,
-                        &a.v_cache,
-                    ],
-                );
+                let qkv_p = g.p(&qkv);
+                let mut rope_args: Vec<&dyn Arg> = vec![&qkv_p, &w32];
+                rope_args.extend(a.kernel_args());
+                g.run(&g.k.rope_and_cache, (rows as u32, 1), ROW_THREADS, &rope_args);
                 for (what, got, want) in [("q", &q1, &q2), ("k cache", &k1, &k2), ("v cache", &v1, &v2)] {
                     assert!(
                         bits(got) == bits(want),
