@@ -209,7 +209,8 @@ impl Sampled {
         }
     }
 
-    /// The logits of row `row`, where the backend did not decide it.
+    /// The logits of row `row`, where the backend neither decided it nor kept them (a
+    /// contrast twin's, `RowRequest::logits_back`).
     pub fn host_row(&self, row: usize) -> Option<&[f32]> {
         if !*self.has_logits.get(row)? {
             return None;

@@ -121,16 +121,21 @@ impl Timing {
         );
         let decode = t.decode_steps.max(1) as f64;
         if self.whole_steps {
-            let sample = t.gpu_ms[PHASES.len() - 1];
+            // A step's interval counts under its first phase; sampling's under its own.
+            let at = PHASES
+                .iter()
+                .position(|&p| p == Phase::Sample)
+                .expect("sampling is a phase");
+            let sample = t.gpu_ms[at];
             let run: f64 = t.gpu_ms.iter().sum::<f64>() - sample;
-            let decode_run = t.decode_ms.iter().sum::<f64>() - t.decode_ms[PHASES.len() - 1];
+            let decode_run = t.decode_ms.iter().sum::<f64>() - t.decode_ms[at];
             line.push_str(&format!(
                 " span {:.3} ms a step, sampling {:.3} ms\nquarry cuda timing, the {} decode steps alone: GPU span {:.3} ms a step, sampling {:.3} ms",
                 run / steps,
                 sample / steps,
                 t.decode_steps,
                 decode_run / decode,
-                t.decode_ms[PHASES.len() - 1] / decode
+                t.decode_ms[at] / decode
             ));
             return line;
         }
