@@ -1,13 +1,14 @@
 """Load and abuse benchmarks of a running `quarry serve` (scripts/bench-load, scripts/bench-abuse
 start one and call this). Needs httpx (in the clients venv of scripts/setup-clients).
 
-  bench_server.py load  URL KEY PID [--clients 64] [--seconds 60] [--job-items 100]
+  bench_server.py load  URL KEY PID [--clients 64] [--seconds 60] [--job-items 100] [--procs N]
   bench_server.py store URL KEY PID [--clients 32] [--seconds 60] [--rounds 2]
   bench_server.py abuse URL KEY PID [--bad 1000]
 
-load: CLIENTS concurrent clients post /extract back to back for SECONDS while a batch job of
-JOB_ITEMS documents runs beside them; prints latency percentiles, throughput, status counts,
-the server's memory over time, and checks the job's results hold every item exactly once.
+load: CLIENTS concurrent clients (spread over PROCS processes) post /extract back to back for
+SECONDS while a batch job of JOB_ITEMS documents runs beside them; prints latency percentiles,
+throughput, status counts, the server's memory over time, and checks the job's results hold
+every item exactly once.
 store: what the job store costs the extraction throughput. The same documents at the same
 concurrency, alternately posted to /extract by CLIENTS clients and run as a batch (endpoint
 /extract) by the server's worker (its --job-concurrency, 32 by default: keep CLIENTS equal to
@@ -18,6 +19,8 @@ JSON error body (no transport error), every good one an `ok` record.
 Exits non-zero when a check fails."""
 import argparse
 import asyncio
+import concurrent.futures
+import os
 import json
 import random
 import statistics
@@ -52,24 +55,20 @@ def percentile(xs, p):
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
 
 
-async def load(args):
-    headers = {"authorization": f"Bearer {args.key}"}
-    limits = httpx.Limits(max_connections=args.clients + 8, max_keepalive_connections=args.clients + 8)
-    failures = []
-    async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=600, limits=limits) as http:
-        # A batch job beside the interactive traffic.
-        ids = [f"job-item-{i}" for i in range(args.job_items)]
-        body = "".join(json.dumps({"id": id_, "document": contact_document(1000 + i)}) + "\n" for i, id_ in enumerate(ids))
-        r = await http.post("/jobs", params={"schema_id": "contact"}, content=body)
-        job = r.json()["job_id"] if r.status_code == 202 else None
-        if job is None:
-            failures.append(f"job not accepted: {r.status_code} {r.text}")
+def load_clients(url, key, clients, seconds, first, stride):
+    """One process's share of the load's clients (Python's HTTP stack costs more CPU a request
+    than the server does: one process would set the pace). Document i goes to the process with
+    i = first (mod stride)."""
+    return asyncio.run(load_clients_async(url, key, clients, seconds, first, stride))
 
-        latencies, statuses, outcomes, tokens = [], {}, {}, 0
-        deadline = time.monotonic() + args.seconds
-        counter = iter(range(10**9))
-        memory = [(0.0, rss_mib(args.pid))]
-        started = time.monotonic()
+
+async def load_clients_async(url, key, clients, seconds, first, stride):
+    headers = {"authorization": f"Bearer {key}"}
+    limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
+    latencies, statuses, outcomes, tokens, failures = [], {}, {}, 0, []
+    counter = iter(range(first, 10**9, stride))
+    deadline = time.monotonic() + seconds
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as http:
 
         async def client():
             nonlocal tokens
@@ -89,14 +88,51 @@ async def load(args):
                     outcomes[out["outcome"]] = outcomes.get(out["outcome"], 0) + 1
                     tokens += out["usage"]["completion_tokens"]
 
+        await asyncio.gather(*(client() for _ in range(clients)))
+    return latencies, statuses, outcomes, tokens, failures
+
+
+async def load(args):
+    headers = {"authorization": f"Bearer {args.key}"}
+    failures = []
+    async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=600) as http:
+        # A batch job beside the interactive traffic.
+        ids = [f"job-item-{i}" for i in range(args.job_items)]
+        body = "".join(json.dumps({"id": id_, "document": contact_document(1000 + i)}) + "\n" for i, id_ in enumerate(ids))
+        r = await http.post("/jobs", params={"schema_id": "contact"}, content=body)
+        job = r.json()["job_id"] if r.status_code == 202 else None
+        if job is None:
+            failures.append(f"job not accepted: {r.status_code} {r.text}")
+
+        procs = max(1, min(args.procs, args.clients))
+        shares = [args.clients // procs + (p < args.clients % procs) for p in range(procs)]
+        deadline = time.monotonic() + args.seconds
+        memory = [(0.0, rss_mib(args.pid))]
+        started = time.monotonic()
+
         async def sample_memory():
             while time.monotonic() < deadline:
                 await asyncio.sleep(5)
                 memory.append((time.monotonic() - started, rss_mib(args.pid)))
 
-        await asyncio.gather(sample_memory(), *(client() for _ in range(args.clients)))
+        loop = asyncio.get_running_loop()
+        with concurrent.futures.ProcessPoolExecutor(procs) as pool:
+            parts = [
+                loop.run_in_executor(pool, load_clients, args.url, args.key, n, args.seconds, p, procs)
+                for p, n in enumerate(shares)
+            ]
+            done = (await asyncio.gather(sample_memory(), *parts))[1:]
         elapsed = time.monotonic() - started
         memory.append((elapsed, rss_mib(args.pid)))
+        latencies, statuses, outcomes, tokens = [], {}, {}, 0
+        for lat, st, out, tok, fail in done:
+            latencies += lat
+            tokens += tok
+            failures += fail
+            for k, v in st.items():
+                statuses[k] = statuses.get(k, 0) + v
+            for k, v in out.items():
+                outcomes[k] = outcomes.get(k, 0) + v
 
         job_line = "no job"
         if job:
@@ -373,6 +409,7 @@ def main():
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seconds", type=float, default=60)
     p.add_argument("--job-items", type=int, default=100)
+    p.add_argument("--procs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)), help="client processes (load)")
     p.add_argument("--bad", type=int, default=1000)
     args = p.parse_args()
     if args.clients is None:
