@@ -3,8 +3,10 @@
 //! is dropped. Off by default: the events and the synchronization cost time themselves. Events
 //! between kernels also stop them overlapping (launcher.rs), so the phases add up to more than
 //! the step takes; `QUARRY_CUDA_TIMING=step` puts events only around each step and its sampling,
-//! which gives the GPU's own time for a step, from its first kernel to its last, overlaps kept
-//! and the host's gaps between steps left out.
+//! which gives the GPU's own time for a step, from its first kernel to its last, overlaps kept,
+//! and the device's idle gaps: before each forward (the host preparing the step) and between
+//! the forward and its sampling. That mode reads each step's events a step later, so that
+//! measuring does not make the host wait.
 
 use std::cell::RefCell;
 use std::sync::Arc;
@@ -42,6 +44,16 @@ struct Totals {
     tokens: usize,
     run_wall: Duration,
     sample_wall: Duration,
+    /// Step mode: the device idle before decode steps' forwards, and before their sampling.
+    decode_gap_ms: f64,
+    decode_sample_gap_ms: f64,
+}
+
+/// A step's or a sampling's events in step mode, read once the next one is queued.
+struct Deferred {
+    marks: Vec<(Phase, CudaEvent)>,
+    sampling: bool,
+    decode: bool,
 }
 
 pub struct Timing {
@@ -50,6 +62,9 @@ pub struct Timing {
     whole_steps: bool,
     marks: RefCell<Vec<(Phase, CudaEvent)>>,
     totals: RefCell<Totals>,
+    deferred: RefCell<Option<Deferred>>,
+    /// Step mode: the end of the last interval read, where the device's idle gap starts.
+    last_end: RefCell<Option<CudaEvent>>,
 }
 
 impl Timing {
@@ -60,6 +75,8 @@ impl Timing {
             whole_steps: mode == "step",
             marks: RefCell::new(Vec::new()),
             totals: RefCell::new(Totals::default()),
+            deferred: RefCell::new(None),
+            last_end: RefCell::new(None),
         })
     }
 
@@ -78,18 +95,52 @@ impl Timing {
         }
     }
 
-    /// Closes the step: waits for the GPU, then adds each interval to its phase. `decode`: each
-    /// of the step's sequences had one query token (ignored for sampling, which follows its run).
+    /// Closes the step: waits for the GPU (step mode: for the one before), then adds each
+    /// interval to its phase. `decode`: each of the step's sequences had one query token
+    /// (ignored for sampling, which follows its run).
     pub fn finish(&self, stream: &CudaStream, started: Instant, sampling: bool, tokens: usize, decode: bool) {
         self.mark(Phase::End, stream);
-        let _ = stream.synchronize();
-        let mut t = self.totals.borrow_mut();
-        if !sampling {
-            t.last_decode = decode;
-            t.decode_steps += decode as usize;
-        }
         let marks = std::mem::take(&mut *self.marks.borrow_mut());
-        for pair in marks.windows(2) {
+        {
+            let mut t = self.totals.borrow_mut();
+            if sampling {
+                t.sample_wall += started.elapsed();
+            } else {
+                t.steps += 1;
+                t.tokens += tokens;
+                t.run_wall += started.elapsed();
+            }
+        }
+        let this = Deferred { marks, sampling, decode };
+        if self.whole_steps {
+            if let Some(before) = self.deferred.replace(Some(this)) {
+                self.read(before);
+            }
+        } else {
+            let _ = stream.synchronize();
+            self.read(this);
+        }
+    }
+
+    /// Adds a finished step's (or sampling's) intervals to the totals.
+    fn read(&self, d: Deferred) {
+        if let Some((_, end)) = d.marks.last() {
+            let _ = end.synchronize();
+        }
+        let mut t = self.totals.borrow_mut();
+        if !d.sampling {
+            t.last_decode = d.decode;
+            t.decode_steps += d.decode as usize;
+        }
+        if let (Some(before), Some((_, first))) = (self.last_end.borrow().as_ref(), d.marks.first()) {
+            if let (true, Ok(ms)) = (t.last_decode, before.elapsed_ms(first)) {
+                match d.sampling {
+                    true => t.decode_sample_gap_ms += ms as f64,
+                    false => t.decode_gap_ms += ms as f64,
+                }
+            }
+        }
+        for pair in d.marks.windows(2) {
             if let (Some(i), Ok(ms)) = (
                 PHASES.iter().position(|&p| p == pair[0].0),
                 pair[0].1.elapsed_ms(&pair[1].1),
@@ -100,16 +151,18 @@ impl Timing {
                 }
             }
         }
-        if sampling {
-            t.sample_wall += started.elapsed();
-        } else {
-            t.steps += 1;
-            t.tokens += tokens;
-            t.run_wall += started.elapsed();
+        drop(t);
+        let mut marks = d.marks;
+        if let Some((_, end)) = marks.pop() {
+            *self.last_end.borrow_mut() = Some(end);
         }
     }
 
+    /// The totals, once the device is idle (the backend is being dropped).
     pub fn report(&self) -> String {
+        if let Some(last) = self.deferred.borrow_mut().take() {
+            self.read(last);
+        }
         let t = self.totals.borrow();
         let steps = t.steps.max(1) as f64;
         let mut line = format!(
@@ -129,13 +182,18 @@ impl Timing {
             let sample = t.gpu_ms[at];
             let run: f64 = t.gpu_ms.iter().sum::<f64>() - sample;
             let decode_run = t.decode_ms.iter().sum::<f64>() - t.decode_ms[at];
+            let (gap, sample_gap) = (t.decode_gap_ms / decode, t.decode_sample_gap_ms / decode);
+            let whole = decode_run / decode + t.decode_ms[at] / decode + gap + sample_gap;
             line.push_str(&format!(
-                " span {:.3} ms a step, sampling {:.3} ms\nquarry cuda timing, the {} decode steps alone: GPU span {:.3} ms a step, sampling {:.3} ms",
+                " span {:.3} ms a step, sampling {:.3} ms\nquarry cuda timing, the {} decode steps alone: GPU span {:.3} ms a step, sampling {:.3} ms; the device idle {:.3} ms before a step's forward and {:.3} ms before its sampling: {:.1}% of the step",
                 run / steps,
                 sample / steps,
                 t.decode_steps,
                 decode_run / decode,
-                t.decode_ms[at] / decode
+                t.decode_ms[at] / decode,
+                gap,
+                sample_gap,
+                100.0 * (gap + sample_gap) / whole.max(f64::MIN_POSITIVE)
             ));
             return line;
         }
