@@ -67,6 +67,12 @@ pub trait Backend: Send {
     fn logits_rows_copied(&self) -> u64 {
         0
     }
+
+    /// Where the device's time went since the last call, where it is being measured
+    /// (`QUARRY_CUDA_TIMING`); the count starts again.
+    fn take_timing_report(&mut self) -> Option<String> {
+        None
+    }
 }
 
 /// What the engine asks of one sampled row.

@@ -224,6 +224,7 @@ fn run_pass(
     }
     let done = engine.run_until_idle(|_| {})?;
     let seconds = started.elapsed().as_secs_f64();
+    let steps = engine.stats().steps;
     let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
     let pass = Pass {
         name,
@@ -242,7 +243,12 @@ fn run_pass(
         }),
         outputs: done.into_iter().map(|c| c.tokens).collect(),
     };
-    Ok((pass, jobs::into_backend(engine, draft)))
+    let mut backend = jobs::into_backend(engine, draft);
+    // Where each pass's device time went, apart (QUARRY_CUDA_TIMING).
+    if let Some(report) = backend.take_timing_report() {
+        eprintln!("{name}: {steps} engine steps\n{report}");
+    }
+    Ok((pass, backend))
 }
 
 /// How many outputs of two runs of the same requests differ. Speculation changes no output

@@ -467,6 +467,11 @@ impl Backend for CudaBackend {
     fn logits_rows_copied(&self) -> u64 {
         self.rows_copied
     }
+
+    fn take_timing_report(&mut self) -> Option<String> {
+        let _ = self.stream.synchronize();
+        self.timing.as_ref().map(Timing::take_report)
+    }
 }
 
 #[cfg(test)]
@@ -476,7 +481,7 @@ impl Drop for CudaBackend {
     fn drop(&mut self) {
         let _ = self.ctx.synchronize();
         if let Some(t) = &self.timing {
-            eprintln!("{}", t.report());
+            eprintln!("{}", t.take_report());
         }
     }
 }

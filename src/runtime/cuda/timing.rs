@@ -158,11 +158,20 @@ impl Timing {
         }
     }
 
-    /// The totals, once the device is idle (the backend is being dropped).
-    pub fn report(&self) -> String {
-        if let Some(last) = self.deferred.borrow_mut().take() {
+    /// The totals so far, once the device is idle; the count starts again (and the idle gap
+    /// before the next step, which the host's pause between workloads would fill, is not taken).
+    pub fn take_report(&self) -> String {
+        let last = self.deferred.borrow_mut().take();
+        if let Some(last) = last {
             self.read(last);
         }
+        let line = self.report();
+        *self.totals.borrow_mut() = Totals::default();
+        *self.last_end.borrow_mut() = None;
+        line
+    }
+
+    fn report(&self) -> String {
         let t = self.totals.borrow();
         let steps = t.steps.max(1) as f64;
         let mut line = format!(
