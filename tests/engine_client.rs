@@ -111,6 +111,9 @@ enum Draw {
     /// Greedy, each job contrasted (context-aware decoding) with its own prompt at weight 1:
     /// `2 * logits - logits`, the same logits where the twin's rows line up with the request's.
     SelfContrast,
+    /// Greedy, each job contrasted at weight 0.5 with the first half of its prompt, as a
+    /// request with its document left out would be.
+    Contrast,
 }
 
 /// `logprobs`: the reference runs on the GPU ask for the top alternatives, to judge near-ties
@@ -141,10 +144,17 @@ fn request(job: &Job, structured: &StructuredOutputs, logprobs: bool, draw: Draw
             temperature: if draw == Draw::Seeded { 0.8 } else { 0.0 },
             top_p: if draw == Draw::Seeded { 0.95 } else { 1.0 },
             seed: Some(job.prompt.len() as u64 * 7 + job.max_tokens as u64),
-            contrast: (draw == Draw::SelfContrast).then(|| ContrastParams {
-                prompt: job.prompt.clone(),
-                weight: 1.0,
-            }),
+            contrast: match draw {
+                Draw::SelfContrast => Some(ContrastParams {
+                    prompt: job.prompt.clone(),
+                    weight: 1.0,
+                }),
+                Draw::Contrast => Some(ContrastParams {
+                    prompt: job.prompt[..job.prompt.len() / 2 + 1].to_vec(),
+                    weight: 0.5,
+                }),
+                _ => None,
+            },
             ..SamplingParams::greedy(job.max_tokens + minimum)
         },
         priority: 0,
@@ -501,6 +511,64 @@ fn a_twin_with_the_requests_own_prompt_changes_no_output() {
     );
     same_up_to_near_ties(&out, &alone, "self-contrasted, a pool too small for everyone");
     assert!(preemptions > 0, "the small pool never preempted");
+}
+
+/// A contrasted request's record does not depend on what else runs: each job contrasted with
+/// half its prompt gives, all at once in a pool small enough to preempt (where twins take
+/// their blocks too), and chunked and speculating, what it gives alone; and the contrast does
+/// change records.
+#[test]
+fn a_contrasted_record_is_the_same_under_kv_pressure() {
+    let Some((backend, tok)) = common::load_backend(8192) else {
+        return;
+    };
+    let tok = Arc::new(tok);
+    let structured = StructuredOutputs::new(&tok);
+    let jobs = jobs(&tok);
+    let config = EngineConfig::default();
+    let block_size = backend.kv_layout().block_size;
+    let (plain, _, core) = run(engine(backend, &tok, config, None), &jobs, &structured, false);
+    let (alone, _, core) = run_drawn(
+        engine(core.into_backend(), &tok, config, None),
+        &jobs,
+        &structured,
+        false,
+        Draw::Contrast,
+    );
+    let changed = alone.iter().zip(&plain).filter(|(a, p)| a.tokens != p.tokens).count();
+    assert!(changed > 0, "the contrast changed no record");
+
+    let longest = jobs.iter().map(|j| j.prompt.len() + j.max_tokens).max().unwrap();
+    let pool = BlockPool::new(4 * longest.div_ceil(block_size));
+    let (out, preemptions, core) = run_drawn(
+        engine(core.into_backend(), &tok, config, Some(pool)),
+        &jobs,
+        &structured,
+        true,
+        Draw::Contrast,
+    );
+    eprintln!("contrasted, small pool: {preemptions} preemptions; {changed} records changed by the contrast");
+    same_up_to_near_ties(&out, &alone, "contrasted, a pool too small for everyone");
+    assert!(preemptions > 0, "the small pool never preempted");
+
+    let mut chunked = EngineConfig {
+        speculative: Some(SpeculativeConfig {
+            tokens: 4,
+            ngram: true,
+            grammar: true,
+            adaptive: false,
+        }),
+        ..config
+    };
+    chunked.scheduler.max_num_batched_tokens = 8;
+    let (out, _, _) = run_drawn(
+        engine(core.into_backend(), &tok, chunked, None),
+        &jobs,
+        &structured,
+        true,
+        Draw::Contrast,
+    );
+    same_up_to_near_ties(&out, &alone, "contrasted, speculating, prompts in chunks of 8");
 }
 
 #[test]

@@ -30,6 +30,12 @@ pub struct Request {
     /// Guesses of the tokens after the last known one (speculative decoding): computed in the
     /// next step after the known tokens, kept only as far as the model agrees with them.
     pub drafts: Vec<u32>,
+    /// The prompt of its shadow sequence, where it has one: another prompt fed the same output
+    /// and drafts beside it, on blocks the scheduler plans with its own (context-aware
+    /// decoding's twin, `engine::contrast`).
+    pub shadow: Option<Vec<u32>>,
+    /// Tokens of the shadow (its prompt, then the output) whose keys and values its blocks hold.
+    pub shadow_computed: usize,
 }
 
 impl Request {
@@ -45,6 +51,8 @@ impl Request {
             num_preemptions: 0,
             status: RequestStatus::Waiting,
             drafts: Vec::new(),
+            shadow: None,
+            shadow_computed: 0,
         }
     }
 

@@ -4,11 +4,17 @@
 //! the budget is split into chunks over several steps, so it never stalls the others' decoding.
 //! When blocks run out, the running request that deserves them least is preempted: its blocks
 //! are freed and it waits to be recomputed (its tokens so far are kept, so it resumes with the
-//! same output).
+//! same output). A request's shadow sequence (context-aware decoding's twin) takes its blocks
+//! here too, with its request's: where they run out, someone is preempted, as for the request
+//! itself, so that a request never goes without its shadow because of what else runs.
 
 use std::collections::HashMap;
 
 use super::kv_cache_manager::{KvCacheManager, RequestId};
+
+/// A shadow sequence's id in the cache: its request's with the top bit set (request ids stay
+/// below it).
+pub const SHADOW: RequestId = 1 << 63;
 use super::request::{Request, RequestStatus};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,6 +47,11 @@ pub struct Scheduled {
     pub samples: bool,
     /// Drafts computed after the known tokens; only a step that samples has any.
     pub num_drafts: usize,
+    /// Where the request has a shadow, every step that samples runs it beside: its tokens
+    /// (its prompt, the request's output, the drafts) from this one on, whose rows are the
+    /// last `1 + num_drafts` (the rows the request samples are fed again where its blocks hold
+    /// them: their logits are wanted).
+    pub shadow: Option<usize>,
 }
 
 impl Scheduled {
@@ -168,12 +179,6 @@ impl<T> Scheduler<T> {
         &self.kv
     }
 
-    /// The cache, for blocks the engine holds beside the requests' own (contrast twins): the
-    /// scheduler sees them only as blocks that are not free.
-    pub fn kv_mut(&mut self) -> &mut KvCacheManager {
-        &mut self.kv
-    }
-
     pub fn num_waiting(&self) -> usize {
         self.waiting.len()
     }
@@ -213,8 +218,9 @@ impl<T> Scheduler<T> {
             let num_new = (known + r.drafts.len()).min(budget);
             let num_drafts = num_new.saturating_sub(known);
             let total = r.num_computed + num_new;
+            let shadow = shadow_tokens(r, !r.is_prefill_chunk(num_new - num_drafts), num_drafts);
             let mut scheduled = true;
-            while !self.kv.allocate_slots(id, total, &[]) {
+            while !(self.kv.allocate_slots(id, total, &[]) && self.allocate_shadow(id, shadow.as_deref())) {
                 let victim = self.victim();
                 // A victim scheduled earlier in this step gives its tokens back.
                 budget += out
@@ -232,6 +238,7 @@ impl<T> Scheduler<T> {
             if scheduled {
                 self.push(id, num_new, num_drafts, &mut out);
                 budget -= num_new;
+                budget = self.plan_shadow(shadow.as_deref(), num_drafts, budget, &mut out);
             }
         }
         // New requests only when nobody had to give way this step.
@@ -241,10 +248,17 @@ impl<T> Scheduler<T> {
         while budget > 0 && self.running.len() < self.config.max_num_seqs {
             let Some(at) = self.pick_waiting() else { break };
             let id = self.waiting[at];
-            let tokens = self.requests[&id].request.all_tokens();
+            let r = &self.requests[&id].request;
+            let tokens = r.all_tokens();
             let (hit, cached) = self.kv.get_computed_blocks(&tokens);
             let num_new = (tokens.len() - cached).min(budget);
+            let shadow = shadow_tokens(r, cached + num_new == tokens.len(), 0);
             if !self.kv.allocate_slots(id, cached + num_new, &hit) {
+                break;
+            }
+            if !self.allocate_shadow(id, shadow.as_deref()) {
+                self.kv.free(id);
+                self.kv.free(id | SHADOW);
                 break;
             }
             self.waiting.remove(at);
@@ -255,8 +269,29 @@ impl<T> Scheduler<T> {
             r.num_cached = cached;
             self.push(id, num_new, 0, &mut out);
             budget -= num_new;
+            budget = self.plan_shadow(shadow.as_deref(), 0, budget, &mut out);
         }
         out
+    }
+
+    /// Puts the shadow whose blocks were just given `tokens` into the step of the request
+    /// pushed last (after `num_drafts` drafts), from what its blocks hold on; the budget left
+    /// after its tokens, which count against it too: its request's step cannot go without
+    /// them, so they may take the last of it, and more.
+    fn plan_shadow(
+        &mut self,
+        tokens: Option<&[u32]>,
+        num_drafts: usize,
+        budget: usize,
+        out: &mut SchedulerOutput,
+    ) -> usize {
+        let (Some(tokens), Some(last)) = (tokens, out.scheduled.last_mut()) else {
+            return budget;
+        };
+        let computed = self.requests[&last.id].request.shadow_computed;
+        let start = computed.min(tokens.len() - 1 - num_drafts);
+        last.shadow = Some(start);
+        budget.saturating_sub(tokens.len() - start)
     }
 
     fn push(&self, id: RequestId, num_tokens: usize, num_drafts: usize, out: &mut SchedulerOutput) {
@@ -267,7 +302,32 @@ impl<T> Scheduler<T> {
             num_tokens,
             samples: !r.is_prefill_chunk(num_tokens - num_drafts),
             num_drafts,
+            shadow: None,
         });
+    }
+
+    /// Gives request `id`'s shadow the blocks for `tokens` (none where it does not run this
+    /// step); on its first step (or its first after a preemption) it starts from the blocks
+    /// the prefix cache holds of them. False where the pool is short.
+    fn allocate_shadow(&mut self, id: RequestId, tokens: Option<&[u32]>) -> bool {
+        let Some(tokens) = tokens else { return true };
+        let shadow = id | SHADOW;
+        if !self.kv.block_table(shadow).is_empty() {
+            return self.kv.allocate_slots(shadow, tokens.len(), &[]);
+        }
+        let (hit, cached) = self.kv.get_computed_blocks(tokens);
+        let allocated = self.kv.allocate_slots(shadow, tokens.len(), &hit);
+        if let (true, Some(e)) = (allocated, self.requests.get_mut(&id)) {
+            e.request.shadow_computed = cached;
+        }
+        allocated
+    }
+
+    /// Sets a request's shadow prompt (see `Request::shadow`), before it first runs.
+    pub fn set_shadow(&mut self, id: RequestId, prompt: Vec<u32>) {
+        if let Some(e) = self.requests.get_mut(&id) {
+            e.request.shadow = Some(prompt);
+        }
     }
 
     /// Sets a running request's drafts for the next step (replacing any it had); a request
@@ -313,11 +373,13 @@ impl<T> Scheduler<T> {
 
     fn preempt(&mut self, id: RequestId, out: &mut SchedulerOutput) {
         self.kv.free(id);
+        self.kv.free(id | SHADOW);
         self.running.retain(|&r| r != id);
         out.scheduled.retain(|s| s.id != id);
         let r = &mut self.requests.get_mut(&id).expect("running requests exist").request;
         r.status = RequestStatus::Preempted;
         r.num_computed = 0;
+        r.shadow_computed = 0;
         r.drafts.clear();
         r.num_preemptions += 1;
         self.num_preemptions += 1;
@@ -348,8 +410,17 @@ impl<T> Scheduler<T> {
         r.num_computed = s.start + s.num_known() + accepted;
         r.output.extend_from_slice(run);
         r.drafts.clear();
+        // The shadow holds what the request does past its prompt: its own prompt, then the
+        // output but for the token just sampled.
+        let shadow_len = r.shadow.as_ref().map(|p| p.len() + r.output.len());
+        if let (Some(_), Some(len), false) = (s.shadow, shadow_len, run.is_empty()) {
+            r.shadow_computed = len - 1;
+        }
         if s.num_drafts > accepted {
             self.kv.truncate(s.id, r.num_tokens());
+            if let (Some(_), Some(len)) = (s.shadow, shadow_len) {
+                self.kv.truncate(s.id | SHADOW, len);
+            }
         }
         let computed = r.num_computed;
         self.kv.cache_blocks(s.id, computed, |range| r.tokens(range));
@@ -366,12 +437,22 @@ impl<T> Scheduler<T> {
     /// final state, and its owner's, are returned.
     pub fn finish(&mut self, id: RequestId) -> Option<(Request, T)> {
         self.kv.free(id);
+        self.kv.free(id | SHADOW);
         self.running.retain(|&r| r != id);
         self.waiting.retain(|&r| r != id);
         let Entry { mut request, state } = self.requests.remove(&id)?;
         request.status = RequestStatus::Finished;
         Some((request, state))
     }
+}
+
+/// The tokens request `r`'s shadow holds after a step in which `r` samples (`samples`) after
+/// `num_drafts` drafts: its prompt, the output and those drafts; `None` where the shadow does
+/// not run: a request without one, and a step that does not sample.
+fn shadow_tokens(r: &Request, samples: bool, num_drafts: usize) -> Option<Vec<u32>> {
+    let prompt = r.shadow.as_ref().filter(|_| samples)?;
+    let drafts = &r.drafts[..num_drafts];
+    Some([&prompt[..], &r.output[..], drafts].concat())
 }
 
 #[cfg(test)]
@@ -393,6 +474,8 @@ mod tests {
         priority: i32,
         arrival_step: usize,
         abort_at_step: Option<usize>,
+        /// Runs a shadow whose prompt is the first half of its own.
+        shadow: bool,
     }
 
     /// Runs `jobs` to the end; returns each job's output (None when aborted) and the
@@ -421,6 +504,9 @@ mod tests {
             for (i, j) in jobs.iter().enumerate() {
                 if j.arrival_step == step {
                     s.add(j.id, j.prompt.clone(), j.priority, ()).unwrap();
+                    if j.shadow {
+                        s.set_shadow(j.id, j.prompt[..j.prompt.len() / 2 + 1].to_vec());
+                    }
                 }
                 if j.abort_at_step == Some(step) && s.finish(j.id).is_some() {
                     outputs[i] = None;
@@ -455,6 +541,14 @@ mod tests {
                     sch.samples || sch.num_drafts == 0,
                     "drafts only after the last known token"
                 );
+                // Every step that samples has the shadow beside it, on blocks for all its tokens.
+                if let (true, Some(prompt)) = (sch.samples, &r.shadow) {
+                    let start = sch.shadow.expect("a sampling step runs its shadow");
+                    let len = prompt.len() + r.output.len() + sch.num_drafts;
+                    assert!(start < len && s.kv().block_table(sch.id | SHADOW).len() * 4 >= len);
+                } else {
+                    assert_eq!(sch.shadow, None, "a shadow only where its request samples");
+                }
                 let mut run = Vec::new();
                 if sch.samples {
                     let mut context = r.all_tokens();
@@ -521,6 +615,7 @@ mod tests {
                     priority: rand(3) as i32,
                     arrival_step: rand(10) as usize,
                     abort_at_step: None,
+                    shadow: false,
                 }
             })
             .collect()
@@ -590,6 +685,33 @@ mod tests {
             accepted > 100 && scheduled > accepted + 100,
             "{accepted} of {scheduled} drafts accepted"
         );
+        assert!(preemptions > 10, "the small pools preempt ({preemptions} times)");
+    }
+
+    /// Shadows (context-aware decoding's twins) run at every step their requests sample, on
+    /// blocks planned with theirs, preempting others where the pool is short; the outputs and
+    /// the pool come out as without them.
+    #[test]
+    fn shadows_run_beside_every_sampling_step_and_give_their_blocks_back() {
+        let mut preemptions = 0;
+        for seed in 1..6u64 {
+            let mut jobs = jobs(12, seed * 6151);
+            for j in jobs.iter_mut().filter(|j| j.id % 3 != 0) {
+                j.shadow = true;
+            }
+            let reference = alone(&jobs);
+            for (cfg, blocks, speculate) in [
+                (config(4096, 64, Policy::Fcfs), 256, false),
+                (config(7, 64, Policy::Fcfs), 256, true),
+                (config(4096, 64, Policy::Fcfs), 40, false),
+                (config(5, 64, Policy::Priority), 40, true),
+            ] {
+                // `run_with` checks each step's shadows and that the pool is whole at the end.
+                let (out, s, _) = run_with(&jobs, cfg, blocks, speculate);
+                assert_eq!(out, reference, "seed {seed}, {cfg:?}, {blocks} blocks");
+                preemptions += s.num_preemptions();
+            }
+        }
         assert!(preemptions > 10, "the small pools preempt ({preemptions} times)");
     }
 

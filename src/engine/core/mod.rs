@@ -25,7 +25,7 @@ use quarry_grammar::bitmask_words;
 
 use super::client::EngineStats;
 use super::contained::ContainedMatcher;
-use super::contrast::Twins;
+use super::contrast;
 use super::detokenizer::Detokenizer;
 use super::kv_cache_manager::{KvCacheManager, RequestId};
 use super::proposers::forced_after;
@@ -118,8 +118,6 @@ pub struct EngineCore {
     draft_model_failures: u64,
     /// What a decoding step costs against its sampled rows, measured as steps run.
     step_cost: StepCost,
-    /// The contrasting requests' twins (context-aware decoding).
-    twins: Twins,
 }
 
 impl EngineCore {
@@ -154,7 +152,6 @@ impl EngineCore {
             draft_model: None,
             draft_model_failures: 0,
             step_cost: StepCost::default(),
-            twins: Twins::default(),
         }
     }
 
@@ -207,7 +204,7 @@ impl EngineCore {
 
     pub fn add_request(&mut self, r: EngineRequest) -> Result<(), AddError> {
         r.params.validate(self.backend.config().vocab_size)?;
-        if r.params.contrast.is_some() && !Twins::allows(r.id) {
+        if r.params.contrast.is_some() && !contrast::allows(r.id) {
             return Err(AddError::BadParams(SamplingParamError {
                 field: "contrast",
                 reason: format!("request id {} is past the ids a contrasting request may have", r.id),
@@ -253,7 +250,11 @@ impl EngineCore {
             draft_sources: Vec::new(),
             acceptance: Acceptance::default(),
         };
+        let shadow = r.params.contrast.as_ref().map(|c| c.prompt.clone());
         self.scheduler.add(r.id, r.prompt, r.priority, state)?;
+        if let Some(prompt) = shadow {
+            self.scheduler.set_shadow(r.id, prompt);
+        }
         Ok(())
     }
 
@@ -313,9 +314,6 @@ impl EngineCore {
     pub fn step(&mut self) -> Result<Vec<RequestOutput>, RuntimeError> {
         self.propose();
         let plan = self.scheduler.schedule();
-        for &id in &plan.preempted {
-            self.twins.release(self.scheduler.kv_mut(), id);
-        }
         if plan.scheduled.is_empty() {
             return Ok(Vec::new());
         }
@@ -353,19 +351,17 @@ impl EngineCore {
                     .logits_rows
                     .extend((end - 1 - s.num_drafts..end).map(|p| p as u32));
                 let drafts = r.drafts[..s.num_drafts].to_vec();
-                let contrast = self
+                let weight = self
                     .scheduler
                     .state(s.id)
                     .and_then(|state| state.sampler.params().contrast.as_ref())
-                    .map(|c| ([&c.prompt[..], &r.output[..]].concat(), c.weight));
-                let twin = match contrast {
-                    Some((known, weight)) => {
-                        let reserve = self.scheduler.num_running();
-                        let kv = self.scheduler.kv_mut();
-                        let row = self.twins.push(kv, reserve, &mut batch, s.id, &known, &drafts);
+                    .map(|c| c.weight);
+                let twin = match (s.shadow, weight) {
+                    (Some(start), Some(weight)) => {
+                        let row = contrast::push_twin(&mut batch, self.scheduler.kv(), r, start, &drafts);
                         row.map(|row| (row, weight))
                     }
-                    None => None,
+                    _ => None,
                 };
                 let room = self.room_after_next(s.id);
                 sampling.push(Sampling {
@@ -569,7 +565,6 @@ impl EngineCore {
 
     /// Removes a request from the scheduler, and its twin's blocks with it.
     fn finish(&mut self, id: RequestId) -> Option<(super::request::Request, State)> {
-        self.twins.release(self.scheduler.kv_mut(), id);
         self.scheduler.finish(id)
     }
 

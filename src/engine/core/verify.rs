@@ -63,7 +63,16 @@ impl EngineCore {
                         confidence: decided.confidence.get(row).copied().flatten(),
                     };
                     let ahead = grammar[row].tight.as_deref();
-                    match keep_within(state, self.backend.as_mut(), &self.tokenizer, row, drawn, left, ahead, words) {
+                    match keep_within(
+                        state,
+                        self.backend.as_mut(),
+                        &self.tokenizer,
+                        row,
+                        drawn,
+                        left,
+                        ahead,
+                        words,
+                    ) {
                         Ok(s) => s,
                         Err(e) => break Err(e),
                     }
@@ -248,7 +257,7 @@ const AHEAD_SLACK: usize = 16;
 /// the end of its room: the walk of the whole vocabulary it takes is then made off the engine
 /// thread, and only used where the draw does not fit.
 pub(super) fn room_keeping_ahead(m: &mut ContainedMatcher, room: usize, words: usize) -> Option<Vec<u32>> {
-    if !m.completion_cost().is_some_and(|cost| cost + AHEAD_SLACK > room) {
+    if m.completion_cost().is_none_or(|cost| cost + AHEAD_SLACK <= room) {
         return None;
     }
     let mut tight = vec![0u32; words];

@@ -111,7 +111,11 @@ impl Timing {
                 t.run_wall += started.elapsed();
             }
         }
-        let this = Deferred { marks, sampling, decode };
+        let this = Deferred {
+            marks,
+            sampling,
+            decode,
+        };
         if self.whole_steps {
             if let Some(before) = self.deferred.replace(Some(this)) {
                 self.read(before);
