@@ -396,16 +396,13 @@ impl EngineCore {
         let words = bitmask_words(self.tokenizer.vocab_size());
         let rows = batch.logits_rows.len();
         let mut grammar: Vec<RowGrammar> = vec![RowGrammar::default(); rows];
-        let mut matchers: Vec<(&Sampling, &mut ContainedMatcher, f32, bool)> = Vec::new();
+        let mut matchers: Vec<(&Sampling, &mut ContainedMatcher, f32)> = Vec::new();
         {
             let by_id: HashMap<RequestId, &Sampling> = sampling.iter().map(|v| (v.s.id, v)).collect();
             for (id, state) in self.scheduler.states_mut() {
                 let bias = state.sampler.params().copy_bias;
-                // A request the budget has squeezed once stays squeezed to its end: its rows'
-                // room-keeping masks are filled ahead (the first one waits for its draw).
-                let squeezed = state.metrics.budget_closed;
                 if let (Some(&v), Some(m)) = (by_id.get(&id), state.matcher.as_mut()) {
-                    matchers.push((v, m, bias, squeezed));
+                    matchers.push((v, m, bias));
                 }
             }
         }
@@ -414,7 +411,7 @@ impl EngineCore {
         let backend = &mut self.backend;
         let filled = std::sync::Mutex::new(Vec::with_capacity(rows));
         let ran = rayon::in_place_scope(|scope| {
-            for (v, m, bias, squeezed) in matchers {
+            for (v, m, bias) in matchers {
                 let filled = &filled;
                 scope.spawn(move |_| {
                     let mut done = Vec::with_capacity(v.rows());
@@ -423,9 +420,7 @@ impl EngineCore {
                         let mut mask = vec![0u32; words];
                         m.fill_bitmask(&mut mask);
                         let copy = copy_prior(m, bias);
-                        let tight = squeezed
-                            .then(|| room_keeping_ahead(m, v.room.saturating_sub(j), words))
-                            .flatten();
+                        let tight = room_keeping_ahead(m, v.room.saturating_sub(j), words);
                         let row = RowGrammar {
                             mask: Some(mask),
                             copy,

@@ -255,9 +255,7 @@ const AHEAD_SLACK: usize = 16;
 
 /// The mask that keeps room to close within `room` more tokens, filled where the row is near
 /// the end of its room: the walk of the whole vocabulary it takes is then made off the engine
-/// thread, and only used where the draw does not fit. Asked only for requests the budget has
-/// squeezed already: the completion's cost is counted in bytes, which for a large schema can
-/// stay near a generous budget from the first token, where no draw would fail to fit.
+/// thread, and only used where the draw does not fit.
 pub(super) fn room_keeping_ahead(m: &mut ContainedMatcher, room: usize, words: usize) -> Option<Vec<u32>> {
     if m.completion_cost().is_none_or(|cost| cost + AHEAD_SLACK <= room) {
         return None;
