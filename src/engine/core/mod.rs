@@ -15,7 +15,7 @@ mod verify;
 use output::merge;
 pub use output::{Completion, Completions, FinishReason, RequestMetrics, RequestOutput};
 use state::State;
-use verify::{copy_prior, room_keeping_ahead, RowGrammar};
+use verify::{copy_prior, RowGrammar};
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -363,13 +363,11 @@ impl EngineCore {
                     }
                     _ => None,
                 };
-                let room = self.room_after_next(s.id);
                 sampling.push(Sampling {
                     s: *s,
                     first_row,
                     drafts,
                     twin,
-                    room,
                 });
             }
             let (r, state) = self.scheduler.get_mut(s.id).expect("scheduled requests exist");
@@ -420,13 +418,7 @@ impl EngineCore {
                         let mut mask = vec![0u32; words];
                         m.fill_bitmask(&mut mask);
                         let copy = copy_prior(m, bias);
-                        let tight = room_keeping_ahead(m, v.room.saturating_sub(j), words);
-                        let row = RowGrammar {
-                            mask: Some(mask),
-                            copy,
-                            tight,
-                        };
-                        done.push((v.first_row + j, row));
+                        done.push((v.first_row + j, RowGrammar { mask: Some(mask), copy }));
                         // A row after a draft the grammar refuses is never reached.
                         if j == v.drafts.len() || m.accept(v.drafts[j]).is_err() {
                             break;
@@ -608,9 +600,6 @@ struct Sampling {
     /// Its twin's first logits row (one per row of its own) and the contrast's weight, where
     /// it contrasts (`engine::contrast`).
     twin: Option<(usize, f32)>,
-    /// The tokens it may add after its first row's (`room_after_next`); row j's draw must
-    /// leave room for `room - j`.
-    room: usize,
 }
 
 impl Sampling {

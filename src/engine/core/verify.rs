@@ -30,7 +30,7 @@ impl EngineCore {
         words: usize,
     ) -> Result<Vec<SampledToken>, RuntimeError> {
         let id = v.s.id;
-        let room = v.room;
+        let room = self.room_after_next(id);
         // What jump-forward may append after `m` tokens of the run, as `forced_tokens` counts
         // it once they are in the output: the context left after them and one more, and
         // max_tokens less the output.
@@ -62,17 +62,7 @@ impl EngineCore {
                         logprobs: decided.logprobs.get(row).cloned().flatten(),
                         confidence: decided.confidence.get(row).copied().flatten(),
                     };
-                    let ahead = grammar[row].tight.as_deref();
-                    match keep_within(
-                        state,
-                        self.backend.as_mut(),
-                        &self.tokenizer,
-                        row,
-                        drawn,
-                        left,
-                        ahead,
-                        words,
-                    ) {
+                    match keep_within(state, self.backend.as_mut(), &self.tokenizer, row, drawn, left, words) {
                         Ok(s) => s,
                         Err(e) => break Err(e),
                     }
@@ -156,15 +146,11 @@ impl EngineCore {
 pub(super) struct RowGrammar {
     pub mask: Option<Vec<u32>>,
     pub copy: Option<(Vec<u32>, f32)>,
-    /// Near the end of the row's room, the mask that keeps room to close, filled ahead (see
-    /// `room_keeping_ahead`); else it is filled only for a draw that does not fit.
-    pub tight: Option<Vec<u32>>,
 }
 
 /// The token a backend drew for a row, kept if the output can still close within `room` more
 /// tokens; otherwise drawn again where the logits are, under the mask that keeps room: the same
 /// choice `draw_within` makes on the host.
-#[allow(clippy::too_many_arguments)]
 fn keep_within(
     state: &mut State,
     backend: &mut dyn crate::runtime::Backend,
@@ -172,12 +158,11 @@ fn keep_within(
     row: usize,
     drawn: RowDraw,
     room: usize,
-    ahead: Option<&[u32]>,
     words: usize,
 ) -> Result<SampledToken, RuntimeError> {
     let mut drawn = drawn;
     if let Some(m) = state.matcher.as_mut() {
-        if let Some(tight) = room_keeping_mask(m, drawn.token, room, ahead, words) {
+        if let Some(tight) = room_keeping_mask(m, drawn.token, room, words) {
             state.metrics.budget_closed = true;
             drawn = backend.redraw_within(row, &tight)?;
         }
@@ -213,16 +198,10 @@ fn decided_by_grammar(state: &mut State, tokenizer: &Tokenizer, token: u32, c: T
 
 /// The mask that keeps room to close within `room` more tokens, where `token` would not: tried
 /// on the matcher (an accept, a completion cost and a rollback, about a microsecond); only then
-/// is the full walk made, unless it was made `ahead`. `None` where `token` fits, or where no
-/// token would (not reachable while completion costs are exact: some byte always brings the
-/// end one closer), so the plain choice stands.
-fn room_keeping_mask(
-    m: &mut ContainedMatcher,
-    token: u32,
-    room: usize,
-    ahead: Option<&[u32]>,
-    words: usize,
-) -> Option<Vec<u32>> {
+/// is the full walk made. `None` where `token` fits, or where no token would (not reachable
+/// while completion costs are exact: some byte always brings the end one closer), so the
+/// plain choice stands.
+fn room_keeping_mask(m: &mut ContainedMatcher, token: u32, room: usize, words: usize) -> Option<Vec<u32>> {
     let fits = match m.accept(token) {
         Ok(()) => {
             let fits = m.is_finished() || m.completion_cost().is_none_or(|c| c <= room);
@@ -235,34 +214,9 @@ fn room_keeping_mask(
     if fits {
         return None;
     }
-    let tight = match ahead {
-        Some(tight) => tight.to_vec(),
-        None => {
-            let mut tight = vec![0u32; words];
-            m.fill_bitmask_within(&mut tight, room);
-            tight
-        }
-    };
-    tight.iter().any(|&w| w != 0).then_some(tight)
-}
-
-/// How near the end of its room a row must be for its room-keeping mask to be filled ahead,
-/// while the model runs: a token lengthens the shortest completion by at most its own bytes
-/// unless it opens structure (a key, an object), so with this much more room than the
-/// completion needs, few draws fail to fit (those that do have the mask filled then, on the
-/// engine thread, as without this).
-const AHEAD_SLACK: usize = 16;
-
-/// The mask that keeps room to close within `room` more tokens, filled where the row is near
-/// the end of its room: the walk of the whole vocabulary it takes is then made off the engine
-/// thread, and only used where the draw does not fit.
-pub(super) fn room_keeping_ahead(m: &mut ContainedMatcher, room: usize, words: usize) -> Option<Vec<u32>> {
-    if m.completion_cost().is_none_or(|cost| cost + AHEAD_SLACK <= room) {
-        return None;
-    }
     let mut tight = vec![0u32; words];
     m.fill_bitmask_within(&mut tight, room);
-    Some(tight)
+    tight.iter().any(|&w| w != 0).then_some(tight)
 }
 
 /// The copy bias's tokens and weight for a request's next token: the tokens that continue a
@@ -329,7 +283,7 @@ fn draw_within_room(state: &mut State, logits: &[f32], row: &RowGrammar, room: u
         state.sampler.record(sampled.token);
         return sampled;
     };
-    let Some(tight) = room_keeping_mask(m, sampled.token, room, row.tight.as_deref(), words) else {
+    let Some(tight) = room_keeping_mask(m, sampled.token, room, words) else {
         state.sampler.record(sampled.token);
         return sampled;
     };
