@@ -456,29 +456,31 @@ fn speculation_changes_no_output() {
     }
 }
 
-/// Context-aware decoding's twin follows its request row for row: contrasted with its own
-/// prompt at weight 1, every job gives its output without contrast, all at once, with every
-/// prompt chunked, speculating, and in a pool small enough to preempt (twins' blocks come from
-/// it too). Every block, twins' included, comes back (`run` checks).
-#[test]
-fn a_twin_with_the_requests_own_prompt_changes_no_output() {
-    let Some((backend, tok)) = common::load_backend(8192) else {
-        return;
-    };
-    let tok = Arc::new(tok);
-    let structured = StructuredOutputs::new(&tok);
-    let jobs = jobs(&tok);
+/// Runs the jobs drawn by `draw` all at once three ways: in the default engine; with every
+/// prompt in chunks of 4 and 6 drafts checked a step; and in a pool small enough to preempt
+/// (twins take their blocks from it too). Each way must give `alone`'s records; every block,
+/// twins' included, comes back (`run` checks). Returns the engine and the small pool's
+/// preemptions.
+#[allow(clippy::too_many_arguments)]
+fn the_same_under_load(
+    core: EngineCore,
+    tok: &Arc<Tokenizer>,
+    jobs: &[Job],
+    structured: &StructuredOutputs,
+    alone: &[Seen],
+    draw: Draw,
+    what: &str,
+) -> (EngineCore, usize) {
     let config = EngineConfig::default();
-    let block_size = backend.kv_layout().block_size;
-    let (alone, _, core) = run(engine(backend, &tok, config, None), &jobs, &structured, false);
+    let block_size = core.backend().kv_layout().block_size;
     let (out, _, core) = run_drawn(
-        engine(core.into_backend(), &tok, config, None),
-        &jobs,
-        &structured,
+        engine(core.into_backend(), tok, config, None),
+        jobs,
+        structured,
         true,
-        Draw::SelfContrast,
+        draw,
     );
-    same_up_to_near_ties(&out, &alone, "self-contrasted, 32 at once");
+    same_up_to_near_ties(&out, alone, &format!("{what}, 32 at once"));
 
     let mut chunked = EngineConfig {
         speculative: Some(SpeculativeConfig {
@@ -491,32 +493,61 @@ fn a_twin_with_the_requests_own_prompt_changes_no_output() {
     };
     chunked.scheduler.max_num_batched_tokens = 4;
     let (out, _, core) = run_drawn(
-        engine(core.into_backend(), &tok, chunked, None),
-        &jobs,
-        &structured,
+        engine(core.into_backend(), tok, chunked, None),
+        jobs,
+        structured,
         true,
-        Draw::SelfContrast,
+        draw,
     );
-    same_up_to_near_ties(&out, &alone, "self-contrasted, speculating, prompts in chunks of 4");
+    same_up_to_near_ties(&out, alone, &format!("{what}, speculating, prompts in chunks of 4"));
     assert!(core.stats().drafts.accepted() > 0);
 
     let longest = jobs.iter().map(|j| j.prompt.len() + j.max_tokens).max().unwrap();
     let pool = BlockPool::new(4 * longest.div_ceil(block_size));
-    let (out, preemptions, _) = run_drawn(
-        engine(core.into_backend(), &tok, config, Some(pool)),
+    let (out, preemptions, core) = run_drawn(
+        engine(core.into_backend(), tok, config, Some(pool)),
+        jobs,
+        structured,
+        true,
+        draw,
+    );
+    same_up_to_near_ties(&out, alone, &format!("{what}, a pool too small for everyone"));
+    assert!(preemptions > 0, "the small pool never preempted");
+    (core, preemptions)
+}
+
+/// Context-aware decoding's twin follows its request row for row: contrasted with its own
+/// prompt at weight 1, every job gives its output without contrast, under every load of
+/// `the_same_under_load`.
+#[test]
+fn a_twin_with_the_requests_own_prompt_changes_no_output() {
+    let Some((backend, tok)) = common::load_backend(8192) else {
+        return;
+    };
+    let tok = Arc::new(tok);
+    let structured = StructuredOutputs::new(&tok);
+    let jobs = jobs(&tok);
+    let (alone, _, core) = run(
+        engine(backend, &tok, EngineConfig::default(), None),
         &jobs,
         &structured,
-        true,
-        Draw::SelfContrast,
+        false,
     );
-    same_up_to_near_ties(&out, &alone, "self-contrasted, a pool too small for everyone");
-    assert!(preemptions > 0, "the small pool never preempted");
+    the_same_under_load(
+        core,
+        &tok,
+        &jobs,
+        &structured,
+        &alone,
+        Draw::SelfContrast,
+        "self-contrasted",
+    );
 }
 
 /// A contrasted request's record does not depend on what else runs: each job contrasted with
-/// half its prompt gives, all at once in a pool small enough to preempt (where twins take
-/// their blocks too), and chunked and speculating, what it gives alone; and the contrast does
-/// change records.
+/// half its prompt gives, under every load of `the_same_under_load` (a pool that preempts
+/// included: the scheduler plans twins' blocks with their requests'), what it gives alone; and
+/// the contrast does change records.
 #[test]
 fn a_contrasted_record_is_the_same_under_kv_pressure() {
     let Some((backend, tok)) = common::load_backend(8192) else {
@@ -526,7 +557,6 @@ fn a_contrasted_record_is_the_same_under_kv_pressure() {
     let structured = StructuredOutputs::new(&tok);
     let jobs = jobs(&tok);
     let config = EngineConfig::default();
-    let block_size = backend.kv_layout().block_size;
     let (plain, _, core) = run(engine(backend, &tok, config, None), &jobs, &structured, false);
     let (alone, _, core) = run_drawn(
         engine(core.into_backend(), &tok, config, None),
@@ -537,38 +567,8 @@ fn a_contrasted_record_is_the_same_under_kv_pressure() {
     );
     let changed = alone.iter().zip(&plain).filter(|(a, p)| a.tokens != p.tokens).count();
     assert!(changed > 0, "the contrast changed no record");
-
-    let longest = jobs.iter().map(|j| j.prompt.len() + j.max_tokens).max().unwrap();
-    let pool = BlockPool::new(4 * longest.div_ceil(block_size));
-    let (out, preemptions, core) = run_drawn(
-        engine(core.into_backend(), &tok, config, Some(pool)),
-        &jobs,
-        &structured,
-        true,
-        Draw::Contrast,
-    );
+    let (_, preemptions) = the_same_under_load(core, &tok, &jobs, &structured, &alone, Draw::Contrast, "contrasted");
     eprintln!("contrasted, small pool: {preemptions} preemptions; {changed} records changed by the contrast");
-    same_up_to_near_ties(&out, &alone, "contrasted, a pool too small for everyone");
-    assert!(preemptions > 0, "the small pool never preempted");
-
-    let mut chunked = EngineConfig {
-        speculative: Some(SpeculativeConfig {
-            tokens: 4,
-            ngram: true,
-            grammar: true,
-            adaptive: false,
-        }),
-        ..config
-    };
-    chunked.scheduler.max_num_batched_tokens = 8;
-    let (out, _, _) = run_drawn(
-        engine(core.into_backend(), &tok, chunked, None),
-        &jobs,
-        &structured,
-        true,
-        Draw::Contrast,
-    );
-    same_up_to_near_ties(&out, &alone, "contrasted, speculating, prompts in chunks of 8");
 }
 
 #[test]
