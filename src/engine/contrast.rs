@@ -29,8 +29,15 @@ pub fn push_twin(
     drafts: &[u32],
 ) -> Option<usize> {
     let prompt = r.shadow.as_ref()?;
-    let tokens = [&prompt[..], &r.output[..], drafts].concat();
-    batch.push_sequence(&tokens[start..], start, kv.block_table(r.id | SHADOW), kv.block_size());
+    // Only what this step feeds: the tokens from `start` on.
+    let tokens: Vec<u32> = prompt
+        .iter()
+        .chain(&r.output)
+        .chain(drafts)
+        .skip(start)
+        .copied()
+        .collect();
+    batch.push_sequence(&tokens, start, kv.block_table(r.id | SHADOW), kv.block_size());
     let first = batch.logits_rows.len();
     let end = batch.token_ids.len();
     batch

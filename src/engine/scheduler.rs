@@ -11,11 +11,11 @@
 use std::collections::HashMap;
 
 use super::kv_cache_manager::{KvCacheManager, RequestId};
+use super::request::{Request, RequestStatus};
 
 /// A shadow sequence's id in the cache: its request's with the top bit set (request ids stay
 /// below it).
 pub const SHADOW: RequestId = 1 << 63;
-use super::request::{Request, RequestStatus};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Policy {
@@ -218,9 +218,9 @@ impl<T> Scheduler<T> {
             let num_new = (known + r.drafts.len()).min(budget);
             let num_drafts = num_new.saturating_sub(known);
             let total = r.num_computed + num_new;
-            let shadow = shadow_tokens(r, !r.is_prefill_chunk(num_new - num_drafts), num_drafts);
+            let shadow = shadow_len(r, !r.is_prefill_chunk(num_new - num_drafts), num_drafts);
             let mut scheduled = true;
-            while !(self.kv.allocate_slots(id, total, &[]) && self.allocate_shadow(id, shadow.as_deref())) {
+            while !(self.kv.allocate_slots(id, total, &[]) && self.allocate_shadow(id, shadow, num_drafts)) {
                 let victim = self.victim();
                 // A victim scheduled earlier in this step gives its tokens back.
                 budget += out
@@ -238,7 +238,7 @@ impl<T> Scheduler<T> {
             if scheduled {
                 self.push(id, num_new, num_drafts, &mut out);
                 budget -= num_new;
-                budget = self.plan_shadow(shadow.as_deref(), num_drafts, budget, &mut out);
+                budget = self.plan_shadow(shadow, num_drafts, budget, &mut out);
             }
         }
         // New requests only when nobody had to give way this step.
@@ -252,13 +252,12 @@ impl<T> Scheduler<T> {
             let tokens = r.all_tokens();
             let (hit, cached) = self.kv.get_computed_blocks(&tokens);
             let num_new = (tokens.len() - cached).min(budget);
-            let shadow = shadow_tokens(r, cached + num_new == tokens.len(), 0);
+            let shadow = shadow_len(r, cached + num_new == tokens.len(), 0);
             if !self.kv.allocate_slots(id, cached + num_new, &hit) {
                 break;
             }
-            if !self.allocate_shadow(id, shadow.as_deref()) {
+            if !self.allocate_shadow(id, shadow, 0) {
                 self.kv.free(id);
-                self.kv.free(id | SHADOW);
                 break;
             }
             self.waiting.remove(at);
@@ -269,29 +268,29 @@ impl<T> Scheduler<T> {
             r.num_cached = cached;
             self.push(id, num_new, 0, &mut out);
             budget -= num_new;
-            budget = self.plan_shadow(shadow.as_deref(), 0, budget, &mut out);
+            budget = self.plan_shadow(shadow, 0, budget, &mut out);
         }
         out
     }
 
-    /// Puts the shadow whose blocks were just given `tokens` into the step of the request
-    /// pushed last (after `num_drafts` drafts), from what its blocks hold on; the budget left
-    /// after its tokens, which count against it too: its request's step cannot go without
-    /// them, so they may take the last of it, and more.
+    /// Puts the shadow whose blocks were just given room for `len` tokens into the step of the
+    /// request pushed last (after `num_drafts` drafts), from what its blocks hold on; the
+    /// budget left after its tokens, which count against it too: its request's step cannot go
+    /// without them, so they may take the last of it, and more.
     fn plan_shadow(
         &mut self,
-        tokens: Option<&[u32]>,
+        len: Option<usize>,
         num_drafts: usize,
         budget: usize,
         out: &mut SchedulerOutput,
     ) -> usize {
-        let (Some(tokens), Some(last)) = (tokens, out.scheduled.last_mut()) else {
+        let (Some(len), Some(last)) = (len, out.scheduled.last_mut()) else {
             return budget;
         };
         let computed = self.requests[&last.id].request.shadow_computed;
-        let start = computed.min(tokens.len() - 1 - num_drafts);
+        let start = computed.min(len - 1 - num_drafts);
         last.shadow = Some(start);
-        budget.saturating_sub(tokens.len() - start)
+        budget.saturating_sub(len - start)
     }
 
     fn push(&self, id: RequestId, num_tokens: usize, num_drafts: usize, out: &mut SchedulerOutput) {
@@ -306,17 +305,19 @@ impl<T> Scheduler<T> {
         });
     }
 
-    /// Gives request `id`'s shadow the blocks for `tokens` (none where it does not run this
-    /// step); on its first step (or its first after a preemption) it starts from the blocks
-    /// the prefix cache holds of them. False where the pool is short.
-    fn allocate_shadow(&mut self, id: RequestId, tokens: Option<&[u32]>) -> bool {
-        let Some(tokens) = tokens else { return true };
+    /// Gives request `id`'s shadow the blocks for `len` tokens, the last `num_drafts` of them
+    /// the request's drafts (none where it does not run this step); on its first step (or its
+    /// first after a preemption) it starts from the blocks the prefix cache holds of them.
+    /// False where the pool is short.
+    fn allocate_shadow(&mut self, id: RequestId, len: Option<usize>, num_drafts: usize) -> bool {
+        let Some(len) = len else { return true };
         let shadow = id | SHADOW;
         if !self.kv.block_table(shadow).is_empty() {
-            return self.kv.allocate_slots(shadow, tokens.len(), &[]);
+            return self.kv.allocate_slots(shadow, len, &[]);
         }
-        let (hit, cached) = self.kv.get_computed_blocks(tokens);
-        let allocated = self.kv.allocate_slots(shadow, tokens.len(), &hit);
+        let tokens = shadow_tokens(&self.requests[&id].request, num_drafts);
+        let (hit, cached) = self.kv.get_computed_blocks(&tokens);
+        let allocated = self.kv.allocate_slots(shadow, len, &hit);
         if let (true, Some(e)) = (allocated, self.requests.get_mut(&id)) {
             e.request.shadow_computed = cached;
         }
@@ -446,13 +447,18 @@ impl<T> Scheduler<T> {
     }
 }
 
-/// The tokens request `r`'s shadow holds after a step in which `r` samples (`samples`) after
-/// `num_drafts` drafts: its prompt, the output and those drafts; `None` where the shadow does
-/// not run: a request without one, and a step that does not sample.
-fn shadow_tokens(r: &Request, samples: bool, num_drafts: usize) -> Option<Vec<u32>> {
+/// How many tokens request `r`'s shadow holds after a step in which `r` samples (`samples`)
+/// after `num_drafts` drafts: its prompt, the output and those drafts; `None` where the shadow
+/// does not run: a request without one, and a step that does not sample.
+fn shadow_len(r: &Request, samples: bool, num_drafts: usize) -> Option<usize> {
     let prompt = r.shadow.as_ref().filter(|_| samples)?;
-    let drafts = &r.drafts[..num_drafts];
-    Some([&prompt[..], &r.output[..], drafts].concat())
+    Some(prompt.len() + r.output.len() + num_drafts)
+}
+
+/// Those tokens themselves (only a shadow's first step needs them: the prefix cache's lookup).
+fn shadow_tokens(r: &Request, num_drafts: usize) -> Vec<u32> {
+    let prompt = r.shadow.as_deref().unwrap_or_default();
+    [prompt, &r.output[..], &r.drafts[..num_drafts]].concat()
 }
 
 #[cfg(test)]
