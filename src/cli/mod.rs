@@ -108,6 +108,10 @@ pub struct ModelArgs {
     /// Requests running at once.
     #[arg(long, default_value_t = 128)]
     max_num_seqs: usize,
+    /// Run every GPU step eagerly: no CUDA graphs (captured at start for decode steps, and
+    /// for speculative checks as they come).
+    #[arg(long)]
+    enforce_eager: bool,
     /// Serve waiting requests by their priority (lowest first) instead of by arrival.
     #[arg(long)]
     priority_scheduling: bool,
@@ -248,6 +252,7 @@ impl ModelArgs {
             gpu_memory_utilization: Some(self.gpu_memory_utilization),
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_num_seqs: self.max_num_seqs,
+            enforce_eager: self.enforce_eager,
         };
         let backend = crate::runtime::load(self.device, &path, options)?;
         Ok((backend, tokenizer))
@@ -283,6 +288,7 @@ impl ModelArgs {
             kv_cache_tokens: Some(DRAFT_KV_TOKENS),
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_num_seqs: self.max_num_seqs,
+            enforce_eager: self.enforce_eager,
             ..Default::default()
         };
         let backend = crate::runtime::load(self.device, path, options)

@@ -28,6 +28,8 @@ pub struct EngineStats {
     pub draft_model_failures: u64,
     /// Full logits rows the backend copied to the host (`Backend::logits_rows_copied`).
     pub logits_rows_copied: u64,
+    /// Steps the backend replayed from CUDA graphs (`Backend::graph_steps`).
+    pub graph_steps: u64,
 }
 
 #[derive(Debug, thiserror::Error)]

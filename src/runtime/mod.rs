@@ -68,6 +68,11 @@ pub trait Backend: Send {
         0
     }
 
+    /// Steps replayed from CUDA graphs so far (the rest ran eagerly).
+    fn graph_steps(&self) -> u64 {
+        0
+    }
+
     /// Where the device's time went since the last call, where it is being measured
     /// (`QUARRY_CUDA_TIMING`); the count starts again.
     fn take_timing_report(&mut self) -> Option<String> {
@@ -252,6 +257,8 @@ pub struct LoadOptions {
     pub gpu_memory_utilization: Option<f32>,
     pub max_num_batched_tokens: usize,
     pub max_num_seqs: usize,
+    /// The GPU runs every step eagerly, without CUDA graphs (vLLM's --enforce-eager).
+    pub enforce_eager: bool,
 }
 
 /// The one place a backend is chosen and built.
@@ -286,6 +293,7 @@ pub fn load(device: DeviceChoice, model: &Path, options: LoadOptions) -> Result<
                 gpu_memory_utilization: options.gpu_memory_utilization.unwrap_or(0.9),
                 max_num_batched_tokens: options.max_num_batched_tokens.max(1),
                 max_num_seqs: options.max_num_seqs.max(1),
+                graphs: !options.enforce_eager,
             };
             let source = match (options.load_format, options.model_config) {
                 (LoadFormat::Dummy, Some(config)) => cuda::WeightSource::Dummy(config),

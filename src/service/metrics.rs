@@ -51,6 +51,7 @@ pub struct Metrics {
     preemptions: Gauge,
     draft_model_failures: Gauge,
     logits_rows_copied: Gauge,
+    graph_steps: Gauge,
 }
 
 impl Metrics {
@@ -86,6 +87,7 @@ impl Default for Metrics {
             preemptions: Gauge::default(),
             draft_model_failures: Gauge::default(),
             logits_rows_copied: Gauge::default(),
+            graph_steps: Gauge::default(),
         };
         let r = &mut m.registry;
         r.register(
@@ -164,6 +166,11 @@ impl Default for Metrics {
             "Full rows of logits copied from the GPU to the host, for the engine to draw them itself (none on the default paths)",
             m.logits_rows_copied.clone(),
         );
+        r.register(
+            "graph_steps",
+            "Forward passes replayed from CUDA graphs (the others ran kernel by kernel)",
+            m.graph_steps.clone(),
+        );
         m
     }
 }
@@ -218,6 +225,7 @@ impl Metrics {
         self.preemptions.set(stats.preemptions as i64);
         self.draft_model_failures.set(stats.draft_model_failures as i64);
         self.logits_rows_copied.set(stats.logits_rows_copied as i64);
+        self.graph_steps.set(stats.graph_steps as i64);
         let mut text = String::new();
         let _ = encode(&mut text, &self.registry);
         text

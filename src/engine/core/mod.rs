@@ -305,6 +305,7 @@ impl EngineCore {
             drafts: self.drafts,
             draft_model_failures: self.draft_model_failures,
             logits_rows_copied: self.backend.logits_rows_copied(),
+            graph_steps: self.backend.graph_steps(),
         }
     }
 

@@ -5,6 +5,7 @@
 
 mod attention;
 mod gemm;
+mod graphs;
 mod kernels;
 mod launcher;
 mod sample;
@@ -19,6 +20,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 
 use self::gemm::Gemm;
+use self::graphs::{Graphs, Shape};
 use self::kernels::Kernels;
 use self::launcher::{launch, launch3, launch_items, launch_smem, Arg, ROW_THREADS, THREADS};
 use self::staging::Staging;
@@ -47,6 +49,8 @@ pub struct CudaOptions {
     /// before the KV cache is sized.
     pub max_num_batched_tokens: usize,
     pub max_num_seqs: usize,
+    /// Replay regular steps from CUDA graphs (graphs.rs); off: `--enforce-eager`.
+    pub graphs: bool,
 }
 
 impl Default for CudaOptions {
@@ -58,6 +62,7 @@ impl Default for CudaOptions {
             gpu_memory_utilization: 0.9,
             max_num_batched_tokens: 2048,
             max_num_seqs: 128,
+            graphs: true,
         }
     }
 }
@@ -103,6 +108,9 @@ pub struct CudaBackend {
     in_flight: bool,
     name: String,
     timing: Option<Timing>,
+    /// None: every step runs eagerly (`--enforce-eager`, per-kernel timing, or heads the
+    /// tensor-core attention does not take).
+    graphs: Option<Graphs>,
 }
 
 /// Activations, sized for the largest batch seen (at least the one given at load).
@@ -241,10 +249,11 @@ impl CudaBackend {
             // 32-bit element offsets.
             num_blocks: tokens
                 .div_ceil(BLOCK_SIZE)
-                .clamp(1, u32::MAX as usize / BLOCK_SIZE / config.kv_size()),
+                .clamp(1, u32::MAX as usize / BLOCK_SIZE / config.kv_size() - 1),
             block_size: BLOCK_SIZE,
         };
-        let per_layer = layout.num_slots() * config.kv_size();
+        // One block past the pool is the padded rows' of captured steps (graphs.rs).
+        let per_layer = (layout.num_blocks + 1) * layout.block_size * config.kv_size();
         let mut k_cache = Vec::with_capacity(config.num_layers);
         let mut v_cache = Vec::with_capacity(config.num_layers);
         for li in 0..config.num_layers {
@@ -277,7 +286,24 @@ impl CudaBackend {
         let run_staging = Staging::new(&ctx, &stream, 1 << 16, "the batch")?;
         let sample_staging = Staging::new(&ctx, &stream, 1 << 16, "sampling inputs")?;
         let redraw_staging = Staging::new(&ctx, &stream, 1 << 12, "a redraw's inputs")?;
-        Ok(CudaBackend {
+        let graphs = if options.graphs
+            && attention::flash_head(config.head_dim)
+            && timing.as_ref().is_none_or(|t| !t.per_phase())
+        {
+            let (seqs, group) = (options.max_num_seqs.max(1), config.num_heads / config.num_kv_heads);
+            let max_parts = config
+                .context_length
+                .div_ceil(attention::FLASH_PART)
+                .next_power_of_two();
+            let tokens = seqs * graphs::MAX_PER_SEQ;
+            // Ids, positions, slots, sequences and picked rows; tables; flash items.
+            let items = seqs * (graphs::MAX_PER_SEQ * group).div_ceil(64);
+            let words = 5 * tokens + 8 + seqs * max_parts * (attention::FLASH_PART / BLOCK_SIZE) + 4 * items;
+            Some(Graphs::new(&stream, seqs, max_parts, words)?)
+        } else {
+            None
+        };
+        let mut backend = CudaBackend {
             ctx,
             stream,
             kernels,
@@ -302,7 +328,10 @@ impl CudaBackend {
             in_flight: false,
             name,
             timing,
-        })
+            graphs,
+        };
+        backend.capture_decode_graphs(&[1, 2])?;
+        Ok(backend)
     }
 
     fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
@@ -313,6 +342,188 @@ impl CudaBackend {
         if let Some(t) = &self.timing {
             t.mark(phase, &self.stream);
         }
+    }
+}
+
+impl CudaBackend {
+    /// The KV block padded rows of a captured step read and write: one past the pool the
+    /// engine sees.
+    fn reserved_block(&self) -> u32 {
+        self.layout.num_blocks as u32
+    }
+
+    /// A step over the backend's buffers with `meta`; `timed`: with `QUARRY_CUDA_TIMING`'s
+    /// events (never inside a capture, which would replay one event forever).
+    fn step(&self, meta: step::Meta, timed: bool) -> step::CudaStep<'_> {
+        let b = &self.buffers;
+        step::CudaStep {
+            stream: &self.stream,
+            kernels: &self.kernels,
+            gemm: &self.gemm,
+            cfg: &self.config,
+            timing: self.timing.as_ref().filter(|_| timed),
+            rope: (self.ptr(&self.rope_cos), self.ptr(&self.rope_sin)),
+            k_cache: &self.k_cache,
+            v_cache: &self.v_cache,
+            meta,
+            buf: step::Buffers {
+                x: self.ptr(&b.x),
+                normed: self.ptr(&b.normed),
+                qkv: self.ptr(&b.qkv),
+                q: self.ptr(&b.q),
+                attn: self.ptr(&b.attn),
+                branch: self.ptr(&b.branch),
+                gate_up: self.ptr(&b.gate_up),
+                hidden: self.ptr(&b.act),
+                head_in: self.ptr(&b.head_in),
+                logits: self.ptr(&b.logits),
+                partials: self.ptr(&b.partials),
+            },
+        }
+    }
+
+    /// Copies `batch`'s metadata to the device in one transfer (to the graphs' fixed buffer
+    /// where the step has a captured shape) and describes it.
+    fn stage(&mut self, batch: &ForwardBatch, shape: Option<Shape>, graphs: Option<&Graphs>) -> Result<step::Meta> {
+        let cfg = &self.config;
+        let t = batch.num_tokens();
+        let rows = batch.logits_rows.len();
+        let max_blocks = match shape {
+            Some(s) => s.table_width(),
+            None => attention::table_width(batch.block_tables.iter().map(Vec::len).max().unwrap_or(1)),
+        };
+        let st = &mut self.run_staging;
+        st.clear();
+        let ids = st.push(&batch.token_ids)?;
+        let positions = st.push(&batch.positions)?;
+        let slots = st.push(&batch.slot_mapping)?;
+        let seqs = st.push_with(t, |dst| {
+            for i in 0..batch.num_seqs() {
+                let (lo, hi) = (batch.query_start[i] as usize, batch.query_start[i + 1] as usize);
+                dst[lo..hi].fill(i as u32);
+            }
+        })?;
+        st.align(4)?;
+        let tables = st.push_with(batch.num_seqs() * max_blocks, |dst| {
+            for (i, table) in batch.block_tables.iter().enumerate() {
+                let row = &mut dst[i * max_blocks..(i + 1) * max_blocks];
+                let n = table.len().min(max_blocks);
+                row[..n].copy_from_slice(&table[..n]);
+                row[n..].fill(0);
+            }
+        })?;
+        let picked = st.push(if rows > 0 { &batch.logits_rows } else { &[0] })?;
+        let flash_items = attention::flash_items(batch, cfg.num_heads / cfg.num_kv_heads);
+        let items = st.push(if flash_items.is_empty() { &[0] } else { &flash_items })?;
+        let base = match (shape, graphs) {
+            (Some(_), Some(g)) => st.send_to(&self.stream, g.meta_addr(&self.stream), g.meta_words())?,
+            _ => st.send(&self.stream)?,
+        };
+        let addr = |offset: usize| Staging::addr(base, offset);
+        let max_len = match shape {
+            Some(s) => s.max_len(),
+            None => batch.context_lens.iter().copied().max().unwrap_or(1) as usize,
+        };
+        let plan = attention::Plan::new(
+            cfg.head_dim,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            t,
+            max_len,
+            addr(items),
+            flash_items.len() / 4,
+            self.target_blocks,
+        );
+        Ok(step::Meta {
+            ids: addr(ids),
+            positions: addr(positions),
+            slots: addr(slots),
+            seqs: addr(seqs),
+            tables: addr(tables),
+            max_blocks,
+            block_size: self.layout.block_size,
+            picked: addr(picked),
+            tokens: t,
+            rows,
+            max_len,
+            plan,
+        })
+    }
+
+    /// Queues `batch`'s forward: replayed from `shape`'s graph (captured first where it is new;
+    /// `launch` false only captures), else eagerly. A shape whose capture fails runs eagerly.
+    fn queue_step(
+        &mut self,
+        batch: &ForwardBatch,
+        shape: Option<Shape>,
+        graphs: Option<&mut Graphs>,
+        launch: bool,
+    ) -> Result<()> {
+        let meta = self.stage(batch, shape, graphs.as_deref())?;
+        let (Some(shape), Some(graphs)) = (shape, graphs) else {
+            return self.weights.forward(&mut self.step(meta, true));
+        };
+        if !graphs.ready(shape) {
+            let mut step = self.step(meta, false);
+            let weights = &self.weights;
+            if let Err(e) = graphs.capture(&self.stream, shape, || weights.forward(&mut step)) {
+                eprintln!("quarry: {e}; steps of that shape run without a graph");
+                return if launch {
+                    self.weights.forward(&mut self.step(meta, true))
+                } else {
+                    Ok(())
+                };
+            }
+        }
+        if !launch {
+            return Ok(());
+        }
+        // Step mode's first event goes outside the graph.
+        self.mark(Phase::Elementwise);
+        graphs.launch(shape)
+    }
+
+    /// Captures decode steps (one token a sequence) up the whole ladder for contexts of up to
+    /// `parts` partitions, so that the first steps of a server do not pay for their capture.
+    fn capture_decode_graphs(&mut self, parts: &[usize]) -> Result<()> {
+        let Some(mut graphs) = self.graphs.take() else {
+            return Ok(());
+        };
+        let started = std::time::Instant::now();
+        let shapes: Vec<Shape> = parts
+            .iter()
+            .filter(|&&p| p <= graphs.max_parts)
+            .flat_map(|&p| {
+                graphs.ladder.iter().map(move |&seqs| Shape {
+                    seqs,
+                    per_seq: 1,
+                    parts: p,
+                })
+            })
+            .collect();
+        let mut result = Ok(());
+        for shape in shapes {
+            let pads = graphs::padded(&ForwardBatch::default(), shape, self.reserved_block());
+            if pads.num_tokens() > self.buffers.tokens || pads.num_tokens() > self.buffers.rows {
+                continue;
+            }
+            result = self.queue_step(&pads, Some(shape), Some(&mut graphs), false);
+            if result.is_err() {
+                break;
+            }
+        }
+        let captured = graphs.count();
+        self.graphs = Some(graphs);
+        result?;
+        // The captures staged (unread) metadata through the pinned buffer a step reuses.
+        self.stream.synchronize().map_err(device_err("capturing graphs"))?;
+        let free = self.ctx.mem_get_info().map(|(free, _)| free >> 20).unwrap_or(0);
+        eprintln!(
+            "quarry: {}: {captured} CUDA graphs captured in {} ms ({free} MiB free after); --enforce-eager runs without them",
+            self.name,
+            started.elapsed().as_millis()
+        );
+        Ok(())
     }
 }
 
@@ -343,7 +554,14 @@ impl Backend for CudaBackend {
         self.rows = 0;
         self.drawn.clear();
         batch.validate(self.layout, cfg.vocab_size, cfg.context_length)?;
-        let (t, rows) = (batch.num_tokens(), batch.logits_rows.len());
+        let mut graphs = self.graphs.take();
+        let shape = graphs
+            .as_ref()
+            .and_then(|g| graphs::shape_of(batch, &g.ladder, g.max_parts))
+            .filter(|&s| !graphs.as_ref().is_some_and(|g| g.refused(s)));
+        let padded = shape.map(|s| graphs::padded(batch, s, self.reserved_block()));
+        let step_batch = padded.as_ref().unwrap_or(batch);
+        let (t, rows) = (step_batch.num_tokens(), step_batch.logits_rows.len());
         if t > self.buffers.tokens || rows > self.buffers.rows {
             self.buffers = Buffers::new(
                 &self.stream,
@@ -352,6 +570,10 @@ impl Backend for CudaBackend {
                 rows.max(self.buffers.rows),
                 self.target_blocks,
             )?;
+            // Captured graphs address the old activations.
+            if let Some(g) = graphs.as_mut() {
+                g.forget();
+            }
         }
         if self.in_flight {
             self.stream
@@ -359,94 +581,12 @@ impl Backend for CudaBackend {
                 .map_err(device_err("finishing the last step"))?;
         }
         self.in_flight = true;
-        let s = &self.stream;
-        // The batch's metadata in one buffer, one copy.
-        let max_blocks = attention::table_width(batch.block_tables.iter().map(Vec::len).max().unwrap_or(1));
-        let st = &mut self.run_staging;
-        st.clear();
-        let ids = st.push(&batch.token_ids)?;
-        let positions = st.push(&batch.positions)?;
-        let slots = st.push(&batch.slot_mapping)?;
-        let seqs = st.push_with(t, |dst| {
-            for i in 0..batch.num_seqs() {
-                let (lo, hi) = (batch.query_start[i] as usize, batch.query_start[i + 1] as usize);
-                dst[lo..hi].fill(i as u32);
-            }
-        })?;
-        st.align(4)?;
-        let tables = st.push_with(batch.num_seqs() * max_blocks, |dst| {
-            for (i, table) in batch.block_tables.iter().enumerate() {
-                let row = &mut dst[i * max_blocks..(i + 1) * max_blocks];
-                row[..table.len()].copy_from_slice(table);
-                row[table.len()..].fill(0);
-            }
-        })?;
-        let picked = st.push(if rows > 0 { &batch.logits_rows } else { &[0] })?;
-        let flash_items = attention::flash_items(batch, cfg.num_heads / cfg.num_kv_heads);
-        let items = st.push(if flash_items.is_empty() { &[0] } else { &flash_items })?;
-        let base = st.send(s)?;
-        let addr = |offset: usize| Staging::addr(base, offset);
-        let (ids, positions, slots, seqs, tables, picked, items) = (
-            addr(ids),
-            addr(positions),
-            addr(slots),
-            addr(seqs),
-            addr(tables),
-            addr(picked),
-            addr(items),
-        );
-        let max_len = batch.context_lens.iter().copied().max().unwrap_or(1) as usize;
-        let plan = attention::Plan::new(
-            cfg.head_dim,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            t,
-            max_len,
-            items,
-            flash_items.len() / 4,
-            self.target_blocks,
-        );
-        let b = &self.buffers;
-        let mut step = step::CudaStep {
-            stream: &self.stream,
-            kernels: &self.kernels,
-            gemm: &self.gemm,
-            cfg: &cfg,
-            timing: self.timing.as_ref(),
-            rope: (self.ptr(&self.rope_cos), self.ptr(&self.rope_sin)),
-            k_cache: &self.k_cache,
-            v_cache: &self.v_cache,
-            meta: step::Meta {
-                ids,
-                positions,
-                slots,
-                seqs,
-                tables,
-                max_blocks,
-                block_size: self.layout.block_size,
-                picked,
-                tokens: t,
-                rows,
-                max_len,
-                plan,
-            },
-            buf: step::Buffers {
-                x: self.ptr(&b.x),
-                normed: self.ptr(&b.normed),
-                qkv: self.ptr(&b.qkv),
-                q: self.ptr(&b.q),
-                attn: self.ptr(&b.attn),
-                branch: self.ptr(&b.branch),
-                gate_up: self.ptr(&b.gate_up),
-                hidden: self.ptr(&b.act),
-                head_in: self.ptr(&b.head_in),
-                logits: self.ptr(&b.logits),
-                partials: self.ptr(&b.partials),
-            },
-        };
-        self.weights.forward(&mut step)?;
-        self.rows = rows;
+        let result = self.queue_step(step_batch, shape, graphs.as_mut(), true);
+        self.graphs = graphs;
+        result?;
+        self.rows = batch.logits_rows.len();
         if let Some(timing) = &self.timing {
+            let t = batch.num_tokens();
             timing.finish(&self.stream, started, false, t, t == batch.num_seqs());
         }
         Ok(())
@@ -466,6 +606,10 @@ impl Backend for CudaBackend {
 
     fn logits_rows_copied(&self) -> u64 {
         self.rows_copied
+    }
+
+    fn graph_steps(&self) -> u64 {
+        self.graphs.as_ref().map_or(0, Graphs::replays)
     }
 
     fn take_timing_report(&mut self) -> Option<String> {

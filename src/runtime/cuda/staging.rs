@@ -96,6 +96,22 @@ impl Staging {
         Ok(dst)
     }
 
+    /// Queues the copy of everything pushed since `clear` to `dst`, a buffer of `capacity`
+    /// words that outlives the copy (a captured graph's fixed metadata).
+    pub fn send_to(&mut self, stream: &Arc<CudaStream>, dst: u64, capacity: usize) -> Result<u64> {
+        if self.len > capacity {
+            return Err(RuntimeError::Backend(format!(
+                "staging {}: {} words for a buffer of {capacity}",
+                self.what, self.len
+            )));
+        }
+        let len = self.len;
+        let src = &self.slice()?[..len];
+        // SAFETY: as in `send`; the caller vouches for `dst`'s size.
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, stream.cu_stream()) }.map_err(err(self.what))?;
+        Ok(dst)
+    }
+
     /// The device address of word `offset` of the last `send`.
     pub fn addr(base: u64, offset: usize) -> u64 {
         base + (offset * std::mem::size_of::<u32>()) as u64

@@ -17,6 +17,7 @@ use crate::runtime::error::Result;
 use crate::runtime::model::{Act, Head, Ops};
 
 /// Device addresses of the batch's metadata.
+#[derive(Clone, Copy)]
 pub struct Meta {
     pub ids: u64,
     pub positions: u64,

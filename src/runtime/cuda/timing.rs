@@ -80,6 +80,11 @@ impl Timing {
         })
     }
 
+    /// Events between kernels (`QUARRY_CUDA_TIMING=1`), not only around steps.
+    pub fn per_phase(&self) -> bool {
+        !self.whole_steps
+    }
+
     /// The work queued from here to the next mark counts as `phase`.
     pub fn mark(&self, phase: Phase, stream: &CudaStream) {
         if self.whole_steps && phase != Phase::End && !self.marks.borrow().is_empty() {
