@@ -178,9 +178,10 @@ impl Graphs {
         queue: impl FnOnce() -> Result<()>,
     ) -> Result<()> {
         let err = |what: &str, e: String| RuntimeError::Backend(format!("capturing a graph of {shape:?}: {what}: {e}"));
-        stream
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(|e| err("begin", e.to_string()))?;
+        if let Err(e) = stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) {
+            self.refused.insert(shape);
+            return Err(err("begin", e.to_string()));
+        }
         let queued = queue();
         // The capture must end whatever happened inside it, or the stream stays capturing.
         let ended = stream.end_capture(CUgraphInstantiate_flags(0));

@@ -178,7 +178,10 @@ impl CudaBackend {
         // One stream does all the work in order, so cudarc's per-buffer events are not needed.
         // SAFETY: no buffer is used on another stream.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        // A stream of our own: the legacy default stream cannot be captured into a graph.
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| RuntimeError::Device(format!("creating a stream on cuda:{}: {e}", options.ordinal)))?;
         let kernels = Kernels::load(&ctx)?;
         let (config, weights) = match source {
             WeightSource::Gguf(path) => {
