@@ -29,11 +29,12 @@ fn gpu_backend_with(kv_cache_tokens: usize, enforce_eager: bool) -> Option<Box<d
     Some(quarry::runtime::load(DeviceChoice::Cuda(0), &path, options).expect("load on the GPU"))
 }
 
-/// Decode steps and speculative checks replayed from CUDA graphs give the logits of the same
-/// steps run kernel by kernel, bit for bit: batches padded up the ladder (3 sequences run as
-/// 4, 5 as 8), checks of 2 to 4 tokens a sequence, contexts across a partition boundary, block
-/// tables scattered. Over eight rows the batches' sizes are on the ladder, so cuBLAS sees the
-/// same shapes in both; up to eight, the GEMV gives a row the same bits for any count.
+/// Decode steps, speculative checks and known tokens replayed from CUDA graphs give the logits
+/// of the same steps run kernel by kernel, bit for bit: batches padded up the ladder (3
+/// sequences run as 4, 5 as 8), sequences padded to the step's most tokens, checks of 2 to 4
+/// tokens a sequence, only last rows wanted, contexts across a partition boundary, block tables
+/// scattered. Over eight rows the batches' sizes are on the ladder, so cuBLAS sees the same
+/// shapes in both; up to eight, the GEMV gives a row the same bits for any count.
 #[test]
 fn graph_replay_gives_the_bits_of_eager_steps() {
     let golden = common::golden();
@@ -62,52 +63,68 @@ fn graph_replay_gives_the_bits_of_eager_steps() {
     eager.forward(&prefill).expect("prefill");
     graphs.forward(&prefill).expect("prefill");
     assert_eq!(graphs.graph_steps(), 0, "a prefill has no captured shape");
-    // (sequences, tokens each): the last token, and for checks made-up drafts after it.
+    // Each step: the tokens each of its sequences feeds (its last, then made-up drafts or known
+    // tokens after it), and whether every row's logits are wanted or only each sequence's last.
+    let uniform = |count: usize, q: usize| (vec![q; count], true);
     let steps = [
-        (1, 1),
-        (3, 1),
-        (5, 1),
-        (8, 1),
-        (2, 1),
-        (4, 3),
-        (2, 4),
-        (8, 2),
-        (7, 1),
-        (1, 2),
+        uniform(1, 1),
+        uniform(3, 1),
+        uniform(5, 1),
+        uniform(8, 1),
+        uniform(2, 1),
+        uniform(4, 3),
+        uniform(2, 4),
+        uniform(8, 2),
+        uniform(7, 1),
+        uniform(1, 2),
+        // Checks of different lengths, and known tokens with only the last row wanted: padded
+        // inside each sequence, up to eight rows (the GEMV's) both ways.
+        (vec![1, 3], true),
+        (vec![2, 1, 2], false),
+        (vec![1, 4], false),
+        (vec![3, 1], false),
     ];
-    for (i, &(count, per_seq)) in steps.iter().enumerate() {
-        let order: Vec<usize> = (0..count).map(|k| (k * 3 + i) % n).collect();
+    for (i, (per_seq, every_row)) in steps.iter().enumerate() {
+        let order: Vec<usize> = (0..per_seq.len()).map(|k| (k * 3 + i) % n).collect();
         let mut batch = ForwardBatch::default();
-        for &s in &order {
+        let mut first_rows = Vec::new();
+        for (&s, &q) in order.iter().zip(per_seq) {
             let len = seqs[s].len();
             let mut tokens = vec![seqs[s][len - 1]];
-            tokens.extend((1..per_seq as u32).map(|d| 100 * d + s as u32));
+            tokens.extend((1..q as u32).map(|d| 100 * d + s as u32));
+            first_rows.push(batch.num_tokens());
             batch.push_sequence(&tokens, len - 1, &tables[s], block);
+            if !every_row {
+                batch.logits_rows.push(batch.num_tokens() as u32 - 1);
+            }
         }
-        batch.logits_rows = (0..batch.num_tokens() as u32).collect();
+        if *every_row {
+            batch.logits_rows = (0..batch.num_tokens() as u32).collect();
+        }
         let a = eager.forward(&batch).expect("eager step");
         let b = graphs.forward(&batch).expect("graph step");
-        for row in 0..batch.num_tokens() {
+        for row in 0..batch.logits_rows.len() {
             let same = a
                 .row(row)
                 .iter()
                 .zip(b.row(row))
                 .all(|(x, y)| x.to_bits() == y.to_bits());
-            assert!(
-                same,
-                "step {i} ({count} x {per_seq}) row {row}: graph and eager logits differ"
-            );
+            assert!(same, "step {i} ({per_seq:?}) row {row}: graph and eager logits differ");
         }
-        // Every sequence of the step goes on with its first row's greedy token.
+        // Every sequence goes on with its first token's greedy choice where that row is there,
+        // else with its last row's.
         for (k, &s) in order.iter().enumerate() {
-            let best = quarry::sampling::argmax(a.row(k * per_seq));
-            seqs[s].push(best);
+            let row = match every_row {
+                true => first_rows[k],
+                false => k,
+            };
+            seqs[s].push(quarry::sampling::argmax(a.row(row)));
         }
     }
     assert_eq!(
         graphs.graph_steps(),
         steps.len() as u64,
-        "every step above has a regular shape"
+        "every step above has few tokens a sequence"
     );
     assert_eq!(eager.graph_steps(), 0, "--enforce-eager replays nothing");
     println!("{} steps replayed from graphs, the same bits as eager", steps.len());

@@ -1,19 +1,23 @@
-//! CUDA graphs for steps of a regular shape: every sequence with the same number of query
-//! tokens (one for decode, the drafts plus one for a speculative check) and every row's logits
-//! wanted. Such a step is padded up a ladder of sequence counts and its contexts up a ladder of
-//! attention partitions, so that a few shapes cover every step; each shape's forward is captured
-//! once and replayed with its metadata copied to one fixed device buffer, which is what makes a
-//! replay valid: a graph's kernels keep the addresses, grids and sizes of their capture.
+//! CUDA graphs for steps of few query tokens per sequence: decode steps, speculative checks,
+//! jump-forward's known tokens. Such a step is padded to a shape: its sequences up a ladder of
+//! counts, each sequence's tokens to the step's most, its contexts up powers of two of attention
+//! partitions and its rows of logits up the ladder, so that a few shapes cover every step. Each
+//! shape's forward is captured once and replayed with its metadata copied to one fixed device
+//! buffer, which is what makes a replay valid: a graph's kernels keep the addresses, grids and
+//! sizes of their capture.
 //!
-//! Padded sequences read and write one reserved KV block that the engine never hands out, and
-//! their rows' logits are never read. The attention of a real row is the same whatever the
-//! padding (fixed partitions at absolute positions, attention.rs), and the GEMVs give a row the
-//! same bits for one to eight rows, so a replay gives the tokens eager execution gives for the
-//! same padded shape; where padding takes a batch across the GEMV/cuBLAS boundary its rows may
-//! round differently, as a batch of that size would eagerly.
+//! A sequence's padding goes before its tokens, at position 0, so that its real rows stay last
+//! and keep their keys (the attention kernel reads an item's keys up to its last row's
+//! position); padded tokens write their keys to one reserved KV block that the engine never
+//! hands out, and their logits are never read: the wanted rows come first in the logits. A real
+//! row's attention is the same whatever the padding (fixed partitions at absolute positions,
+//! attention.rs), and the GEMVs give a row the same bits for one to eight rows, so a replay gives
+//! what eager execution gives; where padding takes a batch across the GEMV/cuBLAS boundary its
+//! rows may round as a batch of the padded size would.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, DevicePtr};
@@ -22,9 +26,13 @@ use super::attention::{FLASH_BLOCK, FLASH_PART};
 use crate::runtime::batch::ForwardBatch;
 use crate::runtime::error::{Result, RuntimeError};
 
-/// Query tokens per sequence a graph takes at most: a padded sequence writes that many slots
-/// of the reserved block.
+/// Query tokens per sequence a graph takes at most: a sequence's padding writes at most that
+/// many slots of the reserved block.
 pub const MAX_PER_SEQ: usize = FLASH_BLOCK;
+
+/// Tokens a step may be padded to whatever its real count: below this the products read
+/// their weights once either way (bandwidth-bound), so padding costs next to nothing.
+const FREE_PADDING: usize = 64;
 
 /// A captured step's shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -35,6 +43,8 @@ pub struct Shape {
     pub per_seq: usize,
     /// Attention partitions of `FLASH_PART` keys that the longest context may fill.
     pub parts: usize,
+    /// Rows of logits.
+    pub rows: usize,
 }
 
 impl Shape {
@@ -49,60 +59,90 @@ impl Shape {
     }
 }
 
-/// The padded batch counts a graph is captured for: 1, 2, 4, 8, then every multiple of 8.
-pub fn ladder(max_seqs: usize) -> Vec<usize> {
-    let mut sizes: Vec<usize> = [1, 2, 4].into_iter().filter(|&s| s < max_seqs).collect();
-    sizes.extend((8..max_seqs).step_by(8));
-    sizes.push(max_seqs);
+/// Padded counts (of sequences, of rows): 1, 2, 4, 8, then every multiple of 8, the last
+/// `max` itself.
+pub fn ladder(max: usize) -> Vec<usize> {
+    let mut sizes: Vec<usize> = [1, 2, 4].into_iter().filter(|&s| s < max).collect();
+    sizes.extend((8..max).step_by(8));
+    sizes.push(max);
     sizes.dedup();
     sizes
 }
 
-/// Where a step's shape is regular, the shape that covers it: its sequences padded up `ladder`
-/// and its longest context up powers of two of partitions, at most `max_parts`.
+/// The first count of the ladder (without a top) at or above `n`.
+fn rung(n: usize) -> usize {
+    match n {
+        0..=2 => n.max(1),
+        3..=4 => 4,
+        _ => n.next_multiple_of(8),
+    }
+}
+
+/// Where a step has few tokens per sequence, the shape that covers it: its sequences padded up
+/// `ladder`, its tokens per sequence to the most any has, its longest context up powers of two
+/// of partitions (at most `max_parts`), its rows up the ladder. None where padding would add
+/// more work than the replay saves.
 pub fn shape_of(batch: &ForwardBatch, ladder: &[usize], max_parts: usize) -> Option<Shape> {
     let n = batch.num_seqs();
-    let per_seq = *batch.query_start.get(1)? as usize;
-    if per_seq == 0 || per_seq > MAX_PER_SEQ || batch.num_tokens() != n * per_seq {
-        return None;
-    }
-    if batch.query_start.windows(2).any(|w| (w[1] - w[0]) as usize != per_seq) {
-        return None;
-    }
-    let every_row = batch.logits_rows.len() == batch.num_tokens()
-        && batch.logits_rows.iter().enumerate().all(|(i, &r)| r as usize == i);
-    if !every_row {
+    let per_seq = batch.query_start.windows(2).map(|w| (w[1] - w[0]) as usize).max()?;
+    if per_seq > MAX_PER_SEQ {
         return None;
     }
     let seqs = *ladder.iter().find(|&&s| s >= n)?;
+    let tokens = seqs * per_seq;
+    if tokens > FREE_PADDING.max(2 * batch.num_tokens()) {
+        return None;
+    }
     let longest = batch.context_lens.iter().copied().max().unwrap_or(1) as usize;
     let parts = longest.max(1).div_ceil(FLASH_PART).next_power_of_two();
-    (parts <= max_parts).then_some(Shape { seqs, per_seq, parts })
+    let rows = rung(batch.logits_rows.len()).min(tokens);
+    (parts <= max_parts).then_some(Shape {
+        seqs,
+        per_seq,
+        parts,
+        rows,
+    })
 }
 
-/// The batch a captured shape runs: `batch`'s sequences (block tables cut to the shape's
-/// width: only the blocks its contexts fill are read), then padded ones of the same number
-/// of tokens at position 0 on the reserved block.
+/// The batch a captured shape runs: each of `batch`'s sequences with its padding before its
+/// tokens (at position 0, on the reserved block) and its block table cut to the shape's width
+/// (only the blocks its contexts fill are read), then padded sequences; the wanted rows first,
+/// in order, then filler rows up to the shape's.
 pub fn padded(batch: &ForwardBatch, shape: Shape, reserved_block: u32) -> ForwardBatch {
-    let width = shape.table_width();
+    let (q, width) = (shape.per_seq, shape.table_width());
+    let reserved_slot = |i: usize| reserved_block * FLASH_BLOCK as u32 + i as u32;
     let mut out = ForwardBatch::default();
-    for s in 0..batch.num_seqs() {
-        let (lo, hi) = (batch.query_start[s] as usize, batch.query_start[s + 1] as usize);
-        let table = &batch.block_tables[s];
-        out.push_sequence(
-            &batch.token_ids[lo..hi],
-            batch.positions[lo] as usize,
-            &table[..table.len().min(width)],
-            FLASH_BLOCK,
-        );
-        // push_sequence derives slots from the cut table; the batch's own are the truth.
-        out.slot_mapping[lo..hi].copy_from_slice(&batch.slot_mapping[lo..hi]);
+    out.query_start.push(0);
+    // Where each of the batch's tokens lands.
+    let mut moved = vec![0u32; batch.num_tokens()];
+    for s in 0..shape.seqs {
+        let (lo, hi) = match s < batch.num_seqs() {
+            true => (batch.query_start[s] as usize, batch.query_start[s + 1] as usize),
+            false => (0, 0),
+        };
+        for i in 0..q - (hi - lo) {
+            out.token_ids.push(0);
+            out.positions.push(0);
+            out.slot_mapping.push(reserved_slot(i));
+        }
+        for (t, slot) in moved.iter_mut().enumerate().take(hi).skip(lo) {
+            *slot = out.token_ids.len() as u32;
+            out.token_ids.push(batch.token_ids[t]);
+            out.positions.push(batch.positions[t]);
+            out.slot_mapping.push(batch.slot_mapping[t]);
+        }
+        out.query_start.push(out.token_ids.len() as u32);
+        if s < batch.num_seqs() {
+            let table = &batch.block_tables[s];
+            out.block_tables.push(table[..table.len().min(width)].to_vec());
+            out.context_lens.push(batch.context_lens[s]);
+        } else {
+            out.block_tables.push(vec![reserved_block]);
+            out.context_lens.push(1);
+        }
     }
-    let pad = vec![0u32; shape.per_seq];
-    for _ in batch.num_seqs()..shape.seqs {
-        out.push_sequence(&pad, 0, &[reserved_block], FLASH_BLOCK);
-    }
-    out.logits_rows = (0..out.num_tokens() as u32).collect();
+    out.logits_rows = batch.logits_rows.iter().map(|&r| moved[r as usize]).collect();
+    out.logits_rows.resize(shape.rows, 0);
     out
 }
 
@@ -121,6 +161,7 @@ pub struct Graphs {
     /// Shapes whose capture failed: they run eagerly.
     refused: HashSet<Shape>,
     replays: u64,
+    capture_time: Duration,
     /// The fixed home of a replayed step's metadata (every shape's layout starts at word 0).
     meta: CudaSlice<u32>,
 }
@@ -136,6 +177,7 @@ impl Graphs {
             captured: HashMap::new(),
             refused: HashSet::new(),
             replays: 0,
+            capture_time: Duration::ZERO,
             meta,
         })
     }
@@ -169,6 +211,17 @@ impl Graphs {
         self.replays
     }
 
+    /// What the graphs cost and did so far, for the timing report.
+    pub fn report(&self) -> String {
+        format!(
+            "CUDA graphs: {} captured in {:.0} ms, {} refused, {} steps replayed",
+            self.captured.len(),
+            self.capture_time.as_secs_f64() * 1e3,
+            self.refused.len(),
+            self.replays
+        )
+    }
+
     /// Records what `queue` queues on `stream` as `shape`'s graph; a shape whose capture fails
     /// is refused from then on (the caller runs it eagerly) and the error returned.
     pub fn capture(
@@ -177,6 +230,7 @@ impl Graphs {
         shape: Shape,
         queue: impl FnOnce() -> Result<()>,
     ) -> Result<()> {
+        let started = Instant::now();
         let err = |what: &str, e: String| RuntimeError::Backend(format!("capturing a graph of {shape:?}: {what}: {e}"));
         if let Err(e) = stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) {
             self.refused.insert(shape);
@@ -196,6 +250,7 @@ impl Graphs {
         })?;
         graph.upload().map_err(|e| err("upload", e.to_string()))?;
         self.captured.insert(shape, Captured(graph));
+        self.capture_time += started.elapsed();
         Ok(())
     }
 
@@ -216,14 +271,16 @@ impl Graphs {
 mod tests {
     use super::*;
 
-    fn decode_batch(lens: &[usize], per_seq: usize) -> ForwardBatch {
+    /// Sequences of `per_seq[i]` query tokens ending at context `lens[i]`, every row wanted.
+    fn step(lens: &[usize], per_seq: &[usize]) -> ForwardBatch {
         let mut b = ForwardBatch::default();
         let mut next = 0u32;
-        for &len in lens {
+        for (&len, &q) in lens.iter().zip(per_seq) {
             let blocks = len.div_ceil(FLASH_BLOCK) as u32 + 1;
             let table: Vec<u32> = (next..next + blocks).collect();
             next += blocks;
-            b.push_sequence(&vec![5; per_seq], len - per_seq, &table, FLASH_BLOCK);
+            let tokens: Vec<u32> = (0..q as u32).map(|i| 7 + i).collect();
+            b.push_sequence(&tokens, len - q, &table, FLASH_BLOCK);
         }
         b.logits_rows = (0..b.num_tokens() as u32).collect();
         b
@@ -238,66 +295,100 @@ mod tests {
         assert_eq!(&l[..5], &[1, 2, 4, 8, 16]);
         assert_eq!(*l.last().unwrap(), 256);
         assert!(l.windows(2).all(|w| w[0] < w[1] && w[1] - w[0] <= 8));
+        for n in 1..300 {
+            assert!(rung(n) >= n && rung(n) < n + 8, "{n}");
+            assert!(ladder(512).contains(&rung(n)), "{n}");
+        }
     }
 
     #[test]
-    fn regular_steps_get_a_shape_and_others_run_eagerly() {
+    fn steps_of_few_tokens_a_sequence_get_a_shape_and_others_run_eagerly() {
         let l = ladder(64);
-        let shape = shape_of(&decode_batch(&[100, 700, 20], 1), &l, 16).unwrap();
-        assert_eq!(
-            shape,
-            Shape {
-                seqs: 4,
-                per_seq: 1,
-                parts: 2
-            }
-        );
+        let shape = |lens: &[usize], q: &[usize]| shape_of(&step(lens, q), &l, 16);
+        let decode = Shape {
+            seqs: 4,
+            per_seq: 1,
+            parts: 2,
+            rows: 4,
+        };
+        assert_eq!(shape(&[100, 700, 20], &[1, 1, 1]), Some(decode));
         // Speculative checks of 4 tokens each; a 1,100-token context takes 4 partitions.
-        let shape = shape_of(&decode_batch(&[1100, 30], 4), &l, 16).unwrap();
-        assert_eq!(
-            shape,
-            Shape {
-                seqs: 2,
-                per_seq: 4,
-                parts: 4
-            }
-        );
-        // Mixed query lengths (a prefill chunk beside decode tokens).
-        let mut mixed = decode_batch(&[100], 1);
-        mixed.push_sequence(&[1, 2, 3], 0, &[90], FLASH_BLOCK);
-        mixed.logits_rows = (0..4).collect();
-        assert_eq!(shape_of(&mixed, &l, 16), None);
-        // Only some rows' logits wanted.
-        let mut some = decode_batch(&[100, 200], 2);
-        some.logits_rows = vec![1, 3];
-        assert_eq!(shape_of(&some, &l, 16), None);
-        // More sequences than the ladder holds, or a context past its partitions.
-        assert_eq!(shape_of(&decode_batch(&[10; 65], 1), &l, 16), None);
-        assert_eq!(shape_of(&decode_batch(&[9000], 1), &l, 16), None);
+        let checks = Shape {
+            seqs: 2,
+            per_seq: 4,
+            parts: 4,
+            rows: 8,
+        };
+        assert_eq!(shape(&[1100, 30], &[4, 4]), Some(checks));
+        // Checks of different lengths, or jump-forward's known tokens beside decode tokens.
+        let mixed = Shape {
+            seqs: 4,
+            per_seq: 5,
+            parts: 1,
+            rows: 8,
+        };
+        assert_eq!(shape(&[100, 200, 300], &[1, 5, 2]), Some(mixed));
+        // Only the last row of each wanted.
+        let mut known = step(&[100, 200], &[3, 1]);
+        known.logits_rows = vec![2, 3];
+        let last_rows = Shape {
+            seqs: 2,
+            per_seq: 3,
+            parts: 1,
+            rows: 2,
+        };
+        assert_eq!(shape_of(&known, &l, 16), Some(last_rows));
+        // A prefill chunk, more tokens of padding than the step's own (past the free ones), more
+        // sequences than the ladder holds, or a context past its partitions.
+        assert_eq!(shape(&[100, 40], &[1, 40]), None);
+        let forty = Shape {
+            seqs: 40,
+            per_seq: 1,
+            parts: 1,
+            rows: 40,
+        };
+        assert_eq!(shape(&[300; 40], &[1; 40]), Some(forty));
+        let mut lopsided = vec![1; 40];
+        lopsided[0] = 16;
+        assert_eq!(shape(&[300; 40], &lopsided), None);
+        assert_eq!(shape(&[10; 65], &[1; 65]), None);
+        assert_eq!(shape(&[9000], &[1]), None);
     }
 
     #[test]
-    fn padding_keeps_the_real_rows_and_parks_the_rest_on_the_reserved_block() {
-        let b = decode_batch(&[40, 1000, 7], 2);
+    fn padding_goes_before_each_sequences_tokens_and_the_wanted_rows_come_first() {
+        let mut b = step(&[40, 1000, 7], &[2, 1, 3]);
+        b.logits_rows = vec![1, 2, 5];
         let shape = shape_of(&b, &ladder(16), 8).unwrap();
         assert_eq!(
             shape,
             Shape {
                 seqs: 4,
-                per_seq: 2,
-                parts: 2
+                per_seq: 3,
+                parts: 2,
+                rows: 4
             }
         );
         let p = padded(&b, shape, 999);
         assert_eq!(p.num_seqs(), 4);
-        assert_eq!(&p.token_ids[..6], &b.token_ids[..]);
-        assert_eq!(&p.positions[..6], &b.positions[..]);
-        assert_eq!(&p.slot_mapping[..6], &b.slot_mapping[..]);
+        assert_eq!(p.query_start, vec![0, 3, 6, 9, 12]);
+        // Sequence 0: one pad, then its two tokens; sequence 1: two pads, then its one.
+        assert_eq!(&p.token_ids[..6], &[0, 7, 8, 0, 0, 7]);
+        assert_eq!(&p.positions[..6], &[0, 38, 39, 0, 0, 999]);
+        assert_eq!(&p.slot_mapping[1..3], &b.slot_mapping[0..2]);
+        assert_eq!(p.slot_mapping[0], 999 * 16);
+        assert_eq!(&p.slot_mapping[3..5], &[999 * 16, 999 * 16 + 1]);
+        assert_eq!(&p.token_ids[6..9], &b.token_ids[3..6]);
         assert_eq!(&p.context_lens[..3], &b.context_lens[..]);
-        assert_eq!(p.positions[6..], [0, 1]);
-        assert_eq!(p.slot_mapping[6..], [999 * 16, 999 * 16 + 1]);
+        // The padded sequence: three tokens on the reserved block.
+        assert_eq!(p.slot_mapping[9..], [999 * 16, 999 * 16 + 1, 999 * 16 + 2]);
         assert_eq!(p.block_tables[3], vec![999]);
         assert!(p.block_tables.iter().all(|t| t.len() <= shape.table_width()));
-        assert_eq!(p.logits_rows, (0..8).collect::<Vec<u32>>());
+        // Rows 1, 2 and 5 of the batch, in order, then filler.
+        assert_eq!(p.logits_rows, vec![2, 5, 8, 0]);
+        for (&old, &new) in b.logits_rows.iter().zip(&p.logits_rows) {
+            assert_eq!(b.token_ids[old as usize], p.token_ids[new as usize]);
+            assert_eq!(b.positions[old as usize], p.positions[new as usize]);
+        }
     }
 }

@@ -501,13 +501,14 @@ impl CudaBackend {
                     seqs,
                     per_seq: 1,
                     parts: p,
+                    rows: seqs,
                 })
             })
             .collect();
         let mut result = Ok(());
         for shape in shapes {
             let pads = graphs::padded(&ForwardBatch::default(), shape, self.reserved_block());
-            if pads.num_tokens() > self.buffers.tokens || pads.num_tokens() > self.buffers.rows {
+            if pads.num_tokens() > self.buffers.tokens || pads.logits_rows.len() > self.buffers.rows {
                 continue;
             }
             result = self.queue_step(&pads, Some(shape), Some(&mut graphs), false);
@@ -617,7 +618,14 @@ impl Backend for CudaBackend {
 
     fn take_timing_report(&mut self) -> Option<String> {
         let _ = self.stream.synchronize();
-        self.timing.as_ref().map(Timing::take_report)
+        let graphs = self.graphs.as_ref().map(Graphs::report);
+        self.timing.as_ref().map(|t| {
+            [Some(t.take_report()), graphs]
+                .into_iter()
+                .flatten()
+                .collect::<Vec<_>>()
+                .join("\n")
+        })
     }
 }
 
@@ -629,6 +637,9 @@ impl Drop for CudaBackend {
         let _ = self.ctx.synchronize();
         if let Some(t) = &self.timing {
             eprintln!("{}", t.take_report());
+            if let Some(g) = &self.graphs {
+                eprintln!("{}", g.report());
+            }
         }
     }
 }
