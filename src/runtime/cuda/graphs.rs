@@ -34,6 +34,11 @@ pub const MAX_PER_SEQ: usize = FLASH_BLOCK;
 /// their weights once either way (bandwidth-bound), so padding costs next to nothing.
 const FREE_PADDING: usize = 64;
 
+/// Graphs kept at most: each holds device memory for its kernels' parameters, and a server
+/// meets a few hundred shapes at most (sequences x tokens each x partitions x rows); shapes
+/// past this run eagerly.
+const MAX_GRAPHS: usize = 1024;
+
 /// A captured step's shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Shape {
@@ -194,8 +199,9 @@ impl Graphs {
         self.captured.contains_key(&shape)
     }
 
+    /// Whether `shape` runs eagerly: its capture failed, or the graphs are all taken.
     pub fn refused(&self, shape: Shape) -> bool {
-        self.refused.contains(&shape)
+        self.refused.contains(&shape) || (self.captured.len() >= MAX_GRAPHS && !self.ready(shape))
     }
 
     /// Every captured graph's addresses die with the activations they were captured over.
