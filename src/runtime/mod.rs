@@ -73,6 +73,12 @@ pub trait Backend: Send {
         0
     }
 
+    /// Whether the last `run` paid a one-time cost (capturing a CUDA graph for its shape), so
+    /// that its time says nothing of what such a step costs.
+    fn last_run_warmed_up(&self) -> bool {
+        false
+    }
+
     /// Where the device's time went since the last call, where it is being measured
     /// (`QUARRY_CUDA_TIMING`); the count starts again.
     fn take_timing_report(&mut self) -> Option<String> {

@@ -327,7 +327,9 @@ impl EngineCore {
         // Decoding steps only: a prompt's tokens cost far less each than a sampled row (no
         // logits, no mask, no draw), so they would hide what a draft costs.
         let rows = batch.logits_rows.len();
-        if plan.scheduled.iter().all(|s| s.samples) && plan.num_tokens() <= 2 * rows {
+        // A step that captured a CUDA graph took many times what its next replays will.
+        let measured = !self.backend.last_run_warmed_up();
+        if measured && plan.scheduled.iter().all(|s| s.samples) && plan.num_tokens() <= 2 * rows {
             self.step_cost.record(rows, started.elapsed().as_secs_f64());
         }
         Ok(outputs)

@@ -1,7 +1,7 @@
 //! CUDA graphs for steps of few query tokens per sequence: decode steps, speculative checks,
 //! jump-forward's known tokens. Such a step is padded to a shape: its sequences up a ladder of
 //! counts, each sequence's tokens to the step's most, its contexts up powers of two of attention
-//! partitions and its rows of logits up the ladder, so that a few shapes cover every step. Each
+//! partitions and its rows of logits to one a sequence or all, so that a few shapes cover every step. Each
 //! shape's forward is captured once and replayed with its metadata copied to one fixed device
 //! buffer, which is what makes a replay valid: a graph's kernels keep the addresses, grids and
 //! sizes of their capture.
@@ -74,18 +74,9 @@ pub fn ladder(max: usize) -> Vec<usize> {
     sizes
 }
 
-/// The first count of the ladder (without a top) at or above `n`.
-fn rung(n: usize) -> usize {
-    match n {
-        0..=2 => n.max(1),
-        3..=4 => 4,
-        _ => n.next_multiple_of(8),
-    }
-}
-
 /// Where a step has few tokens per sequence, the shape that covers it: its sequences padded up
 /// `ladder`, its tokens per sequence to the most any has, its longest context up powers of two
-/// of partitions (at most `max_parts`), its rows up the ladder. None where padding would add
+/// of partitions (at most `max_parts`), its rows to one a sequence or all. None where padding would add
 /// more work than the replay saves.
 pub fn shape_of(batch: &ForwardBatch, ladder: &[usize], max_parts: usize) -> Option<Shape> {
     let n = batch.num_seqs();
@@ -100,7 +91,9 @@ pub fn shape_of(batch: &ForwardBatch, ladder: &[usize], max_parts: usize) -> Opt
     }
     let longest = batch.context_lens.iter().copied().max().unwrap_or(1) as usize;
     let parts = longest.max(1).div_ceil(FLASH_PART).next_power_of_two();
-    let rows = rung(batch.logits_rows.len()).min(tokens);
+    // One row a sequence (decode, known tokens) or every row (checks): two shapes, not one for
+    // each count of rows.
+    let rows = if batch.logits_rows.len() <= seqs { seqs } else { tokens };
     (parts <= max_parts).then_some(Shape {
         seqs,
         per_seq,
@@ -301,10 +294,6 @@ mod tests {
         assert_eq!(&l[..5], &[1, 2, 4, 8, 16]);
         assert_eq!(*l.last().unwrap(), 256);
         assert!(l.windows(2).all(|w| w[0] < w[1] && w[1] - w[0] <= 8));
-        for n in 1..300 {
-            assert!(rung(n) >= n && rung(n) < n + 8, "{n}");
-            assert!(ladder(512).contains(&rung(n)), "{n}");
-        }
     }
 
     #[test]
@@ -331,7 +320,7 @@ mod tests {
             seqs: 4,
             per_seq: 5,
             parts: 1,
-            rows: 8,
+            rows: 20,
         };
         assert_eq!(shape(&[100, 200, 300], &[1, 5, 2]), Some(mixed));
         // Only the last row of each wanted.

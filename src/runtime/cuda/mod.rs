@@ -111,6 +111,8 @@ pub struct CudaBackend {
     /// None: every step runs eagerly (`--enforce-eager`, per-kernel timing, or heads the
     /// tensor-core attention does not take).
     graphs: Option<Graphs>,
+    /// The last `run` captured its shape's graph.
+    captured_last_run: bool,
 }
 
 /// Activations, sized for the largest batch seen (at least the one given at load).
@@ -332,6 +334,7 @@ impl CudaBackend {
             name,
             timing,
             graphs,
+            captured_last_run: false,
         };
         backend.capture_decode_graphs(&[1, 2])?;
         Ok(backend)
@@ -585,7 +588,9 @@ impl Backend for CudaBackend {
                 .map_err(device_err("finishing the last step"))?;
         }
         self.in_flight = true;
+        let before = graphs.as_ref().map_or(0, Graphs::count);
         let result = self.queue_step(step_batch, shape, graphs.as_mut(), true);
+        self.captured_last_run = graphs.as_ref().map_or(0, Graphs::count) > before;
         self.graphs = graphs;
         result?;
         self.rows = batch.logits_rows.len();
@@ -610,6 +615,10 @@ impl Backend for CudaBackend {
 
     fn logits_rows_copied(&self) -> u64 {
         self.rows_copied
+    }
+
+    fn last_run_warmed_up(&self) -> bool {
+        self.captured_last_run
     }
 
     fn graph_steps(&self) -> u64 {
