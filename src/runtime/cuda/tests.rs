@@ -868,8 +868,7 @@ fn fused_gemv_epilogues_give_the_bits_of_the_separate_kernels() {
 #[test]
 fn bitmask_clears_exactly_the_refused_tokens_and_argmax_picks_the_first_best() {
     let Some(g) = gpu() else { return };
-    // Not a multiple of 32: the last word is partial.
-    let vocab = 49155usize;
+    let vocab = 49155usize; // not a multiple of 32: the last word is partial
     // Masks span the grammar's vocabulary, here short of the model's rows: past it, refused.
     let words = 1400;
     let rows = 3;
