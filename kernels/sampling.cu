@@ -8,8 +8,6 @@ __device__ __forceinline__ int mask_bit(const u32* masks, const int* mask_rows, 
     int m = mask_rows[blockIdx.x];
     *t = blockIdx.y * blockDim.x + threadIdx.x;
     if (m < 0 || *t >= vocab) return -1;
-    // Masks span the grammar's vocabulary, which a model's rows may outnumber: past it, refused.
-    if ((*t >> 5) >= words) return 0;
     return (masks[(size_t)m * words + (*t >> 5)] >> (*t & 31)) & 1u;
 }
 

@@ -225,17 +225,7 @@ impl CudaBackend {
     ) -> Result<(Vec<Option<RowDraw>>, CudaSlice<u32>, PenaltyArrays)> {
         let vocab = self.config.vocab_size;
         let rows = specs.len();
-        // Masks go up as long as the longest (the grammar's vocabulary, often well short of the
-        // model's rows: 49k of 128k words for the 8B shape's dummy runs); the kernels refuse what
-        // lies past them.
-        let words = specs
-            .iter()
-            .flatten()
-            .flat_map(|r| r.mask.into_iter().chain(r.bias.map(|(m, _)| m)))
-            .map(<[u32]>::len)
-            .max()
-            .unwrap_or(0)
-            .clamp(1, vocab.div_ceil(32));
+        let words = vocab.div_ceil(32);
         let s = self.stream.clone();
 
         // Everything the kernels read, in one upload.
