@@ -188,12 +188,18 @@ impl Graphs {
         self.meta.device_ptr(stream).0
     }
 
+    /// The shape `batch` replays as, unless it runs eagerly (no shape covers it, or its
+    /// shape is refused).
+    pub fn shape_for(&self, batch: &ForwardBatch) -> Option<Shape> {
+        shape_of(batch, &self.ladder, self.max_parts).filter(|&s| !self.refused(s))
+    }
+
     pub fn ready(&self, shape: Shape) -> bool {
         self.captured.contains_key(&shape)
     }
 
     /// Whether `shape` runs eagerly: its capture failed, or the graphs are all taken.
-    pub fn refused(&self, shape: Shape) -> bool {
+    fn refused(&self, shape: Shape) -> bool {
         self.refused.contains(&shape) || (self.captured.len() >= MAX_GRAPHS && !self.ready(shape))
     }
 

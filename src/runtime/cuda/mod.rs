@@ -562,10 +562,7 @@ impl Backend for CudaBackend {
         self.drawn.clear();
         batch.validate(self.layout, cfg.vocab_size, cfg.context_length)?;
         let mut graphs = self.graphs.take();
-        let shape = graphs
-            .as_ref()
-            .and_then(|g| graphs::shape_of(batch, &g.ladder, g.max_parts))
-            .filter(|&s| !graphs.as_ref().is_some_and(|g| g.refused(s)));
+        let shape = graphs.as_ref().and_then(|g| g.shape_for(batch));
         let padded = shape.map(|s| graphs::padded(batch, s, self.reserved_block()));
         let step_batch = padded.as_ref().unwrap_or(batch);
         let (t, rows) = (step_batch.num_tokens(), step_batch.logits_rows.len());
