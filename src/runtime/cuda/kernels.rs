@@ -44,7 +44,7 @@ const SOURCES: &[(&str, &str, &[&str])] = &[
     (
         "activation.cu",
         include_str!("../../../kernels/activation.cu"),
-        &["silu_mul"],
+        &["silu_mul", "silu_mul4"],
     ),
     (
         "sampling.cu",
@@ -85,6 +85,7 @@ pub struct Kernels {
     pub gemv_mma_silu: CudaFunction,
     pub gemv_mma_rope: CudaFunction,
     pub silu_mul: CudaFunction,
+    pub silu_mul4: CudaFunction,
     pub contrast_rows: CudaFunction,
     pub apply_bitmask: CudaFunction,
     pub add_bias_where: CudaFunction,
@@ -185,6 +186,7 @@ impl Kernels {
             gemv_mma_silu: take("gemv_mma_silu"),
             gemv_mma_rope: take("gemv_mma_rope"),
             silu_mul: take("silu_mul"),
+            silu_mul4: take("silu_mul4"),
             contrast_rows: take("contrast_rows"),
             apply_bitmask: take("apply_bitmask"),
             add_bias_where: take("add_bias_where"),

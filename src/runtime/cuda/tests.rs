@@ -106,7 +106,8 @@ fn assert_close(what: &str, got: &[f32], want: &[f64], abs: f64) {
 #[test]
 fn rms_norm_with_residual_add_matches_the_reference() {
     let Some(g) = gpu() else { return };
-    for d in [576usize, 1000, 4096] {
+    // Rows read once in 16-byte pieces, and (a width not a multiple of 4) twice a value at a time.
+    for d in [576usize, 1000, 4096, 998] {
         let rows = 3;
         let (x0, y0, w) = (values(rows * d, 1), values(rows * d, 2), values(d, 3));
         let (x, y, wd, out) = (g.f32s(&x0), g.f32s(&y0), g.f32s(&w), g.zeros_bf16(rows * d));
@@ -648,19 +649,21 @@ fn embedding_and_silu_mul_match_the_reference() {
         assert_eq!(&got[t * d..][..d], &table[id as usize * d..][..d], "embedding row {id}");
     }
 
-    let (rows, inter) = (3usize, 1536usize);
-    let gu = values(rows * 2 * inter, 6).iter().map(|v| v * 6.0).collect::<Vec<_>>();
-    let (gu_d, act) = (g.f32s(&gu), g.zeros_bf16(rows * inter));
-    silu_mul(&g.stream, &g.k, g.p(&gu_d), g.p(&act), rows, inter).unwrap();
-    g.stream.synchronize().unwrap();
-    let mut want = Vec::new();
-    for r in 0..rows {
-        for i in 0..inter {
-            let (x, u) = (gu[r * 2 * inter + i] as f64, gu[r * 2 * inter + inter + i] as f64);
-            want.push(x / (1.0 + (-x).exp()) * u);
+    // Widths of four values a piece (silu_mul4) and not (silu_mul).
+    for (rows, inter) in [(3usize, 1536usize), (3, 1534)] {
+        let gu = values(rows * 2 * inter, 6).iter().map(|v| v * 6.0).collect::<Vec<_>>();
+        let (gu_d, act) = (g.f32s(&gu), g.zeros_bf16(rows * inter));
+        silu_mul(&g.stream, &g.k, g.p(&gu_d), g.p(&act), rows, inter).unwrap();
+        g.stream.synchronize().unwrap();
+        let mut want = Vec::new();
+        for r in 0..rows {
+            for i in 0..inter {
+                let (x, u) = (gu[r * 2 * inter + i] as f64, gu[r * 2 * inter + inter + i] as f64);
+                want.push(x / (1.0 + (-x).exp()) * u);
+            }
         }
+        assert_close(&format!("silu_mul {inter}"), &g.read_bf16(&act), &want, 1e-6);
     }
-    assert_close("silu_mul", &g.read_bf16(&act), &want, 1e-6);
 }
 
 #[test]
