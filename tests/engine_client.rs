@@ -571,6 +571,80 @@ fn a_contrasted_record_is_the_same_under_kv_pressure() {
     eprintln!("contrasted, small pool: {preemptions} preemptions; {changed} records changed by the contrast");
 }
 
+/// Pipelined steps (`async_scheduling`: each step planned and queued before the one before it
+/// is read) change no output: greedy, seeded and contrasted jobs all at once, with every prompt
+/// in chunks of 4 and in a pool small enough to preempt, give what each gives alone in
+/// unpipelined steps, with jump-forward's tokens and stops found a step late. Every block comes
+/// back (`run` checks). On the GPU the next pass takes its tokens from the device's draws.
+#[test]
+fn pipelined_steps_change_no_output() {
+    let Some((backend, tok)) = common::load_backend(8192) else {
+        return;
+    };
+    let tok = Arc::new(tok);
+    let structured = StructuredOutputs::new(&tok);
+    let jobs = jobs(&tok);
+    let plain = EngineConfig::default();
+    let pipelined = EngineConfig {
+        async_scheduling: true,
+        ..plain
+    };
+    let block_size = backend.kv_layout().block_size;
+    let longest = jobs.iter().map(|j| j.prompt.len() + j.max_tokens).max().unwrap();
+    let mut core = engine(backend, &tok, plain, None);
+    // A seeded draw parts wherever the batch moves a logit, not only at near-ties: compared
+    // where rows do not depend on the batch (the CPU).
+    let draws = match exact() {
+        true => vec![Draw::Greedy, Draw::Seeded, Draw::Contrast],
+        false => vec![Draw::Greedy, Draw::Contrast],
+    };
+    for draw in draws {
+        let (alone, _, done) = run_drawn(core, &jobs, &structured, false, draw);
+        let (out, _, done) = run_drawn(
+            engine(done.into_backend(), &tok, pipelined, None),
+            &jobs,
+            &structured,
+            true,
+            draw,
+        );
+        let what = match draw {
+            Draw::Greedy => "greedy, pipelined",
+            Draw::Seeded => "seeded, pipelined",
+            _ => "contrasted, pipelined",
+        };
+        same_up_to_near_ties(&out, &alone, &format!("{what}, 32 at once"));
+        let mut chunked = pipelined;
+        chunked.scheduler.max_num_batched_tokens = 4;
+        let (out, _, done) = run_drawn(
+            engine(done.into_backend(), &tok, chunked, None),
+            &jobs,
+            &structured,
+            true,
+            draw,
+        );
+        same_up_to_near_ties(&out, &alone, &format!("{what}, prompts in chunks of 4"));
+        let pool = BlockPool::new(4 * longest.div_ceil(block_size));
+        let (out, preemptions, done) = run_drawn(
+            engine(done.into_backend(), &tok, pipelined, Some(pool)),
+            &jobs,
+            &structured,
+            true,
+            draw,
+        );
+        same_up_to_near_ties(&out, &alone, &format!("{what}, a pool too small for everyone"));
+        assert!(preemptions > 0, "{what}: the small pool never preempted");
+        let stats = done.stats();
+        eprintln!(
+            "{what}: {} of {} steps pipelined, {} rows dropped",
+            stats.pipelined_steps, stats.steps, stats.pipelined_rows_dropped
+        );
+        assert!(stats.pipelined_steps * 2 > stats.steps, "{what}: {stats:?}");
+        // Requests that finished, and jump-forward's tokens after a sampled one.
+        assert!(stats.pipelined_rows_dropped > 0, "{what}: {stats:?}");
+        core = engine(done.into_backend(), &tok, plain, None);
+    }
+}
+
 #[test]
 fn a_dropped_stream_aborts_its_request_at_once() {
     let Some((backend, tok)) = common::load(4096) else {

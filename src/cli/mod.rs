@@ -112,6 +112,11 @@ pub struct ModelArgs {
     /// for speculative checks as they come).
     #[arg(long)]
     enforce_eager: bool,
+    /// Plan and queue each step before the last one's tokens are read, so that the device
+    /// does not wait for the host between steps (the tokens go from the GPU's draws straight
+    /// into the next pass). Outputs are the same either way. Not with --speculative-tokens.
+    #[arg(long)]
+    async_scheduling: bool,
     /// Serve waiting requests by their priority (lowest first) instead of by arrival.
     #[arg(long)]
     priority_scheduling: bool,
@@ -321,6 +326,12 @@ impl ModelArgs {
             prefix_caching: !self.no_prefix_caching,
             ..Default::default()
         };
+        anyhow::ensure!(
+            !(self.async_scheduling && self.speculative_tokens > 0),
+            "--async-scheduling plans a step before the last one's tokens are known, which drafts \
+             need: use it without --speculative-tokens"
+        );
+        config.async_scheduling = self.async_scheduling;
         config.scheduler.max_num_batched_tokens = self.max_num_batched_tokens;
         config.scheduler.max_num_seqs = self.max_num_seqs;
         if self.priority_scheduling {

@@ -36,6 +36,9 @@ pub struct Request {
     pub shadow: Option<Vec<u32>>,
     /// Tokens of the shadow (its prompt, then the output) whose keys and values its blocks hold.
     pub shadow_computed: usize,
+    /// The last output token is a placeholder (`scheduler::PENDING`) for a token a launched
+    /// step is still drawing.
+    pub pending: bool,
 }
 
 impl Request {
@@ -53,6 +56,7 @@ impl Request {
             drafts: Vec::new(),
             shadow: None,
             shadow_computed: 0,
+            pending: false,
         }
     }
 

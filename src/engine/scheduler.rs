@@ -17,6 +17,10 @@ use super::request::{Request, RequestStatus};
 /// below it).
 pub const SHADOW: RequestId = 1 << 63;
 
+/// The placeholder a request's output holds for the token a launched step is still drawing
+/// (pipelined steps; `Scheduler::launched`). No vocabulary reaches it.
+pub const PENDING: u32 = u32::MAX;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Policy {
     /// First come, first served.
@@ -425,6 +429,69 @@ impl<T> Scheduler<T> {
         }
         let computed = r.num_computed;
         self.kv.cache_blocks(s.id, computed, |range| r.tokens(range));
+    }
+
+    /// Pipelined steps (`engine::core::pipeline`): step N is launched, its successor planned
+    /// and launched, and only then are N's tokens known. On launch the step's tokens count as
+    /// computed (the device computes them before anything queued after), and each row it samples
+    /// leaves a placeholder, `PENDING`, as the request's last output token, which the next
+    /// plan feeds like any known token (the backend takes it from its own draw) and which
+    /// `resolve` replaces. Only whole blocks of known tokens are cached, so no block's hash
+    /// ever covers a placeholder.
+    pub fn launched(&mut self, s: &Scheduled) {
+        let Some(r) = self.requests.get_mut(&s.id).map(|e| &mut e.request) else {
+            return;
+        };
+        if r.status != RequestStatus::Running {
+            return;
+        }
+        debug_assert_eq!(s.num_drafts, 0, "pipelined steps carry no drafts");
+        r.num_computed = s.start + s.num_tokens;
+        if let (Some(_), Some(prompt)) = (s.shadow, r.shadow.as_ref()) {
+            r.shadow_computed = prompt.len() + r.output.len();
+        }
+        let known = r.num_computed.min(r.num_tokens() - r.pending as usize);
+        self.kv.cache_blocks(s.id, known, |range| r.tokens(range));
+    }
+
+    /// Gives a request whose row of the launched step is drawn its placeholder (see `launched`).
+    pub fn push_pending(&mut self, id: RequestId) {
+        if let Some(r) = self.requests.get_mut(&id).map(|e| &mut e.request) {
+            debug_assert!(!r.pending, "request {id} already waits on a token");
+            r.output.push(PENDING);
+            r.pending = true;
+        }
+    }
+
+    /// Takes a request's placeholder off again, before its token is checked (a request may
+    /// have lost its blocks meanwhile: its token still joins its output).
+    pub fn take_pending(&mut self, id: RequestId) {
+        if let Some(r) = self.requests.get_mut(&id).map(|e| &mut e.request).filter(|r| r.pending) {
+            r.output.pop();
+            r.pending = false;
+        }
+    }
+
+    /// Appends a pipelined step's drawn token (after `take_pending`) and caches the blocks it
+    /// completes. `redo`: the step launched after it computed its position from another token
+    /// (the device's draw, which the engine then took back), so that position is computed
+    /// again, in the request and its shadow.
+    pub fn resolve(&mut self, id: RequestId, token: u32, redo: bool) {
+        let Some(r) = self.requests.get_mut(&id).map(|e| &mut e.request) else {
+            return;
+        };
+        r.output.push(token);
+        if r.status != RequestStatus::Running {
+            return;
+        }
+        if redo {
+            r.num_computed = r.num_computed.min(r.num_tokens() - 1);
+            if let Some(prompt) = r.shadow.as_ref() {
+                r.shadow_computed = r.shadow_computed.min(prompt.len() + r.output.len() - 1);
+            }
+        }
+        let computed = r.num_computed;
+        self.kv.cache_blocks(id, computed, |range| r.tokens(range));
     }
 
     /// Appends a token decided without sampling (jump-forward); the next step computes it.

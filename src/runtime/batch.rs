@@ -70,6 +70,18 @@ impl ForwardBatch {
     /// Checks every index a backend will follow, so a bad batch is an error, never an
     /// out-of-bounds access on the device or in the pool.
     pub fn validate(&self, layout: KvLayout, vocab_size: usize, max_positions: usize) -> Result<()> {
+        self.validate_drawing(layout, vocab_size, max_positions, &[])
+    }
+
+    /// `validate`, where token ids marked `FROM_LAST_DRAW` may stand for the rows of the last
+    /// draw that `drawn` says were drawn where the backend can read them.
+    pub fn validate_drawing(
+        &self,
+        layout: KvLayout,
+        vocab_size: usize,
+        max_positions: usize,
+        drawn: &[bool],
+    ) -> Result<()> {
         let bad = |m: String| Err(RuntimeError::InvalidBatch(m));
         let n = self.num_tokens();
         if n == 0 {
@@ -85,8 +97,17 @@ impl ForwardBatch {
         if self.context_lens.len() != seqs || self.block_tables.len() != seqs {
             return bad("context_lens and block_tables need one entry per sequence".into());
         }
-        if let Some(&t) = self.token_ids.iter().find(|&&t| t as usize >= vocab_size) {
-            return bad(format!("token id {t} outside the vocabulary of {vocab_size}"));
+        for &t in &self.token_ids {
+            let from_draw = t & super::FROM_LAST_DRAW != 0;
+            let row = (t & !super::FROM_LAST_DRAW) as usize;
+            if from_draw && !drawn.get(row).copied().unwrap_or(false) {
+                return bad(format!(
+                    "a token stands for row {row} of the last draw, which did not draw it"
+                ));
+            }
+            if !from_draw && t as usize >= vocab_size {
+                return bad(format!("token id {t} outside the vocabulary of {vocab_size}"));
+            }
         }
         if let Some(&s) = self.slot_mapping.iter().find(|&&s| s as usize >= layout.num_slots()) {
             return bad(format!("slot {s} outside the KV pool of {} slots", layout.num_slots()));

@@ -20,6 +20,10 @@ pub use error::{Result, RuntimeError};
 
 use std::path::Path;
 
+/// Marks a token id that stands for the token the last `Backend::launch_sample` drew for row
+/// `id & !FROM_LAST_DRAW` (where the backend `pipelines`). No vocabulary reaches it.
+pub const FROM_LAST_DRAW: u32 = 1 << 31;
+
 /// A model that can run one flattened, paged batch. Prefill chunks and decode tokens of
 /// different sequences may be mixed freely in one call.
 ///
@@ -45,6 +49,24 @@ pub trait Backend: Send {
     /// token left the output no room to close), with the same draw: the argmax, or the same
     /// seeded draw from what the narrower mask leaves.
     fn redraw_within(&mut self, row: usize, mask: &[u32]) -> Result<RowDraw>;
+
+    /// Whether `run` takes token ids marked `FROM_LAST_DRAW` (tokens the last `launch_sample`
+    /// drew, read where they were drawn), so that the engine queues a step before it reads the
+    /// step before's tokens (`engine::core::pipeline`).
+    fn pipelines(&self) -> bool {
+        false
+    }
+
+    /// `sample` without waiting for the draws: `collect` gives them. Only a backend that
+    /// `pipelines` is asked.
+    fn launch_sample(&mut self, _rows: &[RowRequest<'_>]) -> Result<()> {
+        Err(RuntimeError::Backend("this backend does not pipeline steps".into()))
+    }
+
+    /// What the last `launch_sample` decided, once it is done.
+    fn collect(&mut self) -> Result<Sampled> {
+        Err(RuntimeError::Backend("this backend does not pipeline steps".into()))
+    }
 
     /// `run`, then every row's logits.
     fn forward(&mut self, batch: &ForwardBatch) -> Result<Logits> {

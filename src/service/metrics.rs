@@ -52,6 +52,7 @@ pub struct Metrics {
     draft_model_failures: Gauge,
     logits_rows_copied: Gauge,
     graph_steps: Gauge,
+    pipelined_steps: Gauge,
 }
 
 impl Metrics {
@@ -88,6 +89,7 @@ impl Default for Metrics {
             draft_model_failures: Gauge::default(),
             logits_rows_copied: Gauge::default(),
             graph_steps: Gauge::default(),
+            pipelined_steps: Gauge::default(),
         };
         let r = &mut m.registry;
         r.register(
@@ -171,6 +173,11 @@ impl Default for Metrics {
             "Forward passes replayed from CUDA graphs (the others ran kernel by kernel)",
             m.graph_steps.clone(),
         );
+        r.register(
+            "pipelined_steps",
+            "Steps planned and queued before the step before them was read (--async-scheduling)",
+            m.pipelined_steps.clone(),
+        );
         m
     }
 }
@@ -226,6 +233,7 @@ impl Metrics {
         self.draft_model_failures.set(stats.draft_model_failures as i64);
         self.logits_rows_copied.set(stats.logits_rows_copied as i64);
         self.graph_steps.set(stats.graph_steps as i64);
+        self.pipelined_steps.set(stats.pipelined_steps as i64);
         let mut text = String::new();
         let _ = encode(&mut text, &self.registry);
         text

@@ -8,6 +8,7 @@
 //! outputs; `state` is a request's engine-side state.
 
 mod output;
+mod pipeline;
 mod propose;
 mod state;
 mod verify;
@@ -78,6 +79,9 @@ pub struct EngineConfig {
     pub cache_key: u64,
     /// Guess tokens ahead and check the guesses in the same forward pass (off when `None`).
     pub speculative: Option<SpeculativeConfig>,
+    /// Plan and queue each step before the last one's tokens are read (`core::pipeline`);
+    /// not while speculating, whose drafts need those tokens.
+    pub async_scheduling: bool,
 }
 
 impl Default for EngineConfig {
@@ -94,6 +98,7 @@ impl Default for EngineConfig {
             jump_forward: true,
             cache_key: 0,
             speculative: None,
+            async_scheduling: false,
         }
     }
 }
@@ -118,6 +123,11 @@ pub struct EngineCore {
     draft_model_failures: u64,
     /// What a decoding step costs against its sampled rows, measured as steps run.
     step_cost: StepCost,
+    async_scheduling: bool,
+    /// The pipelined step whose tokens are not read yet.
+    in_flight: Option<pipeline::InFlight>,
+    pipelined_steps: u64,
+    pipelined_rows_dropped: u64,
 }
 
 impl EngineCore {
@@ -152,6 +162,10 @@ impl EngineCore {
             draft_model: None,
             draft_model_failures: 0,
             step_cost: StepCost::default(),
+            async_scheduling: config.async_scheduling,
+            in_flight: None,
+            pipelined_steps: 0,
+            pipelined_rows_dropped: 0,
         }
     }
 
@@ -199,7 +213,7 @@ impl EngineCore {
     }
 
     pub fn has_unfinished(&self) -> bool {
-        self.scheduler.has_unfinished()
+        self.scheduler.has_unfinished() || self.in_flight.is_some()
     }
 
     pub fn add_request(&mut self, r: EngineRequest) -> Result<(), AddError> {
@@ -282,6 +296,7 @@ impl EngineCore {
 
     /// Ends every request as `internal` (the backend failed under them); their blocks go back.
     pub fn fail_all(&mut self) -> Vec<RequestOutput> {
+        self.in_flight = None;
         let mut outputs = Vec::new();
         for id in self.scheduler.ids() {
             if let Some((r, state)) = self.finish(id) {
@@ -306,6 +321,8 @@ impl EngineCore {
             draft_model_failures: self.draft_model_failures,
             logits_rows_copied: self.backend.logits_rows_copied(),
             graph_steps: self.backend.graph_steps(),
+            pipelined_steps: self.pipelined_steps,
+            pipelined_rows_dropped: self.pipelined_rows_dropped,
         }
     }
 
@@ -313,6 +330,9 @@ impl EngineCore {
     /// propose drafts, schedule, prepare the batch, run the model while the grammar masks
     /// fill, sample (and check the drafts), then update the requests with what was kept.
     pub fn step(&mut self) -> Result<Vec<RequestOutput>, RuntimeError> {
+        if self.pipelining() {
+            return self.step_pipelined();
+        }
         self.propose();
         let plan = self.scheduler.schedule();
         if plan.scheduled.is_empty() {
@@ -320,7 +340,7 @@ impl EngineCore {
         }
         let started = Instant::now();
         let (batch, sampling) = self.prepare_batch(&plan.scheduled);
-        let grammar = self.forward_with_masks(&batch, &sampling)?;
+        let grammar = self.forward_with_masks(&batch, &sampling, true)?;
         let runs = self.sample(&sampling, &grammar)?;
         self.steps += 1;
         let outputs = self.update(&plan.scheduled, &sampling, runs);
@@ -333,6 +353,12 @@ impl EngineCore {
             self.step_cost.record(rows, started.elapsed().as_secs_f64());
         }
         Ok(outputs)
+    }
+
+    /// Whether steps are pipelined: asked for, and nothing speculates (drafts are guesses after
+    /// the last token, which a pipelined plan does not have yet).
+    fn pipelining(&self) -> bool {
+        self.async_scheduling && self.speculative.is_none() && self.draft_model.is_none()
     }
 
     /// The flattened batch of the scheduled requests' tokens (their drafts last), and the
@@ -383,8 +409,8 @@ impl EngineCore {
         (batch, sampling)
     }
 
-    /// Queues the forward pass and fills the sampled rows' grammar masks and copy priors
-    /// meanwhile (they depend only on the tokens accepted so far, and a draft row's on the
+    /// Queues the forward pass (unless `run` is false: a pipelined step queued it already) and
+    /// fills the sampled rows' grammar masks and copy priors meanwhile (they depend only on the tokens accepted so far, and a draft row's on the
     /// drafts before it): the one walk of the matcher through a request's drafts, off the
     /// engine thread. Masks span the grammar's vocabulary, the tokenizer's; a model may have
     /// more rows (padding, or a stand-in tokenizer for dummy weights), which a mask never
@@ -393,6 +419,7 @@ impl EngineCore {
         &mut self,
         batch: &ForwardBatch,
         sampling: &[Sampling],
+        run: bool,
     ) -> Result<Vec<RowGrammar>, RuntimeError> {
         let words = bitmask_words(self.tokenizer.vocab_size());
         let rows = batch.logits_rows.len();
@@ -432,7 +459,10 @@ impl EngineCore {
                     filled.lock().unwrap_or_else(|e| e.into_inner()).extend(done);
                 });
             }
-            backend.run(batch)
+            match run {
+                true => backend.run(batch),
+                false => Ok(()),
+            }
         });
         let filled = filled.into_inner().unwrap_or_else(|e| e.into_inner());
         ran?;
@@ -453,59 +483,54 @@ impl EngineCore {
         grammar: &[RowGrammar],
     ) -> Result<Vec<Vec<SampledToken>>, RuntimeError> {
         let words = bitmask_words(self.tokenizer.vocab_size());
-        let mut draws: Vec<Option<DeviceDraw>> = vec![None; grammar.len()];
-        // A contrasting row's twin row, and whether a row's logits must come back (a twin's
-        // need not where its request's row is drawn beside it, on the device).
-        let mut contrasts: Vec<Option<(usize, f32)>> = vec![None; grammar.len()];
-        let mut logits_back = vec![true; grammar.len()];
-        if self.backend.draws_on_device() {
-            for v in sampling {
-                let Some(state) = self.scheduler.state_mut(v.s.id) else {
-                    continue;
-                };
-                let constrained = state.matcher.is_some();
-                let checkpoint = (!v.drafts.is_empty()).then(|| state.sampler.checkpoint());
-                for j in 0..v.rows() {
-                    let row = v.first_row + j;
-                    // A constrained row without a mask comes after a draft the grammar
-                    // refuses: never reached.
-                    if constrained && grammar[row].mask.is_none() {
-                        break;
-                    }
-                    draws[row] = Some(state.sampler.device_draw());
-                    if let Some((twin, weight)) = v.twin {
-                        contrasts[row] = Some((twin + j, weight));
-                        logits_back[twin + j] = false;
-                    }
-                    let Some(&draft) = v.drafts.get(j) else { break };
-                    state.sampler.record(draft);
-                }
-                if let Some(c) = checkpoint {
-                    state.sampler.rewind(c);
-                }
-            }
-        }
-        let requests: Vec<RowRequest<'_>> = grammar
-            .iter()
-            .zip(&draws)
-            .enumerate()
-            .map(|(row, (g, draw))| RowRequest {
-                mask: g.mask.as_deref(),
-                draw: draw.as_ref().map(|d| Draw {
-                    params: d.params,
-                    bias: g.copy.as_ref().map(|(c, b)| (&c[..], *b)),
-                    penalties: &d.penalties,
-                    contrast: contrasts[row],
-                }),
-                logits_back: logits_back[row],
-            })
-            .collect();
-        let decided = self.backend.sample(&requests)?;
+        let asks = self.asks(sampling, grammar);
+        let decided = self.backend.sample(&asks.requests(grammar))?;
         let mut runs = Vec::with_capacity(sampling.len());
         for v in sampling {
             runs.push(self.verify(v, &decided, grammar, words)?);
         }
         Ok(runs)
+    }
+
+    /// What the backend is asked of each row of the pass (`sample`): where it draws on its
+    /// device, each sampling request's rows with their draws; every other row's logits back,
+    /// but a contrast twin's whose request's row is drawn beside it. `rows`: the pass's rows.
+    fn asks(&mut self, sampling: &[Sampling], grammar: &[RowGrammar]) -> RowAsks {
+        let rows = grammar.len();
+        let mut asks = RowAsks {
+            draws: vec![None; rows],
+            contrasts: vec![None; rows],
+            logits_back: vec![true; rows],
+        };
+        if !self.backend.draws_on_device() {
+            return asks;
+        }
+        for v in sampling {
+            let Some(state) = self.scheduler.state_mut(v.s.id) else {
+                continue;
+            };
+            let constrained = state.matcher.is_some();
+            let checkpoint = (!v.drafts.is_empty()).then(|| state.sampler.checkpoint());
+            for j in 0..v.rows() {
+                let row = v.first_row + j;
+                // A constrained row without a mask comes after a draft the grammar
+                // refuses: never reached.
+                if constrained && grammar[row].mask.is_none() {
+                    break;
+                }
+                asks.draws[row] = Some(state.sampler.device_draw());
+                if let Some((twin, weight)) = v.twin {
+                    asks.contrasts[row] = Some((twin + j, weight));
+                    asks.logits_back[twin + j] = false;
+                }
+                let Some(&draft) = v.drafts.get(j) else { break };
+                state.sampler.record(draft);
+            }
+            if let Some(c) = checkpoint {
+                state.sampler.rewind(c);
+            }
+        }
+        asks
     }
 
     /// The requests after the step: prefill chunks advance, each run of sampled tokens is
@@ -524,38 +549,44 @@ impl EngineCore {
             }
         }
         for (v, run) in sampling.iter().zip(runs) {
-            let id = v.s.id;
             let tokens: Vec<u32> = run.iter().map(|t| t.token).collect();
             self.scheduler.update(&v.s, &tokens);
-            let mut out: Option<RequestOutput> = None;
-            let n = run.len();
-            for (i, sampled) in run.into_iter().enumerate() {
-                let Some(next) = self.accept(id, sampled, n - 1 - i) else {
-                    break;
-                };
+            outputs.extend(self.commit(v.s.id, run));
+        }
+        outputs
+    }
+
+    /// A sampled run, already in the request's tokens, into its state: each token accepted
+    /// (detokenized, checked for stops and the budget) until the request finishes, then the
+    /// tokens the grammar forces after it, under jump-forward. The request's output of the step.
+    fn commit(&mut self, id: RequestId, run: Vec<SampledToken>) -> Option<RequestOutput> {
+        let mut out: Option<RequestOutput> = None;
+        let n = run.len();
+        for (i, sampled) in run.into_iter().enumerate() {
+            let Some(next) = self.accept(id, sampled, n - 1 - i) else {
+                break;
+            };
+            let finished = next.finished.is_some();
+            merge(&mut out, next);
+            if finished {
+                break;
+            }
+        }
+        let o = out.as_ref()?;
+        if o.finished.is_none() && self.jump_forward {
+            for token in self.forced_tokens(id) {
+                self.scheduler.append(id, token);
+                let state = self.scheduler.state_mut(id).expect("unfinished requests are kept");
+                let forced = state.sampler.forced(token);
+                let Some(next) = self.accept(id, forced, 0) else { break };
                 let finished = next.finished.is_some();
                 merge(&mut out, next);
                 if finished {
                     break;
                 }
             }
-            let Some(o) = out.as_ref() else { continue };
-            if o.finished.is_none() && self.jump_forward {
-                for token in self.forced_tokens(id) {
-                    self.scheduler.append(id, token);
-                    let state = self.scheduler.state_mut(id).expect("unfinished requests are kept");
-                    let forced = state.sampler.forced(token);
-                    let Some(next) = self.accept(id, forced, 0) else { break };
-                    let finished = next.finished.is_some();
-                    merge(&mut out, next);
-                    if finished {
-                        break;
-                    }
-                }
-            }
-            outputs.extend(out);
         }
-        outputs
+        out
     }
 
     /// Removes a request from the scheduler, and its twin's blocks with it.
@@ -608,5 +639,32 @@ struct Sampling {
 impl Sampling {
     fn rows(&self) -> usize {
         1 + self.drafts.len()
+    }
+}
+
+/// What the backend is asked of each row of a pass, owned (`EngineCore::asks`).
+struct RowAsks {
+    draws: Vec<Option<DeviceDraw>>,
+    contrasts: Vec<Option<(usize, f32)>>,
+    logits_back: Vec<bool>,
+}
+
+impl RowAsks {
+    fn requests<'a>(&'a self, grammar: &'a [RowGrammar]) -> Vec<RowRequest<'a>> {
+        grammar
+            .iter()
+            .zip(&self.draws)
+            .enumerate()
+            .map(|(row, (g, draw))| RowRequest {
+                mask: g.mask.as_deref(),
+                draw: draw.as_ref().map(|d| Draw {
+                    params: d.params,
+                    bias: g.copy.as_ref().map(|(c, b)| (&c[..], *b)),
+                    penalties: &d.penalties,
+                    contrast: self.contrasts[row],
+                }),
+                logits_back: self.logits_back[row],
+            })
+            .collect()
     }
 }

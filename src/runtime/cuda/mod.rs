@@ -17,7 +17,7 @@ mod weights;
 use std::path::Path;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
 
 use self::gemm::Gemm;
 use self::graphs::{Graphs, Shape};
@@ -30,7 +30,7 @@ use super::batch::{ForwardBatch, KvLayout};
 use super::config::ModelConfig;
 use super::error::{Result, RuntimeError};
 use super::gguf::GgufFile;
-use super::{Backend, RowRequest, Sampled};
+use super::{Backend, RowRequest, Sampled, FROM_LAST_DRAW};
 
 /// Tokens per KV block.
 pub const BLOCK_SIZE: usize = 16;
@@ -93,19 +93,38 @@ pub struct CudaBackend {
     target_blocks: usize,
     /// Rows of logits the last `run` left in `buffers.logits`.
     rows: usize,
-    /// How `sample` drew each row of the last step (`None`: left to the engine).
+    /// How the last draw drew each row (`None`: left to the engine).
     drawn: Vec<Option<sample::Drawn>>,
     /// Where the last draw's penalties and the values they replaced are on the device.
     penalties: sample::PenaltyArrays,
-    /// The last draw's device scratch (the saved values a redraw puts back live there).
-    sample_scratch: Option<CudaSlice<u32>>,
+    /// The last draw's work: its scratch (tokens, the saved values a redraw puts back) and
+    /// where its results lie.
+    queued: Option<sample::Queued>,
+    /// A pipelined draw's results, copied back asynchronously.
+    readback: Option<PinnedHostSlice<u32>>,
+    /// A pipelined draw's logits, kept for a redraw after the next pass overwrote them.
+    redraw_logits: CudaSlice<f32>,
+    /// The logits rows the last draw left to the engine, and which rows they are.
+    host_logits: (Vec<f32>, Vec<bool>),
+    /// The last draw was launched pipelined; it was not read yet; the run it drew; when.
+    draw_pipelined: bool,
+    draw_unread: bool,
+    sampled_run: u64,
+    draw_started: std::time::Instant,
+    /// A pass ran after the last draw (whose logits it overwrote).
+    run_since_draw: bool,
     /// Full logits rows copied to the host so far (`Backend::logits_rows_copied`).
     rows_copied: u64,
-    run_staging: Staging,
+    /// The batch's uploads, in two buffers taken in turn: a pipelined pass is staged while the
+    /// pass before it may not have been copied yet.
+    run_staging: [Staging; 2],
+    /// Passes staged so far, and the last whose upload the stream is known to have passed.
+    run_index: u64,
+    passed_run: u64,
     sample_staging: Staging,
     redraw_staging: Staging,
-    /// A step's uploads may still be in flight (`run` queued work no `sample` waited for).
-    in_flight: bool,
+    /// The staged pass's tokens that the last draw decided on the device.
+    fill: Option<Fill>,
     name: String,
     timing: Option<Timing>,
     /// None: every step runs eagerly (`--enforce-eager`, per-kernel timing, or heads the
@@ -113,6 +132,17 @@ pub struct CudaBackend {
     graphs: Option<Graphs>,
     /// The last `run` captured its shape's graph.
     captured_last_run: bool,
+}
+
+/// Where a staged pass's tokens decided by the last draw go (device addresses): its ids, the
+/// positions among them, each one's word in the draw's scratch, the scratch.
+#[derive(Clone, Copy)]
+struct Fill {
+    ids: u64,
+    at: u64,
+    word: u64,
+    drawn: u64,
+    count: usize,
 }
 
 /// Activations, sized for the largest batch seen (at least the one given at load).
@@ -288,8 +318,12 @@ impl CudaBackend {
             );
         }
         let timing = Timing::from_env(&ctx);
-        let run_staging = Staging::new(&ctx, &stream, 1 << 16, "the batch")?;
+        let run_staging = [
+            Staging::new(&ctx, &stream, 1 << 16, "the batch")?,
+            Staging::new(&ctx, &stream, 1 << 16, "the batch")?,
+        ];
         let sample_staging = Staging::new(&ctx, &stream, 1 << 16, "sampling inputs")?;
+        let redraw_logits = stream.alloc_zeros::<f32>(1).map_err(device_err("sampling"))?;
         let redraw_staging = Staging::new(&ctx, &stream, 1 << 12, "a redraw's inputs")?;
         let graphs = if options.graphs
             && attention::flash_head(config.head_dim)
@@ -301,9 +335,10 @@ impl CudaBackend {
                 .div_ceil(attention::FLASH_PART)
                 .next_power_of_two();
             let tokens = seqs * graphs::MAX_PER_SEQ;
-            // Ids, positions, slots, sequences and picked rows; tables; flash items.
+            // Ids, positions, slots, sequences and picked rows, and the places and words of
+            // tokens the last draw decided; tables; flash items.
             let items = seqs * (graphs::MAX_PER_SEQ * group).div_ceil(64);
-            let words = 5 * tokens + 8 + seqs * max_parts * (attention::FLASH_PART / BLOCK_SIZE) + 4 * items;
+            let words = 7 * tokens + 8 + seqs * max_parts * (attention::FLASH_PART / BLOCK_SIZE) + 4 * items;
             Some(Graphs::new(&stream, seqs, max_parts, words)?)
         } else {
             None
@@ -325,12 +360,22 @@ impl CudaBackend {
             rows: 0,
             drawn: Vec::new(),
             penalties: Default::default(),
-            sample_scratch: None,
+            queued: None,
+            readback: None,
+            redraw_logits,
+            host_logits: Default::default(),
+            draw_pipelined: false,
+            draw_unread: false,
+            sampled_run: 0,
+            draw_started: std::time::Instant::now(),
+            run_since_draw: false,
             rows_copied: 0,
             run_staging,
+            run_index: 0,
+            passed_run: 0,
             sample_staging,
             redraw_staging,
-            in_flight: false,
+            fill: None,
             name,
             timing,
             graphs,
@@ -398,7 +443,16 @@ impl CudaBackend {
             Some(s) => s.table_width(),
             None => attention::table_width(batch.block_tables.iter().map(Vec::len).max().unwrap_or(1)),
         };
-        let st = &mut self.run_staging;
+        // The buffer this pass takes was the pass before last's: its upload must be done.
+        self.run_index += 1;
+        if self.passed_run + 2 < self.run_index {
+            self.stream
+                .synchronize()
+                .map_err(device_err("finishing an earlier step"))?;
+            self.passed_run = self.run_index - 1;
+        }
+        let fills = self.drawn_token_fills(batch)?;
+        let st = &mut self.run_staging[(self.run_index % 2) as usize];
         st.clear();
         let ids = st.push(&batch.token_ids)?;
         let positions = st.push(&batch.positions)?;
@@ -421,6 +475,8 @@ impl CudaBackend {
         let picked = st.push(if rows > 0 { &batch.logits_rows } else { &[0] })?;
         let flash_items = attention::flash_items(batch, cfg.num_heads / cfg.num_kv_heads);
         let items = st.push(if flash_items.is_empty() { &[0] } else { &flash_items })?;
+        let fill_at = st.push(&fills.0)?;
+        let fill_word = st.push(&fills.1)?;
         let base = match (shape, graphs) {
             (Some(_), Some(g)) => st.send_to(&self.stream, g.meta_addr(&self.stream), g.meta_words())?,
             _ => st.send(&self.stream)?,
@@ -440,6 +496,13 @@ impl CudaBackend {
             flash_items.len() / 4,
             self.target_blocks,
         );
+        self.fill = (!fills.0.is_empty()).then(|| Fill {
+            ids: addr(ids),
+            at: addr(fill_at),
+            word: addr(fill_word),
+            drawn: fills.2,
+            count: fills.0.len(),
+        });
         Ok(step::Meta {
             ids: addr(ids),
             positions: addr(positions),
@@ -456,6 +519,44 @@ impl CudaBackend {
         })
     }
 
+    /// The tokens of `batch` that stand for the last draw's (`FROM_LAST_DRAW`): their places,
+    /// their words in that draw's scratch, and the scratch's address.
+    fn drawn_token_fills(&self, batch: &ForwardBatch) -> Result<(Vec<u32>, Vec<u32>, u64)> {
+        let (mut at, mut words) = (Vec::new(), Vec::new());
+        if !batch.token_ids.iter().any(|t| t & FROM_LAST_DRAW != 0) {
+            return Ok((at, words, 0));
+        }
+        let (scratch, token_word) = self
+            .last_draw()
+            .ok_or_else(|| RuntimeError::InvalidBatch("tokens stand for a draw that did not happen".into()))?;
+        for (i, &t) in batch.token_ids.iter().enumerate() {
+            if t & FROM_LAST_DRAW == 0 {
+                continue;
+            }
+            let row = (t & !FROM_LAST_DRAW) as usize;
+            let word = token_word.get(row).copied().flatten().ok_or_else(|| {
+                RuntimeError::InvalidBatch(format!(
+                    "a token stands for row {row} of the last draw, which did not draw it"
+                ))
+            })?;
+            at.push(i as u32);
+            words.push(word);
+        }
+        Ok((at, words, scratch))
+    }
+
+    /// Writes the staged pass's tokens that the last draw decided into its ids.
+    fn take_drawn_tokens(&mut self) -> Result<()> {
+        let Some(f) = self.fill.take() else { return Ok(()) };
+        let count = f.count as i32;
+        launch_items(
+            &self.stream,
+            &self.kernels.take_drawn_tokens,
+            f.count,
+            &[&f.ids, &f.at, &f.word, &f.drawn, &count],
+        )
+    }
+
     /// Queues `batch`'s forward: replayed from `shape`'s graph (captured first where it is new;
     /// `launch` false only captures), else eagerly. A shape whose capture fails runs eagerly.
     fn queue_step(
@@ -467,6 +568,7 @@ impl CudaBackend {
     ) -> Result<()> {
         let meta = self.stage(batch, shape, graphs.as_deref())?;
         let (Some(shape), Some(graphs)) = (shape, graphs) else {
+            self.take_drawn_tokens()?;
             return self.weights.forward(&mut self.step(meta, true));
         };
         if !graphs.ready(shape) {
@@ -475,6 +577,7 @@ impl CudaBackend {
             if let Err(e) = graphs.capture(&self.stream, shape, || weights.forward(&mut step)) {
                 eprintln!("quarry: {e}; steps of that shape run without a graph");
                 return if launch {
+                    self.take_drawn_tokens()?;
                     self.weights.forward(&mut self.step(meta, true))
                 } else {
                     Ok(())
@@ -484,6 +587,7 @@ impl CudaBackend {
         if !launch {
             return Ok(());
         }
+        self.take_drawn_tokens()?;
         // Step mode's first event goes outside the graph.
         self.mark(Phase::Elementwise);
         graphs.launch(shape)
@@ -563,10 +667,13 @@ impl Backend for CudaBackend {
     fn run(&mut self, batch: &ForwardBatch) -> Result<()> {
         let started = std::time::Instant::now();
         let cfg = self.config.clone();
-        // Nothing of the last step may be redrawn from this one's logits.
+        let drawn: Vec<bool> = self
+            .last_draw()
+            .map(|(_, words)| words.iter().map(Option::is_some).collect())
+            .unwrap_or_default();
+        batch.validate_drawing(self.layout, cfg.vocab_size, cfg.context_length, &drawn)?;
         self.rows = 0;
-        self.drawn.clear();
-        batch.validate(self.layout, cfg.vocab_size, cfg.context_length)?;
+        self.run_since_draw = true;
         let mut graphs = self.graphs.take();
         let shape = graphs.as_ref().and_then(|g| g.shape_for(batch));
         let padded = shape.map(|s| graphs::padded(batch, s, self.reserved_block()));
@@ -585,12 +692,6 @@ impl Backend for CudaBackend {
                 g.forget();
             }
         }
-        if self.in_flight {
-            self.stream
-                .synchronize()
-                .map_err(device_err("finishing the last step"))?;
-        }
-        self.in_flight = true;
         let before = graphs.as_ref().map_or(0, Graphs::count);
         let result = self.queue_step(step_batch, shape, graphs.as_mut(), true);
         self.captured_last_run = graphs.as_ref().map_or(0, Graphs::count) > before;
@@ -606,6 +707,21 @@ impl Backend for CudaBackend {
 
     fn sample(&mut self, requests: &[RowRequest<'_>]) -> Result<Sampled> {
         self.sample_rows(requests)
+    }
+
+    fn pipelines(&self) -> bool {
+        true
+    }
+
+    fn launch_sample(&mut self, rows: &[RowRequest<'_>]) -> Result<()> {
+        self.launch_rows(rows, true)
+    }
+
+    fn collect(&mut self) -> Result<Sampled> {
+        if !self.draw_unread {
+            return Err(RuntimeError::Backend("no draw to collect".into()));
+        }
+        self.collect_rows()
     }
 
     fn redraw_within(&mut self, row: usize, mask: &[u32]) -> Result<super::RowDraw> {

@@ -90,6 +90,15 @@ fn fill_mask(dst: &mut [u32], mask: &[u32]) {
 
 impl CudaBackend {
     pub(super) fn sample_rows(&mut self, requests: &[RowRequest<'_>]) -> Result<Sampled> {
+        self.launch_rows(requests, false)?;
+        self.collect_rows()
+    }
+
+    /// Queues the draws of the last pass's rows, and copies back the logits of the rows left
+    /// to the engine. `pipelined`: the tokens come back by an asynchronous copy that
+    /// `collect_rows` waits for, and the logits are kept aside for a redraw where a row has a
+    /// mask (the next pass, queued before the redraw, overwrites them).
+    pub(super) fn launch_rows(&mut self, requests: &[RowRequest<'_>], pipelined: bool) -> Result<()> {
         let (vocab, rows) = (self.config.vocab_size, self.rows);
         if requests.len() != rows {
             return Err(RuntimeError::InvalidBatch(format!(
@@ -98,7 +107,12 @@ impl CudaBackend {
             )));
         }
         let s = self.stream.clone();
-        let started = std::time::Instant::now();
+        if self.draw_unread {
+            // A draw launched and never read (its step failed): its uploads may be in flight.
+            s.synchronize().map_err(device_err("sampling"))?;
+            self.passed_run = self.run_index;
+        }
+        self.draw_started = std::time::Instant::now();
         self.mark(Phase::Sample);
         let mut drawn: Vec<Option<Drawn>> = requests.iter().map(|r| r.draw.as_ref().map(Drawn::of)).collect();
         let mut specs: Vec<Option<RowSpec<'_>>> = requests
@@ -114,13 +128,9 @@ impl CudaBackend {
             })
             .collect();
         let base = self.ptr(&self.buffers.logits);
-        let decided = if specs.iter().any(Option::is_some) {
-            let (decided, scratch, penalties) = self.draw_rows(base, &mut specs, false)?;
-            // Kept for a redraw: the values the penalties replaced are in the scratch.
-            (self.sample_scratch, self.penalties) = (Some(scratch), penalties);
-            decided
-        } else {
-            vec![None; rows]
+        let queued = match specs.iter().any(Option::is_some) {
+            true => Some(self.queue_draws(base, &mut specs, false)?),
+            false => None,
         };
         drop(specs);
         self.drawn = drawn;
@@ -146,11 +156,71 @@ impl CudaBackend {
                 .map_err(device_err("copying logits"))?;
             data.extend_from_slice(&part);
         }
-        s.synchronize().map_err(device_err("sampling"))?;
-        self.in_flight = false;
-        if let Some(timing) = &self.timing {
-            timing.finish(&s, started, true, 0, false);
+        if let (Some(q), true) = (&queued, pipelined) {
+            let words = q.scratch.len();
+            if self.readback.as_ref().is_none_or(|r| r.len() < words) {
+                // SAFETY: only the prefix the copy below writes is read (`collect_rows`).
+                let pinned = unsafe { self.ctx.alloc_pinned::<u32>(words.max(1024)) };
+                self.readback = Some(pinned.map_err(device_err("sampling"))?);
+            }
+            let readback = self.readback.as_mut().expect("allocated above");
+            s.memcpy_dtoh(&q.scratch, readback)
+                .map_err(device_err("copying sampled tokens"))?;
+            if requests.iter().any(|r| r.mask.is_some()) {
+                let n = rows * vocab;
+                if self.redraw_logits.len() < n {
+                    self.redraw_logits = s.alloc_zeros::<f32>(n).map_err(device_err("sampling"))?;
+                }
+                let (src, mut dst) = (self.buffers.logits.slice(..n), self.redraw_logits.slice_mut(..n));
+                s.memcpy_dtod(&src, &mut dst)
+                    .map_err(device_err("keeping logits for a redraw"))?;
+            }
         }
+        if let Some(q) = &queued {
+            self.penalties = q.penalties;
+        }
+        self.queued = queued;
+        self.host_logits = (data, has_logits);
+        self.draw_pipelined = pipelined;
+        self.draw_unread = true;
+        self.sampled_run = self.run_index;
+        self.run_since_draw = false;
+        Ok(())
+    }
+
+    /// What the last `launch_rows` decided, once its tokens are back.
+    pub(super) fn collect_rows(&mut self) -> Result<Sampled> {
+        let s = self.stream.clone();
+        let rows = self.drawn.len();
+        let decided = match &self.queued {
+            None => vec![None; rows],
+            Some(q) => {
+                let drawn: Vec<Option<&Drawn>> = self.drawn.iter().map(Option::as_ref).collect();
+                match self.draw_pipelined {
+                    true => {
+                        let readback = self.readback.as_ref().expect("a pipelined draw copies back");
+                        let back = readback.as_slice().map_err(device_err("sampling"))?;
+                        q.read.decided(&drawn, &back[..q.scratch.len()])
+                    }
+                    false => {
+                        let back = s.clone_dtoh(&q.scratch).map_err(device_err("copying sampled tokens"))?;
+                        q.read.decided(&drawn, &back)
+                    }
+                }
+            }
+        };
+        if self.draw_pipelined {
+            // The copies of the pass that was drawn came before its draws.
+            self.passed_run = self.passed_run.max(self.sampled_run);
+        } else {
+            s.synchronize().map_err(device_err("sampling"))?;
+            self.passed_run = self.run_index;
+        }
+        if let Some(timing) = &self.timing {
+            timing.finish(&s, self.draw_started, true, 0, false);
+        }
+        self.draw_unread = false;
+        let (data, has_logits) = std::mem::take(&mut self.host_logits);
         let mut tokens = Vec::with_capacity(rows);
         let mut logprobs = Vec::with_capacity(rows);
         let mut confidence = Vec::with_capacity(rows);
@@ -164,17 +234,27 @@ impl CudaBackend {
             logprobs,
             confidence,
             logits: Logits {
-                vocab_size: vocab,
+                vocab_size: self.config.vocab_size,
                 data,
             },
             has_logits,
         })
     }
 
+    /// Where the next pass finds the tokens the last draw left on the device: its scratch, and
+    /// each row's word in it (`None`: not drawn there).
+    pub(super) fn last_draw(&self) -> Option<(u64, &[Option<u32>])> {
+        let q = self.queued.as_ref()?;
+        Some((self.ptr(&q.scratch), &q.read.token_word))
+    }
+
     /// `Backend::redraw_within`: the row's penalties are undone, then it is drawn again as
     /// before under the narrower mask (a subset of what its mask allowed; its bias stays).
     pub(super) fn redraw(&mut self, row: usize, mask: &[u32]) -> Result<RowDraw> {
-        let drawn = self.drawn.get(row).filter(|_| row < self.rows).cloned();
+        // A pipelined draw's logits were kept aside; another's are the last pass's, while no
+        // pass has run since.
+        let kept = self.draw_pipelined || !self.run_since_draw;
+        let drawn = self.drawn.get(row).filter(|_| kept).cloned();
         let Some(Some(mut drawn)) = drawn else {
             return Err(RuntimeError::InvalidBatch(format!(
                 "row {row} was not drawn on the device in the last step"
@@ -182,7 +262,10 @@ impl CudaBackend {
         };
         let vocab = self.config.vocab_size;
         let s = self.stream.clone();
-        let all = self.ptr(&self.buffers.logits);
+        let all = match self.draw_pipelined {
+            true => self.ptr(&self.redraw_logits),
+            false => self.ptr(&self.buffers.logits),
+        };
         let (start, count) = drawn.penalty_span;
         if count > 0 {
             let (v, st, n) = (vocab as i32, start as i32, count as i32);
@@ -206,6 +289,7 @@ impl CudaBackend {
         let (decided, _scratch, _) = self.draw_rows(at, &mut specs, true)?;
         drop(specs);
         s.synchronize().map_err(device_err("sampling"))?;
+        self.passed_run = self.run_index;
         decided
             .into_iter()
             .next()
@@ -223,6 +307,17 @@ impl CudaBackend {
         specs: &mut [Option<RowSpec<'_>>],
         redraw: bool,
     ) -> Result<(Vec<Option<RowDraw>>, CudaSlice<u32>, PenaltyArrays)> {
+        let q = self.queue_draws(logits, specs, redraw)?;
+        let back: Vec<u32> = self
+            .stream
+            .clone_dtoh(&q.scratch)
+            .map_err(device_err("copying sampled tokens"))?;
+        let drawn: Vec<Option<&Drawn>> = specs.iter().map(|s| s.as_ref().map(|s| &*s.drawn)).collect();
+        Ok((q.read.decided(&drawn, &back), q.scratch, q.penalties))
+    }
+
+    /// `draw_rows`' work queued on the stream, nothing read back.
+    fn queue_draws(&mut self, logits: u64, specs: &mut [Option<RowSpec<'_>>], redraw: bool) -> Result<Queued> {
         let vocab = self.config.vocab_size;
         let rows = specs.len();
         let words = vocab.div_ceil(32);
@@ -439,35 +534,77 @@ impl CudaBackend {
                 &[&logits, &v, &at(conf_rows_at), &at(conf_token_at_at), &out, &records],
             )?;
         }
-        // Tokens, then saved values, records and values: one copy (the saved values stay on the
-        // device for a redraw; the copy is small).
-        let back: Vec<u32> = s.clone_dtoh(&scratch).map_err(device_err("copying sampled tokens"))?;
-        let f = |i: usize| f32::from_bits(back[i]);
+        // Where each row's token lands: argmaxes at their row, seeded draws after them.
         let mut seeded = 0;
-        let mut stat = 0;
-        let mut conf = 0;
-        let mut decided = Vec::with_capacity(rows);
-        for (i, spec) in specs.iter().enumerate() {
-            let Some(spec) = spec else {
+        let token_word = specs
+            .iter()
+            .enumerate()
+            .map(|(i, spec)| {
+                let spec = spec.as_ref()?;
+                Some(match spec.drawn.seeded.is_some() {
+                    true => {
+                        seeded += 1;
+                        (rows + seeded - 1) as u32
+                    }
+                    false => i as u32,
+                })
+            })
+            .collect();
+        Ok(Queued {
+            scratch,
+            penalties,
+            read: ReadPlan {
+                token_word,
+                p_tokens,
+                stats_at: out_len + p_rows.len(),
+                values_at: out_len + p_rows.len() + stat_rows.len() * record,
+                record,
+                conf_base,
+            },
+        })
+    }
+}
+
+/// Draws queued on the device (`queue_draws`): the scratch their results go to, the
+/// penalties' arrays (a redraw puts their saved values back), and where the results lie.
+pub(super) struct Queued {
+    pub(super) scratch: CudaSlice<u32>,
+    pub(super) penalties: PenaltyArrays,
+    pub(super) read: ReadPlan,
+}
+
+/// Where a draw's results lie in its scratch: tokens, then the values the penalties replaced,
+/// the log-probability records, the drawn tokens' values, the confidence records.
+pub(super) struct ReadPlan {
+    /// Each drawn row's token's word.
+    pub(super) token_word: Vec<Option<u32>>,
+    p_tokens: Vec<u32>,
+    stats_at: usize,
+    values_at: usize,
+    record: usize,
+    conf_base: usize,
+}
+
+impl ReadPlan {
+    /// Each row's draw, from the scratch read back (`back`), as `drawn` asked for it.
+    pub(super) fn decided(&self, drawn: &[Option<&Drawn>], back: &[u32]) -> Vec<Option<RowDraw>> {
+        let f = |i: usize| f32::from_bits(back[i]);
+        let (mut stat, mut conf) = (0, 0);
+        let mut decided = Vec::with_capacity(drawn.len());
+        for (i, d) in drawn.iter().enumerate() {
+            let (Some(d), Some(word)) = (d, self.token_word.get(i).copied().flatten()) else {
                 decided.push(None);
                 continue;
             };
-            let token = if spec.drawn.seeded.is_some() {
-                seeded += 1;
-                back[rows + seeded - 1]
-            } else {
-                back[i]
-            };
-            let logprobs = spec.drawn.logprobs.map(|n| {
-                let rec = out_len + p_rows.len() + stat * record;
+            let token = back[word as usize];
+            let logprobs = d.logprobs.map(|n| {
+                let rec = self.stats_at + stat * self.record;
                 let log_z = f(rec);
                 // The value before penalties: the saved one where the token had a penalty.
-                let (start, count) = spec.drawn.penalty_span;
+                let (start, count) = d.penalty_span;
                 let value = (start..start + count)
-                    .find(|&j| p_tokens[j] == token)
-                    .map_or(f(out_len + p_rows.len() + stat_rows.len() * record + stat), |j| {
-                        f(out_len + j)
-                    });
+                    .find(|&j| self.p_tokens[j] == token)
+                    .map_or(f(self.values_at + stat), |j| f(self.stats_at - self.p_tokens.len() + j));
                 let top = (0..n)
                     .map(|j| (back[rec + 1 + 2 * j], f(rec + 2 + 2 * j) - log_z))
                     .collect();
@@ -477,8 +614,8 @@ impl CudaBackend {
                     top,
                 }
             });
-            let confidence = spec.drawn.confidence.then(|| {
-                let at = conf_base + 2 * conf;
+            let confidence = d.confidence.then(|| {
+                let at = self.conf_base + 2 * conf;
                 conf += 1;
                 TokenConfidence {
                     prob: f(at),
@@ -491,6 +628,6 @@ impl CudaBackend {
                 confidence,
             }));
         }
-        Ok((decided, scratch, penalties))
+        decided
     }
 }

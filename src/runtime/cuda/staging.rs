@@ -2,9 +2,11 @@
 //! gathered in page-locked host memory and copied with one asynchronous transfer: pageable
 //! memory would make the driver stage it and block the host.
 //!
-//! The host buffer is written again only once the stream has passed the copy: the backend
-//! synchronizes at the end of every `sample`, and `CudaBackend::run` waits for a step that
-//! ended without it.
+//! The host buffer is written again only once the stream has passed the copy. A pass's
+//! metadata alternates between two buffers, since a pipelined pass is staged before the pass
+//! before it was read; `CudaBackend::stage` waits where the buffer's last copy is not known to be
+//! done. Sampling inputs are staged after the last draw was read, or after a wait where it
+//! never was.
 
 use std::sync::Arc;
 

@@ -1,0 +1,200 @@
+//! Pipelined steps (`EngineConfig::async_scheduling`): the host plans and queues step N+1
+//! before it reads step N's tokens, so that the device goes from one pass to the next without
+//! waiting on the host's bookkeeping. A step's sampled rows leave placeholders
+//! (`scheduler::PENDING`) that the next plan feeds like known tokens; a backend that
+//! `pipelines` takes them from its own draws (`FROM_LAST_DRAW`), any other is given them once
+//! they are read.
+//!
+//! One call of `step_pipelined`:
+//!   plan N+1 -> queue its pass (pipelining backends) -> collect N: check and commit its
+//!   tokens -> N+1's rows that still stand get their masks (while the pass runs) -> queue N+1's
+//!   draws, and leave its placeholders.
+//! A row of N+1 no longer stands where N's token ended its request, where the grammar forced
+//! tokens after it (they are computed in N+2, before the request samples again), or where the
+//! engine took back the device's draw (the budget's room): N+1 computed that position from the
+//! wrong token, so it is computed again. Pipelined steps carry no drafts: the engine speculates
+//! or pipelines, not both.
+
+use std::collections::HashMap;
+
+use quarry_grammar::bitmask_words;
+
+use super::verify::RowGrammar;
+use super::{EngineCore, RequestOutput, Sampling};
+use crate::engine::kv_cache_manager::RequestId;
+use crate::engine::scheduler::PENDING;
+use crate::runtime::{ForwardBatch, RuntimeError, Sampled, FROM_LAST_DRAW};
+
+/// A step whose pass and draws are queued and whose tokens are not read yet.
+pub(super) struct InFlight {
+    sampling: Vec<Sampling>,
+    grammar: Vec<RowGrammar>,
+    /// The draws, where the backend decided them at once (it does not pipeline).
+    sampled: Option<Sampled>,
+    /// Every row the step samples is drawn on the device: the next step may take its tokens
+    /// from there.
+    drawn_on_device: bool,
+}
+
+/// A planned step: its batch and the requests that sample.
+struct Planned {
+    batch: ForwardBatch,
+    sampling: Vec<Sampling>,
+}
+
+impl EngineCore {
+    /// One pipelined step; the outputs of the step before it (collected here).
+    pub(super) fn step_pipelined(&mut self) -> Result<Vec<RequestOutput>, RuntimeError> {
+        let result = self.pipelined();
+        if result.is_err() {
+            // Its requests end with the rest (`fail_all`); nothing of it may be read.
+            self.in_flight = None;
+        }
+        result
+    }
+
+    fn pipelined(&mut self) -> Result<Vec<RequestOutput>, RuntimeError> {
+        let next = self.plan_next();
+        let queue_first = self.backend.pipelines() && self.in_flight.as_ref().is_none_or(|f| f.drawn_on_device);
+        if let (Some(n), true) = (&next, queue_first) {
+            self.backend.run(&n.batch)?;
+        }
+        if next.is_some() && self.in_flight.is_some() {
+            self.pipelined_steps += 1;
+        }
+        let (outputs, tokens) = match self.in_flight.take() {
+            Some(f) => self.collect_step(f)?,
+            None => (Vec::new(), HashMap::new()),
+        };
+        let Some(mut next) = next else {
+            return Ok(outputs);
+        };
+        let planned = next.sampling.len();
+        let standing: Vec<Sampling> = std::mem::take(&mut next.sampling)
+            .into_iter()
+            .filter(|v| self.still_stands(v))
+            .collect();
+        self.pipelined_rows_dropped += (planned - standing.len()) as u64;
+        if !queue_first {
+            for t in next.batch.token_ids.iter_mut().filter(|t| **t & FROM_LAST_DRAW != 0) {
+                // A row whose request is gone computes a token nobody reads.
+                *t = tokens.get(&(*t & !FROM_LAST_DRAW)).copied().unwrap_or(0);
+            }
+        }
+        let grammar = self.forward_with_masks(&next.batch, &standing, !queue_first)?;
+        self.launch_draws(standing, grammar)?;
+        Ok(outputs)
+    }
+
+    /// Plans the next step, its placeholders marked for the backend, and counts its tokens as
+    /// computed (`Scheduler::launched`).
+    fn plan_next(&mut self) -> Option<Planned> {
+        let plan = self.scheduler.schedule();
+        if plan.scheduled.is_empty() {
+            return None;
+        }
+        let (mut batch, sampling) = self.prepare_batch(&plan.scheduled);
+        // Where each request's placeholder comes from: its row of the step in flight.
+        let rows: HashMap<RequestId, u32> = self
+            .in_flight
+            .as_ref()
+            .map(|f| f.sampling.iter().map(|v| (v.s.id, v.first_row as u32)).collect())
+            .unwrap_or_default();
+        let mut at = 0;
+        for s in &plan.scheduled {
+            let r = self.scheduler.request(s.id).expect("scheduled requests exist");
+            // The request's span, then its twin's (when it samples and has one).
+            let mut spans = vec![s.num_tokens];
+            if let (Some(start), Some(prompt)) = (s.shadow, r.shadow.as_ref()) {
+                spans.push(prompt.len() + r.output.len() - start);
+            }
+            for n in spans {
+                for t in &mut batch.token_ids[at..at + n] {
+                    if *t == PENDING {
+                        *t = FROM_LAST_DRAW | rows.get(&s.id).copied().expect("a placeholder has a row in flight");
+                    }
+                }
+                at += n;
+            }
+        }
+        debug_assert_eq!(at, batch.token_ids.len());
+        for s in &plan.scheduled {
+            self.scheduler.launched(s);
+        }
+        Some(Planned { batch, sampling })
+    }
+
+    /// Whether a request's sampled row of the step just planned still stands after the step
+    /// before it was committed: the request runs on, its placeholder became the token the pass
+    /// computed, and nothing was appended after it.
+    fn still_stands(&self, v: &Sampling) -> bool {
+        let end = v.s.start + v.s.num_tokens;
+        self.scheduler
+            .request(v.s.id)
+            .is_some_and(|r| r.num_tokens() == end && r.num_computed == end)
+    }
+
+    /// Queues the draws of the step just run (its standing rows; every other row's logits stay
+    /// where they are) and leaves each drawn request its placeholder.
+    fn launch_draws(&mut self, sampling: Vec<Sampling>, grammar: Vec<RowGrammar>) -> Result<(), RuntimeError> {
+        let mut asks = self.asks(&sampling, &grammar);
+        let mut wanted = vec![false; grammar.len()];
+        for v in &sampling {
+            wanted[v.first_row] = true;
+            if let Some((twin, _)) = v.twin {
+                wanted[twin] = true;
+            }
+        }
+        for (back, wanted) in asks.logits_back.iter_mut().zip(&wanted) {
+            *back &= *wanted;
+        }
+        let drawn_on_device = sampling.iter().all(|v| asks.draws[v.first_row].is_some());
+        let sampled = match self.backend.pipelines() {
+            true => {
+                self.backend.launch_sample(&asks.requests(&grammar))?;
+                None
+            }
+            false => Some(self.backend.sample(&asks.requests(&grammar))?),
+        };
+        for v in &sampling {
+            self.scheduler.push_pending(v.s.id);
+        }
+        self.in_flight = Some(InFlight {
+            sampling,
+            grammar,
+            sampled,
+            drawn_on_device,
+        });
+        Ok(())
+    }
+
+    /// Reads a step's draws, checks each sampled row as `verify` does and commits its token:
+    /// the outputs, and each drawn row's token by row (what the next step's placeholders
+    /// stand for).
+    fn collect_step(&mut self, f: InFlight) -> Result<(Vec<RequestOutput>, HashMap<u32, u32>), RuntimeError> {
+        let decided = match f.sampled {
+            Some(s) => s,
+            None => self.backend.collect()?,
+        };
+        self.steps += 1;
+        let words = bitmask_words(self.tokenizer.vocab_size());
+        let mut outputs = Vec::new();
+        let mut tokens = HashMap::new();
+        for v in &f.sampling {
+            let id = v.s.id;
+            self.scheduler.take_pending(id);
+            if self.scheduler.request(id).is_none() {
+                // Aborted while its step ran.
+                continue;
+            }
+            let run = self.verify(v, &decided, &f.grammar, words)?;
+            let token = run[0].token;
+            tokens.insert(v.first_row as u32, token);
+            // The next step computed this position from the device's draw.
+            let redo = f.drawn_on_device && self.backend.pipelines() && decided.tokens[v.first_row] != Some(token);
+            self.scheduler.resolve(id, token, redo);
+            outputs.extend(self.commit(id, run));
+        }
+        Ok((outputs, tokens))
+    }
+}
