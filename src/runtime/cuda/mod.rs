@@ -17,7 +17,7 @@ mod weights;
 use std::path::Path;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
 
 use self::gemm::Gemm;
 use self::graphs::{Graphs, Shape};
@@ -100,8 +100,9 @@ pub struct CudaBackend {
     /// The last draw's work: its scratch (tokens, the saved values a redraw puts back) and
     /// where its results lie.
     queued: Option<sample::Queued>,
-    /// A pipelined draw's results, copied back asynchronously.
+    /// A pipelined draw's results, copied back asynchronously, and the event after the copy.
     readback: Option<PinnedHostSlice<u32>>,
+    readback_done: Option<CudaEvent>,
     /// A pipelined draw's logits, kept for a redraw after the next pass overwrote them.
     redraw_logits: CudaSlice<f32>,
     /// The logits rows the last draw left to the engine, and which rows they are.
@@ -362,6 +363,7 @@ impl CudaBackend {
             penalties: Default::default(),
             queued: None,
             readback: None,
+            readback_done: None,
             redraw_logits,
             host_logits: Default::default(),
             draw_pipelined: false,

@@ -5,7 +5,7 @@
 //! log-probabilities and confidences come back, and the logits of the rows the engine keeps for
 //! itself.
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, DevicePtr};
 
 use super::kernels::SampleParams;
 use super::staging::Staging;
@@ -164,8 +164,18 @@ impl CudaBackend {
                 self.readback = Some(pinned.map_err(device_err("sampling"))?);
             }
             let readback = self.readback.as_mut().expect("allocated above");
-            s.memcpy_dtoh(&q.scratch, readback)
+            // Only the scratch's words: a copy takes its size from the host slice.
+            let dst = &mut readback.as_mut_slice().map_err(device_err("copying sampled tokens"))?[..words];
+            let (src, _read) = q.scratch.device_ptr(&s);
+            // SAFETY: `dst` is page-locked and not read before `readback_done` has passed.
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src, s.cu_stream()) }
                 .map_err(device_err("copying sampled tokens"))?;
+            let done = match self.readback_done.take() {
+                Some(e) => e,
+                None => s.record_event(None).map_err(device_err("sampling"))?,
+            };
+            done.record(&s).map_err(device_err("sampling"))?;
+            self.readback_done = Some(done);
             if requests.iter().any(|r| r.mask.is_some()) {
                 let n = rows * vocab;
                 if self.redraw_logits.len() < n {
@@ -198,6 +208,9 @@ impl CudaBackend {
                 let drawn: Vec<Option<&Drawn>> = self.drawn.iter().map(Option::as_ref).collect();
                 match self.draw_pipelined {
                     true => {
+                        if let Some(done) = &self.readback_done {
+                            done.synchronize().map_err(device_err("sampling"))?;
+                        }
                         let readback = self.readback.as_ref().expect("a pipelined draw copies back");
                         let back = readback.as_slice().map_err(device_err("sampling"))?;
                         q.read.decided(&drawn, &back[..q.scratch.len()])
