@@ -223,8 +223,11 @@ impl CudaBackend {
             }
         };
         if self.draw_pipelined {
-            // The copies of the pass that was drawn came before its draws.
-            self.passed_run = self.passed_run.max(self.sampled_run);
+            // The pass's uploads came before the draws whose readback was waited for; a step
+            // that drew nothing waited for nothing.
+            if self.queued.is_some() {
+                self.passed_run = self.passed_run.max(self.sampled_run);
+            }
         } else {
             s.synchronize().map_err(device_err("sampling"))?;
             self.passed_run = self.run_index;
