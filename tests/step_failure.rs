@@ -15,7 +15,8 @@ use quarry::runtime::{
 };
 use quarry::sampling::SamplingParams;
 
-/// Delegates to `inner`, except that the `fail_at`-th call of `sample` fails.
+/// Delegates to `inner`, except that the `fail_at`-th call of `sample` (or `launch_sample`)
+/// fails.
 struct FailingSample {
     inner: Box<dyn Backend>,
     samples: usize,
@@ -47,6 +48,22 @@ impl Backend for FailingSample {
         self.inner.redraw_within(row, mask)
     }
 
+    fn pipelines(&self) -> bool {
+        self.inner.pipelines()
+    }
+
+    fn launch_sample(&mut self, rows: &[RowRequest<'_>]) -> Result<()> {
+        self.samples += 1;
+        if self.samples == self.fail_at.load(Ordering::SeqCst) {
+            return Err(RuntimeError::Backend("injected failure".into()));
+        }
+        self.inner.launch_sample(rows)
+    }
+
+    fn collect(&mut self) -> Result<Sampled> {
+        self.inner.collect()
+    }
+
     fn draws_on_device(&self) -> bool {
         self.inner.draws_on_device()
     }
@@ -58,6 +75,17 @@ impl Backend for FailingSample {
 
 #[test]
 fn a_failed_step_ends_its_requests_as_internal_and_the_engine_goes_on() {
+    a_failed_step_in(false);
+}
+
+/// The same with pipelined steps (`async_scheduling`): the failure comes while the next step
+/// is already planned.
+#[test]
+fn a_failed_pipelined_step_ends_its_requests_as_internal_and_the_engine_goes_on() {
+    a_failed_step_in(true);
+}
+
+fn a_failed_step_in(pipelined: bool) {
     let Some((backend, tok)) = common::load_backend(4096) else {
         return;
     };
@@ -70,6 +98,7 @@ fn a_failed_step_ends_its_requests_as_internal_and_the_engine_goes_on() {
     // No prefix cache: the second run of a prompt computes it as the first did.
     let config = EngineConfig {
         prefix_caching: false,
+        async_scheduling: pipelined,
         ..EngineConfig::default()
     };
     let tok = Arc::new(tok);

@@ -30,7 +30,8 @@ pub struct EngineStats {
     pub logits_rows_copied: u64,
     /// Steps the backend replayed from CUDA graphs (`Backend::graph_steps`).
     pub graph_steps: u64,
-    /// Steps planned before the step before them was read (`EngineConfig::async_scheduling`).
+    /// Steps planned before the step before them was read (`EngineConfig::async_scheduling`;
+    /// on a GPU their pass is queued before that read too).
     pub pipelined_steps: u64,
     /// Sampled rows of pipelined steps dropped because the step before ended their request,
     /// forced tokens after it, or took back the token they were computed from.

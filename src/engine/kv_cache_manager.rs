@@ -68,6 +68,13 @@ impl KvCacheManager {
         &self.pool
     }
 
+    /// Forgets every cached prefix, the requests' own record of theirs too: after a failed
+    /// pipelined step, blocks it was to compute may already be cached.
+    pub fn forget_prefixes(&mut self) {
+        self.pool.reset_prefix_cache();
+        self.tables.values_mut().for_each(|t| t.hashes.clear());
+    }
+
     pub fn stats(&self) -> PrefixCacheStats {
         self.stats
     }

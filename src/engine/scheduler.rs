@@ -183,6 +183,11 @@ impl<T> Scheduler<T> {
         &self.kv
     }
 
+    /// `KvCacheManager::forget_prefixes`.
+    pub fn forget_prefixes(&mut self) {
+        self.kv.forget_prefixes();
+    }
+
     pub fn num_waiting(&self) -> usize {
         self.waiting.len()
     }

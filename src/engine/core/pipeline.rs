@@ -47,14 +47,16 @@ impl EngineCore {
     pub(super) fn step_pipelined(&mut self) -> Result<Vec<RequestOutput>, RuntimeError> {
         let result = self.pipelined();
         if result.is_err() {
-            // Its requests end with the rest (`fail_all`); nothing of it may be read.
+            // Its requests end with the rest (`fail_all`); nothing of it may be read. Blocks a
+            // step was to compute were cached when it was planned: none may be found again.
             self.in_flight = None;
+            self.scheduler.forget_prefixes();
         }
         result
     }
 
     fn pipelined(&mut self) -> Result<Vec<RequestOutput>, RuntimeError> {
-        let next = self.plan_next();
+        let next = self.plan_next()?;
         let queue_first = self.backend.pipelines() && self.in_flight.as_ref().is_none_or(|f| f.drawn_on_device);
         if let (Some(n), true) = (&next, queue_first) {
             self.backend.run(&n.batch)?;
@@ -88,10 +90,10 @@ impl EngineCore {
 
     /// Plans the next step, its placeholders marked for the backend, and counts its tokens as
     /// computed (`Scheduler::launched`).
-    fn plan_next(&mut self) -> Option<Planned> {
+    fn plan_next(&mut self) -> Result<Option<Planned>, RuntimeError> {
         let plan = self.scheduler.schedule();
         if plan.scheduled.is_empty() {
-            return None;
+            return Ok(None);
         }
         let (mut batch, sampling) = self.prepare_batch(&plan.scheduled);
         // Where each request's placeholder comes from: its row of the step in flight.
@@ -111,7 +113,11 @@ impl EngineCore {
             for n in spans {
                 for t in &mut batch.token_ids[at..at + n] {
                     if *t == PENDING {
-                        *t = FROM_LAST_DRAW | rows.get(&s.id).copied().expect("a placeholder has a row in flight");
+                        // Only after a failed step, whose requests were not ended (`fail_all`).
+                        let row = rows.get(&s.id).copied().ok_or_else(|| {
+                            RuntimeError::InvalidBatch(format!("request {} waits on a token no step is drawing", s.id))
+                        })?;
+                        *t = FROM_LAST_DRAW | row;
                     }
                 }
                 at += n;
@@ -121,7 +127,7 @@ impl EngineCore {
         for s in &plan.scheduled {
             self.scheduler.launched(s);
         }
-        Some(Planned { batch, sampling })
+        Ok(Some(Planned { batch, sampling }))
     }
 
     /// Whether a request's sampled row of the step just planned still stands after the step
