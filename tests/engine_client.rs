@@ -13,8 +13,8 @@ mod common;
 use std::sync::Arc;
 
 use quarry::engine::{
-    BlockPool, Constraint, EngineClient, EngineConfig, EngineCore, EngineRequest, FinishReason, SpeculativeConfig,
-    StructuredOutputs,
+    AsyncScheduling, BlockPool, Constraint, EngineClient, EngineConfig, EngineCore, EngineRequest, FinishReason,
+    SpeculativeConfig, StructuredOutputs,
 };
 use quarry::runtime::Backend;
 use quarry::sampling::{ContrastParams, SamplingParams};
@@ -584,9 +584,12 @@ fn pipelined_steps_change_no_output() {
     let tok = Arc::new(tok);
     let structured = StructuredOutputs::new(&tok);
     let jobs = jobs(&tok);
-    let plain = EngineConfig::default();
+    let plain = EngineConfig {
+        async_scheduling: AsyncScheduling::Off,
+        ..EngineConfig::default()
+    };
     let pipelined = EngineConfig {
-        async_scheduling: true,
+        async_scheduling: AsyncScheduling::On,
         ..plain
     };
     let block_size = backend.kv_layout().block_size;

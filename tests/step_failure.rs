@@ -9,7 +9,7 @@ mod common;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use quarry::engine::{EngineConfig, EngineCore, EngineRequest, FinishReason, SpeculativeConfig};
+use quarry::engine::{AsyncScheduling, EngineConfig, EngineCore, EngineRequest, FinishReason, SpeculativeConfig};
 use quarry::runtime::{
     Backend, ForwardBatch, KvLayout, ModelConfig, Result, RowDraw, RowRequest, RuntimeError, Sampled,
 };
@@ -98,7 +98,10 @@ fn a_failed_step_in(pipelined: bool) {
     // No prefix cache: the second run of a prompt computes it as the first did.
     let config = EngineConfig {
         prefix_caching: false,
-        async_scheduling: pipelined,
+        async_scheduling: match pipelined {
+            true => AsyncScheduling::On,
+            false => AsyncScheduling::Off,
+        },
         ..EngineConfig::default()
     };
     let tok = Arc::new(tok);

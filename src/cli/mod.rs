@@ -114,9 +114,13 @@ pub struct ModelArgs {
     enforce_eager: bool,
     /// Plan and queue each step before the last one's tokens are read, so that the device
     /// does not wait for the host between steps (the tokens go from the GPU's draws straight
-    /// into the next pass). Outputs are the same either way. Not with --speculative-tokens.
-    #[arg(long)]
+    /// into the next pass). Outputs are the same either way. [default: on a GPU, unless
+    /// speculating; not with --speculative-tokens]
+    #[arg(long, conflicts_with = "no_async_scheduling")]
     async_scheduling: bool,
+    /// Read each step's tokens before planning the next.
+    #[arg(long)]
+    no_async_scheduling: bool,
     /// Serve waiting requests by their priority (lowest first) instead of by arrival.
     #[arg(long)]
     priority_scheduling: bool,
@@ -331,7 +335,11 @@ impl ModelArgs {
             "--async-scheduling plans a step before the last one's tokens are known, which drafts \
              need: use it without --speculative-tokens"
         );
-        config.async_scheduling = self.async_scheduling;
+        config.async_scheduling = match (self.async_scheduling, self.no_async_scheduling) {
+            (true, _) => crate::engine::AsyncScheduling::On,
+            (_, true) => crate::engine::AsyncScheduling::Off,
+            _ => crate::engine::AsyncScheduling::Auto,
+        };
         config.scheduler.max_num_batched_tokens = self.max_num_batched_tokens;
         config.scheduler.max_num_seqs = self.max_num_seqs;
         if self.priority_scheduling {

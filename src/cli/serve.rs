@@ -118,7 +118,11 @@ fn app_state(
     let (engine, tokenizer) = model_args.engine()?;
     let model = model_args.model_name();
     let device = engine.backend().device_name();
-    tracing::info!("quarry: model {model} on {device}");
+    let steps = match engine.pipelining() {
+        true => "steps pipelined (--no-async-scheduling turns it off)",
+        false => "steps not pipelined",
+    };
+    tracing::info!("quarry: model {model} on {device}; {steps}");
     let extractor = Arc::new(Extractor::new(EngineClient::start(engine), tokenizer));
     Ok(Arc::new(AppState {
         service: Arc::new(Service::new(model, device, extractor, schemas, max_pending)),

@@ -18,8 +18,8 @@ pub mod structured;
 pub use block_pool::{BlockHash, BlockId, BlockPool};
 pub use client::{EngineClient, EngineStats, RequestStream, SubmitError};
 pub use core::{
-    AddError, Completion, Completions, EngineConfig, EngineCore, EngineRequest, FinishReason, RequestMetrics,
-    RequestOutput,
+    AddError, AsyncScheduling, Completion, Completions, EngineConfig, EngineCore, EngineRequest, FinishReason,
+    RequestMetrics, RequestOutput,
 };
 pub use kv_cache_manager::{KvCacheManager, PrefixCacheStats, RequestId};
 pub use request::{Request, RequestStatus};

@@ -39,6 +39,9 @@ pub struct Request {
     /// The last output token is a placeholder (`scheduler::PENDING`) for a token a launched
     /// step is still drawing.
     pub pending: bool,
+    /// The most output tokens it may have (its `max_tokens`): a placeholder that is its last
+    /// token ends it, so a pipelined plan leaves it out.
+    pub max_output: usize,
 }
 
 impl Request {
@@ -57,6 +60,7 @@ impl Request {
             shadow: None,
             shadow_computed: 0,
             pending: false,
+            max_output: usize::MAX,
         }
     }
 
@@ -89,6 +93,11 @@ impl Request {
         let mut tokens = self.tokens(start..start + num_known);
         tokens.extend_from_slice(&self.drafts[..num_drafts]);
         tokens
+    }
+
+    /// Its last token is a placeholder that ends it: the output or the context is full.
+    pub fn ends_at_placeholder(&self, token_limit: usize) -> bool {
+        self.pending && (self.output.len() >= self.max_output || self.num_tokens() >= token_limit)
     }
 
     /// Still prefilling: this step's tokens end before the last known one, so no token is

@@ -151,6 +151,13 @@ impl<T> Scheduler<T> {
         Ok(())
     }
 
+    /// Bounds a request's output (`Request::max_output`).
+    pub fn set_max_output(&mut self, id: RequestId, max_output: usize) {
+        if let Some(e) = self.requests.get_mut(&id) {
+            e.request.max_output = max_output;
+        }
+    }
+
     pub fn request(&self, id: RequestId) -> Option<&Request> {
         self.requests.get(&id).map(|e| &e.request)
     }
@@ -222,6 +229,10 @@ impl<T> Scheduler<T> {
                 continue;
             }
             let r = &self.requests[&id].request;
+            // The token in flight ends it: computing a position after it would be wasted.
+            if r.ends_at_placeholder(self.token_limit()) {
+                continue;
+            }
             // Drafts ride after the known tokens, as far as the budget goes.
             let known = r.num_tokens() - r.num_computed;
             let num_new = (known + r.drafts.len()).min(budget);
@@ -839,5 +850,36 @@ mod tests {
         assert_eq!(s.add(1, vec![], 0, ()), Err(AdmitError::EmptyPrompt));
         assert!(s.add(1, vec![1; 15], 0, ()).is_ok());
         assert_eq!(s.add(1, vec![1], 0, ()), Err(AdmitError::DuplicateId(1)));
+    }
+
+    #[test]
+    fn a_pipelined_plan_leaves_out_a_request_whose_token_in_flight_is_its_last() {
+        let kv = KvCacheManager::new(BlockPool::new(16), 4, 0, true);
+        let mut s: Scheduler = Scheduler::new(config(4096, 8, Policy::Fcfs), kv);
+        s.add(1, vec![5, 6, 7], 0, ()).unwrap();
+        s.add(2, vec![8, 9], 0, ()).unwrap();
+        s.set_max_output(1, 2);
+        // Two steps launched back to back, each sampling both requests.
+        for step in 0..2 {
+            let plan = s.schedule();
+            assert_eq!(
+                plan.scheduled.iter().map(|p| p.id).collect::<Vec<_>>(),
+                vec![1, 2],
+                "step {step}"
+            );
+            for p in &plan.scheduled {
+                s.launched(p);
+                if step == 1 {
+                    s.take_pending(p.id);
+                    s.resolve(p.id, 40 + p.id as u32, false);
+                }
+                s.push_pending(p.id);
+            }
+        }
+        // Request 1's placeholder is its second output token: no step after it.
+        let plan = s.schedule();
+        assert_eq!(plan.scheduled.iter().map(|p| p.id).collect::<Vec<_>>(), vec![2]);
+        assert!(s.request(1).unwrap().ends_at_placeholder(s.token_limit()));
+        assert!(!s.request(2).unwrap().ends_at_placeholder(s.token_limit()));
     }
 }

@@ -80,8 +80,21 @@ pub struct EngineConfig {
     /// Guess tokens ahead and check the guesses in the same forward pass (off when `None`).
     pub speculative: Option<SpeculativeConfig>,
     /// Plan and queue each step before the last one's tokens are read (`core::pipeline`);
-    /// not while speculating, whose drafts need those tokens.
-    pub async_scheduling: bool,
+    /// never while speculating, whose drafts need those tokens.
+    pub async_scheduling: AsyncScheduling,
+}
+
+/// When steps are pipelined (`EngineConfig::async_scheduling`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AsyncScheduling {
+    /// Where the backend draws on the device and the next pass takes its tokens from there
+    /// (`Backend::pipelines`): the device then goes from one pass to the next without waiting
+    /// for the host. On the CPU, whose pass blocks anyway, nothing is won.
+    #[default]
+    Auto,
+    /// On every backend (on the CPU the engine fills the placeholders itself).
+    On,
+    Off,
 }
 
 impl Default for EngineConfig {
@@ -98,7 +111,7 @@ impl Default for EngineConfig {
             jump_forward: true,
             cache_key: 0,
             speculative: None,
-            async_scheduling: false,
+            async_scheduling: AsyncScheduling::Auto,
         }
     }
 }
@@ -123,7 +136,7 @@ pub struct EngineCore {
     draft_model_failures: u64,
     /// What a decoding step costs against its sampled rows, measured as steps run.
     step_cost: StepCost,
-    async_scheduling: bool,
+    async_scheduling: AsyncScheduling,
     /// The pipelined step whose tokens are not read yet.
     in_flight: Option<pipeline::InFlight>,
     pipelined_steps: u64,
@@ -265,7 +278,9 @@ impl EngineCore {
             acceptance: Acceptance::default(),
         };
         let shadow = r.params.contrast.as_ref().map(|c| c.prompt.clone());
+        let max_output = r.params.max_tokens;
         self.scheduler.add(r.id, r.prompt, r.priority, state)?;
+        self.scheduler.set_max_output(r.id, max_output);
         if let Some(prompt) = shadow {
             self.scheduler.set_shadow(r.id, prompt);
         }
@@ -339,7 +354,7 @@ impl EngineCore {
             return Ok(Vec::new());
         }
         let started = Instant::now();
-        let (batch, sampling) = self.prepare_batch(&plan.scheduled);
+        let (batch, sampling) = self.prepare_batch(&plan.scheduled, &HashMap::new())?;
         let grammar = self.forward_with_masks(&batch, &sampling, true)?;
         let runs = self.sample(&sampling, &grammar)?;
         self.steps += 1;
@@ -355,16 +370,28 @@ impl EngineCore {
         Ok(outputs)
     }
 
-    /// Whether steps are pipelined: asked for, and nothing speculates (drafts are guesses after
-    /// the last token, which a pipelined plan does not have yet).
-    fn pipelining(&self) -> bool {
-        self.async_scheduling && self.speculative.is_none() && self.draft_model.is_none()
+    /// Whether steps are pipelined: asked for (`AsyncScheduling`), and nothing speculates
+    /// (drafts are guesses after the last token, which a pipelined plan does not have yet).
+    pub fn pipelining(&self) -> bool {
+        let asked = match self.async_scheduling {
+            AsyncScheduling::Auto => self.backend.pipelines(),
+            AsyncScheduling::On => true,
+            AsyncScheduling::Off => false,
+        };
+        asked && self.speculative.is_none() && self.draft_model.is_none()
     }
 
     /// The flattened batch of the scheduled requests' tokens (their drafts last), and the
     /// requests that sample, with their rows of logits: the last known token's, then each
     /// draft's.
-    fn prepare_batch(&mut self, scheduled: &[Scheduled]) -> (ForwardBatch, Vec<Sampling>) {
+    /// The batch of a step and the requests that sample in it. `drawn`: for a pipelined plan,
+    /// the row of the step in flight that draws each waiting request's placeholder, which the
+    /// batch then marks `FROM_LAST_DRAW | row` (in the request's span and its twin's).
+    fn prepare_batch(
+        &mut self,
+        scheduled: &[Scheduled],
+        drawn: &HashMap<RequestId, u32>,
+    ) -> Result<(ForwardBatch, Vec<Sampling>), RuntimeError> {
         let now = Instant::now();
         let block_size = self.scheduler.kv().block_size();
         let mut batch = ForwardBatch::default();
@@ -372,6 +399,7 @@ impl EngineCore {
         for s in scheduled {
             let r = self.scheduler.request(s.id).expect("scheduled requests exist");
             let tokens = r.span(s.start, s.num_known(), s.num_drafts);
+            let from = batch.token_ids.len();
             batch.push_sequence(&tokens, s.start, self.scheduler.kv().block_table(s.id), block_size);
             if s.samples {
                 let end = *batch.query_start.last().expect("just pushed") as usize;
@@ -399,6 +427,9 @@ impl EngineCore {
                     twin,
                 });
             }
+            if r.pending {
+                pipeline::mark_placeholders(&mut batch.token_ids[from..], s.id, drawn)?;
+            }
             let (r, state) = self.scheduler.get_mut(s.id).expect("scheduled requests exist");
             if state.scheduled_at.is_none() {
                 state.scheduled_at = Some(now);
@@ -406,7 +437,7 @@ impl EngineCore {
                 state.metrics.cached_tokens = r.num_cached;
             }
         }
-        (batch, sampling)
+        Ok((batch, sampling))
     }
 
     /// Queues the forward pass (unless `run` is false: a pipelined step queued it already) and

@@ -95,35 +95,13 @@ impl EngineCore {
         if plan.scheduled.is_empty() {
             return Ok(None);
         }
-        let (mut batch, sampling) = self.prepare_batch(&plan.scheduled);
         // Where each request's placeholder comes from: its row of the step in flight.
-        let rows: HashMap<RequestId, u32> = self
+        let drawn: HashMap<RequestId, u32> = self
             .in_flight
             .as_ref()
             .map(|f| f.sampling.iter().map(|v| (v.s.id, v.first_row as u32)).collect())
             .unwrap_or_default();
-        let mut at = 0;
-        for s in &plan.scheduled {
-            let r = self.scheduler.request(s.id).expect("scheduled requests exist");
-            // The request's span, then its twin's (when it samples and has one).
-            let mut spans = vec![s.num_tokens];
-            if let (Some(start), Some(prompt)) = (s.shadow, r.shadow.as_ref()) {
-                spans.push(prompt.len() + r.output.len() - start);
-            }
-            for n in spans {
-                for t in &mut batch.token_ids[at..at + n] {
-                    if *t == PENDING {
-                        // Only after a failed step, whose requests were not ended (`fail_all`).
-                        let row = rows.get(&s.id).copied().ok_or_else(|| {
-                            RuntimeError::InvalidBatch(format!("request {} waits on a token no step is drawing", s.id))
-                        })?;
-                        *t = FROM_LAST_DRAW | row;
-                    }
-                }
-                at += n;
-            }
-        }
-        debug_assert_eq!(at, batch.token_ids.len());
+        let (batch, sampling) = self.prepare_batch(&plan.scheduled, &drawn)?;
         for s in &plan.scheduled {
             self.scheduler.launched(s);
         }
@@ -203,4 +181,21 @@ impl EngineCore {
         }
         Ok((outputs, tokens))
     }
+}
+
+/// Marks a request's placeholders among its tokens in a batch (its span, and its twin's after
+/// it) as the row of the step in flight that draws them.
+pub(super) fn mark_placeholders(
+    tokens: &mut [u32],
+    id: RequestId,
+    drawn: &HashMap<RequestId, u32>,
+) -> Result<(), RuntimeError> {
+    for t in tokens.iter_mut().filter(|t| **t == PENDING) {
+        // Only after a failed step, whose requests were not ended (`fail_all`).
+        let row = drawn
+            .get(&id)
+            .ok_or_else(|| RuntimeError::InvalidBatch(format!("request {id} waits on a token no step is drawing")))?;
+        *t = FROM_LAST_DRAW | row;
+    }
+    Ok(())
 }

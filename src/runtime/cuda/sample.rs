@@ -176,14 +176,35 @@ impl CudaBackend {
             };
             done.record(&s).map_err(device_err("sampling"))?;
             self.readback_done = Some(done);
-            if requests.iter().any(|r| r.mask.is_some()) {
+            self.redraw_rows = requests.iter().map(|r| r.mask.is_some()).collect();
+            if self.redraw_rows.iter().any(|&m| m) {
                 let n = rows * vocab;
                 if self.redraw_logits.len() < n {
                     self.redraw_logits = s.alloc_zeros::<f32>(n).map_err(device_err("sampling"))?;
                 }
-                let (src, mut dst) = (self.buffers.logits.slice(..n), self.redraw_logits.slice_mut(..n));
-                s.memcpy_dtod(&src, &mut dst)
-                    .map_err(device_err("keeping logits for a redraw"))?;
+                // One copy per run of masked rows.
+                let mut i = 0;
+                while i < rows {
+                    if !self.redraw_rows[i] {
+                        i += 1;
+                        continue;
+                    }
+                    let start = i;
+                    while i < rows && self.redraw_rows[i] {
+                        i += 1;
+                    }
+                    let span = start * vocab..i * vocab;
+                    let src = self.buffers.logits.slice(span.clone());
+                    let mut dst = self.redraw_logits.slice_mut(span);
+                    s.memcpy_dtod(&src, &mut dst)
+                        .map_err(device_err("keeping logits for a redraw"))?;
+                }
+            }
+        }
+        if pipelined {
+            // The draws' interval closes here: the next pass is queued before they are read.
+            if let Some(timing) = &self.timing {
+                timing.finish(&s, self.draw_started, true, 0, false);
             }
         }
         if let Some(q) = &queued {
@@ -232,7 +253,7 @@ impl CudaBackend {
             s.synchronize().map_err(device_err("sampling"))?;
             self.passed_run = self.run_index;
         }
-        if let Some(timing) = &self.timing {
+        if let (Some(timing), false) = (&self.timing, self.draw_pipelined) {
             timing.finish(&s, self.draw_started, true, 0, false);
         }
         self.draw_unread = false;
@@ -269,11 +290,14 @@ impl CudaBackend {
     pub(super) fn redraw(&mut self, row: usize, mask: &[u32]) -> Result<RowDraw> {
         // A pipelined draw's logits were kept aside; another's are the last pass's, while no
         // pass has run since.
-        let kept = self.draw_pipelined || !self.run_since_draw;
+        let kept = match self.draw_pipelined {
+            true => self.redraw_rows.get(row).copied().unwrap_or(false),
+            false => !self.run_since_draw,
+        };
         let drawn = self.drawn.get(row).filter(|_| kept).cloned();
         let Some(Some(mut drawn)) = drawn else {
             return Err(RuntimeError::InvalidBatch(format!(
-                "row {row} was not drawn on the device in the last step"
+                "row {row} was not drawn on the device in the last step (or, pipelined, had no mask)"
             )));
         };
         let vocab = self.config.vocab_size;

@@ -6,7 +6,9 @@
 //! which gives the GPU's own time for a step, from its first kernel to its last, overlaps kept,
 //! and the device's idle gaps: before each forward (the host preparing the step) and between
 //! the forward and its sampling. That mode reads each step's events a step later, so that
-//! measuring does not make the host wait.
+//! measuring does not make the host wait. A pipelined draw's interval closes when it is
+//! launched, since the next pass is queued before the draw is read; its wall time is then the
+//! launch's alone.
 
 use std::cell::RefCell;
 use std::sync::Arc;
