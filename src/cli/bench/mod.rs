@@ -1,6 +1,7 @@
 //! `quarry bench`: the engine's speed, in the style of `vllm bench`, and extraction quality. Each subcommand prints a
 //! table (or one JSON object with --json) that scripts/bench-* put beside a peer's numbers.
 
+mod all_reduce;
 mod calibration;
 mod jobs;
 mod latency;
@@ -27,6 +28,9 @@ pub enum BenchCommand {
     /// Extraction quality on cases with gold records: outcomes, validity, exact matches and
     /// field accuracy.
     Quality(quality::QualityArgs),
+    /// NCCL's all-reduce across this machine's GPUs (the collective tensor parallelism runs
+    /// after each layer's row-parallel products): latency and bandwidth by message size.
+    AllReduce(all_reduce::AllReduceArgs),
 }
 
 pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
@@ -36,6 +40,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Latency(args) => latency::run(args),
         BenchCommand::PrefixCache(args) => prefix_cache::run(args),
         BenchCommand::Quality(args) => quality::run(args),
+        BenchCommand::AllReduce(args) => all_reduce::run(args),
     }
 }
 

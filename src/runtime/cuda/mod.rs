@@ -8,6 +8,7 @@ mod gemm;
 mod graphs;
 mod kernels;
 mod launcher;
+pub mod nccl;
 mod sample;
 mod staging;
 mod step;
@@ -103,8 +104,10 @@ pub struct CudaBackend {
     /// A pipelined draw's results, copied back asynchronously, and the event after the copy.
     readback: Option<PinnedHostSlice<u32>>,
     readback_done: Option<CudaEvent>,
-    /// A pipelined draw's logits, kept for a redraw after the next pass overwrote them.
+    /// A pipelined draw's logits, kept for a redraw after the next pass overwrote them: the
+    /// rows with a mask (only a constrained row is ever drawn again), at their own offsets.
     redraw_logits: CudaSlice<f32>,
+    redraw_rows: Vec<bool>,
     /// The logits rows the last draw left to the engine, and which rows they are.
     host_logits: (Vec<f32>, Vec<bool>),
     /// The last draw was launched pipelined; it was not read yet; the run it drew; when.
@@ -365,6 +368,7 @@ impl CudaBackend {
             readback: None,
             readback_done: None,
             redraw_logits,
+            redraw_rows: Vec::new(),
             host_logits: Default::default(),
             draw_pipelined: false,
             draw_unread: false,

@@ -1,0 +1,169 @@
+//! `quarry bench all-reduce`: NCCL's all-reduce across this machine's GPUs, one process driving
+//! them all (one communicator a device, one group call a collective), at the sizes a
+//! tensor-parallel step sends: from one token's hidden state (8 KiB in bf16 at a width of 4,096)
+//! to a prefill chunk's. Every size is checked first (each rank ends with the sum of all), then
+//! timed back to back. scripts/bench-multi-gpu puts PyTorch's all-reduce beside it.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Context;
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
+
+use crate::runtime::cuda::nccl::{self, Group, Nccl};
+
+#[derive(clap::Args)]
+pub struct AllReduceArgs {
+    /// GPUs, by ordinal [default: every one this process sees]
+    #[arg(long, value_delimiter = ',')]
+    devices: Option<Vec<i32>>,
+    /// Message sizes in bytes.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "8192,65536,524288,4194304,33554432,268435456"
+    )]
+    sizes: Vec<usize>,
+    /// All-reduces timed per size (after 10 untimed).
+    #[arg(long, default_value_t = 100)]
+    iters: usize,
+    /// Element type: bf16 or f32.
+    #[arg(long, default_value = "bf16")]
+    dtype: String,
+    /// One JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// One rank's buffer: bf16 bits or f32 values.
+enum Buffer {
+    Bf16(CudaSlice<u16>),
+    F32(CudaSlice<f32>),
+}
+
+impl Buffer {
+    fn ptr(&self, stream: &CudaStream) -> u64 {
+        match self {
+            Buffer::Bf16(b) => b.device_ptr(stream).0,
+            Buffer::F32(b) => b.device_ptr(stream).0,
+        }
+    }
+
+    /// Every element as f32.
+    fn read(&self, stream: &Arc<CudaStream>) -> anyhow::Result<Vec<f32>> {
+        Ok(match self {
+            Buffer::Bf16(b) => stream
+                .clone_dtoh(b)?
+                .into_iter()
+                .map(|h| f32::from_bits((h as u32) << 16))
+                .collect(),
+            Buffer::F32(b) => stream.clone_dtoh(b)?,
+        })
+    }
+}
+
+pub fn run(args: AllReduceArgs) -> anyhow::Result<()> {
+    let (bf16, elem) = match args.dtype.as_str() {
+        "bf16" => (true, 2),
+        "f32" => (false, 4),
+        other => anyhow::bail!("--dtype {other}: bf16 or f32"),
+    };
+    anyhow::ensure!(args.iters > 0, "--iters must be at least 1");
+    let (cudarc_names, cudarc_found) = nccl::cudarc_would_find();
+    let nccl = Nccl::open()?;
+    let count = CudaContext::device_count().context("counting GPUs")?;
+    let devices = args.devices.clone().unwrap_or_else(|| (0..count).collect());
+    anyhow::ensure!(
+        devices.len() >= 2,
+        "an all-reduce needs at least 2 GPUs; this process sees {count}"
+    );
+    let contexts = devices
+        .iter()
+        .map(|&d| CudaContext::new(d as usize).with_context(|| format!("GPU {d}")))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let streams = contexts.iter().map(|c| c.new_stream()).collect::<Result<Vec<_>, _>>()?;
+    let raw_streams: Vec<_> = streams.iter().map(|s| s.cu_stream()).collect();
+    let mut group = Group::local(nccl.clone(), &devices)?;
+    let dtype = if bf16 { nccl::BFLOAT16 } else { nccl::FLOAT32 };
+    let ranks = devices.len();
+    let mut rows = Vec::new();
+    for &size in &args.sizes {
+        let n = (size / elem).max(1);
+        // Rank r holds r + 1 everywhere: the sum, ranks * (ranks + 1) / 2, is exact in bf16.
+        let buffers = streams
+            .iter()
+            .enumerate()
+            .map(|(r, s)| {
+                let v = (r + 1) as f32;
+                Ok(match bf16 {
+                    true => Buffer::Bf16(s.clone_htod(&vec![(v.to_bits() >> 16) as u16; n])?),
+                    false => Buffer::F32(s.clone_htod(&vec![v; n])?),
+                })
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let ptrs: Vec<u64> = buffers.iter().zip(&streams).map(|(b, s)| b.ptr(s)).collect();
+        group.all_reduce_sum(&ptrs, &raw_streams, n, dtype)?;
+        let want = (ranks * (ranks + 1) / 2) as f32;
+        for (r, (b, s)) in buffers.iter().zip(&streams).enumerate() {
+            let got = b.read(s)?;
+            if let Some(i) = got.iter().position(|&x| x != want) {
+                anyhow::bail!(
+                    "all-reduce of {size} bytes: rank {r} holds {} at {i}, not {want}",
+                    got[i]
+                );
+            }
+        }
+        for _ in 0..10 {
+            group.all_reduce_sum(&ptrs, &raw_streams, n, dtype)?;
+        }
+        for s in &streams {
+            s.synchronize()?;
+        }
+        let started = Instant::now();
+        for _ in 0..args.iters {
+            group.all_reduce_sum(&ptrs, &raw_streams, n, dtype)?;
+        }
+        for s in &streams {
+            s.synchronize()?;
+        }
+        group.async_error()?;
+        let us = started.elapsed().as_secs_f64() * 1e6 / args.iters as f64;
+        let bytes = (n * elem) as f64;
+        // Bus bandwidth as nccl-tests counts it: what each rank's links carry in a ring.
+        let alg = bytes / us / 1e3;
+        let bus = alg * 2.0 * (ranks - 1) as f64 / ranks as f64;
+        rows.push(serde_json::json!({"bytes": n * elem, "us": us, "algbw_gb_s": alg, "busbw_gb_s": bus}));
+    }
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "nccl": nccl.version_text(), "library": nccl.path, "ranks": ranks, "dtype": args.dtype,
+                "cudarc_would_open": cudarc_found, "sizes": rows,
+            })
+        );
+        return Ok(());
+    }
+    println!(
+        "NCCL {} from {}; {ranks} GPUs {:?}, {}, one process",
+        nccl.version_text(),
+        nccl.path,
+        devices,
+        args.dtype
+    );
+    match cudarc_found {
+        Some(name) => println!("cudarc's loader would open {name}"),
+        None => println!("cudarc's loader would open none of {}", cudarc_names.join(" ")),
+    }
+    println!("{:>12} {:>10} {:>12} {:>12}", "bytes", "us", "algbw GB/s", "busbw GB/s");
+    for r in &rows {
+        println!(
+            "{:>12} {:>10.1} {:>12.1} {:>12.1}",
+            r["bytes"],
+            r["us"].as_f64().unwrap_or(0.0),
+            r["algbw_gb_s"].as_f64().unwrap_or(0.0),
+            r["busbw_gb_s"].as_f64().unwrap_or(0.0)
+        );
+    }
+    Ok(())
+}
