@@ -2,7 +2,9 @@
 //! them all (one communicator a device, one group call a collective), at the sizes a
 //! tensor-parallel step sends: from one token's hidden state (8 KiB in bf16 at a width of 4,096)
 //! to a prefill chunk's. Every size is checked first (each rank ends with the sum of all), then
-//! timed back to back. scripts/bench-multi-gpu puts PyTorch's all-reduce beside it.
+//! timed back to back. With f32, the one-shot all-reduce through peer memory runs beside NCCL
+//! (where every GPU reaches the others'), checked bitwise against the sum in rank order on the
+//! host. scripts/bench-multi-gpu puts PyTorch's all-reduce beside both.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -11,6 +13,7 @@ use anyhow::Context;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 
 use crate::runtime::cuda::nccl::{self, Group, Nccl};
+use crate::runtime::cuda::peer_reduce::PeerReduce;
 
 #[derive(clap::Args)]
 pub struct AllReduceArgs {
@@ -24,6 +27,9 @@ pub struct AllReduceArgs {
         default_value = "8192,65536,524288,4194304,33554432,268435456"
     )]
     sizes: Vec<usize>,
+    /// The largest message the peer all-reduce is timed at (f32 only).
+    #[arg(long, default_value_t = 4 << 20)]
+    peer_max: usize,
     /// All-reduces timed per size (after 10 untimed).
     #[arg(long, default_value_t = 100)]
     iters: usize,
@@ -84,6 +90,10 @@ pub fn run(args: AllReduceArgs) -> anyhow::Result<()> {
     let streams = contexts.iter().map(|c| c.new_stream()).collect::<Result<Vec<_>, _>>()?;
     let raw_streams: Vec<_> = streams.iter().map(|s| s.cu_stream()).collect();
     let mut group = Group::local(nccl.clone(), &devices)?;
+    let mut peer = match bf16 {
+        true => None,
+        false => PeerReduce::new(&contexts)?,
+    };
     let dtype = if bf16 { nccl::BFLOAT16 } else { nccl::FLOAT32 };
     let ranks = devices.len();
     let mut rows = Vec::new();
@@ -132,7 +142,13 @@ pub fn run(args: AllReduceArgs) -> anyhow::Result<()> {
         // Bus bandwidth as nccl-tests counts it: what each rank's links carry in a ring.
         let alg = bytes / us / 1e3;
         let bus = alg * 2.0 * (ranks - 1) as f64 / ranks as f64;
-        rows.push(serde_json::json!({"bytes": n * elem, "us": us, "algbw_gb_s": alg, "busbw_gb_s": bus}));
+        let peer_us = match peer.as_mut().filter(|_| n * elem <= args.peer_max) {
+            Some(p) => Some(time_peer(p, &streams, n, args.iters)?),
+            None => None,
+        };
+        rows.push(serde_json::json!({
+            "bytes": n * elem, "us": us, "algbw_gb_s": alg, "busbw_gb_s": bus, "peer_us": peer_us,
+        }));
     }
     if args.json {
         println!(
@@ -155,15 +171,78 @@ pub fn run(args: AllReduceArgs) -> anyhow::Result<()> {
         Some(name) => println!("cudarc's loader would open {name}"),
         None => println!("cudarc's loader would open none of {}", cudarc_names.join(" ")),
     }
-    println!("{:>12} {:>10} {:>12} {:>12}", "bytes", "us", "algbw GB/s", "busbw GB/s");
+    if !bf16 && peer.is_none() {
+        println!("no peer all-reduce: some GPU cannot reach another's memory");
+    }
+    println!(
+        "{:>12} {:>10} {:>12} {:>12} {:>10}",
+        "bytes", "us", "algbw GB/s", "busbw GB/s", "peer us"
+    );
     for r in &rows {
+        let peer = r["peer_us"].as_f64().map_or("-".into(), |u| format!("{u:.1}"));
         println!(
-            "{:>12} {:>10.1} {:>12.1} {:>12.1}",
+            "{:>12} {:>10.1} {:>12.1} {:>12.1} {:>10}",
             r["bytes"],
             r["us"].as_f64().unwrap_or(0.0),
             r["algbw_gb_s"].as_f64().unwrap_or(0.0),
-            r["busbw_gb_s"].as_f64().unwrap_or(0.0)
+            r["busbw_gb_s"].as_f64().unwrap_or(0.0),
+            peer
         );
     }
     Ok(())
+}
+
+/// Checks the peer all-reduce of `n` floats bitwise against the host's sum in rank order (on
+/// random values, where another order would round differently), then times it: us a call.
+fn time_peer(peer: &mut PeerReduce, streams: &[Arc<CudaStream>], n: usize, iters: usize) -> anyhow::Result<f64> {
+    let ranks = streams.len();
+    // A fixed pseudo-random fill per rank: values of mixed magnitude and sign.
+    let values = |r: usize| -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                let h = ((i as u64) ^ ((r as u64 + 1) << 40)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                ((h >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * (1 + (h >> 60)) as f32
+            })
+            .collect()
+    };
+    let host: Vec<Vec<f32>> = (0..ranks).map(values).collect();
+    let want: Vec<u32> = (0..n)
+        .map(|i| host.iter().skip(1).fold(host[0][i], |s, v| s + v[i]).to_bits())
+        .collect();
+    let inputs = streams
+        .iter()
+        .zip(&host)
+        .map(|(s, h)| s.clone_htod(h))
+        .collect::<Result<Vec<_>, _>>()?;
+    let outputs = streams
+        .iter()
+        .map(|s| s.alloc_zeros::<f32>(n))
+        .collect::<Result<Vec<_>, _>>()?;
+    let ins: Vec<u64> = inputs.iter().zip(streams).map(|(b, s)| b.device_ptr(s).0).collect();
+    let outs: Vec<u64> = outputs.iter().zip(streams).map(|(b, s)| b.device_ptr(s).0).collect();
+    peer.all_reduce_f32(&ins, &outs, n, streams)?;
+    for (r, (o, s)) in outputs.iter().zip(streams).enumerate() {
+        let got = s.clone_dtoh(o)?;
+        if let Some(i) = (0..n).find(|&i| got[i].to_bits() != want[i]) {
+            anyhow::bail!(
+                "peer all-reduce of {n} floats: rank {r} holds {} at {i}, the sum in rank order is {}",
+                got[i],
+                f32::from_bits(want[i])
+            );
+        }
+    }
+    for _ in 0..10 {
+        peer.all_reduce_f32(&ins, &outs, n, streams)?;
+    }
+    for s in streams {
+        s.synchronize()?;
+    }
+    let started = Instant::now();
+    for _ in 0..iters {
+        peer.all_reduce_f32(&ins, &outs, n, streams)?;
+    }
+    for s in streams {
+        s.synchronize()?;
+    }
+    Ok(started.elapsed().as_secs_f64() * 1e6 / iters as f64)
 }

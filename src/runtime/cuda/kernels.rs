@@ -207,6 +207,18 @@ impl Kernels {
     }
 }
 
+/// One kernel of a file outside the set every backend loads (kernels/all_reduce.cu, for a
+/// group of GPUs), compiled and cached as the others are.
+pub fn load_one(ctx: &Arc<CudaContext>, file: &str, source: &str, name: &str) -> Result<CudaFunction> {
+    let (major, minor) = ctx
+        .compute_capability()
+        .map_err(|e| RuntimeError::Device(format!("reading the compute capability: {e}")))?;
+    let (ptx, _) = compiled(file, source, &nvrtc_arch(major, minor), driver_version(), true)?;
+    ctx.load_module(ptx)
+        .and_then(|m| m.load_function(name))
+        .map_err(|e| RuntimeError::Device(format!("kernel `{name}` in kernels/{file}: {e}")))
+}
+
 fn driver_version() -> i32 {
     let mut v = 0;
     // SAFETY: writes one int; the driver was initialised by the device probe.

@@ -9,6 +9,7 @@ mod graphs;
 mod kernels;
 mod launcher;
 pub mod nccl;
+pub mod peer_reduce;
 mod sample;
 mod staging;
 mod step;

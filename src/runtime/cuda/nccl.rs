@@ -1,10 +1,10 @@
-//! NCCL, opened by us rather than by cudarc. cudarc 0.19 looks for `libnccl.so`, numbered
-//! variants and `libnccl.so.13` (after the CUDA major), and panics where none opens; the GPU
-//! hosts here have `libnccl.so.2` (NCCL's own major) in the system library folder and another
-//! copy inside PyTorch's install. So: `QUARRY_NCCL_LIBRARY` if set, else `libnccl.so.2`, else
-//! `libnccl.so`; the version it reports is checked against the ABI declared below (NCCL 2,
-//! from 2.19: bf16 reductions, `ncclGetLastError`); missing or too old is an error that says
-//! what to do, never a panic.
+//! NCCL, opened by us rather than by cudarc. cudarc 0.19 tries `libnccl.so`, numbered
+//! variants and `libnccl.so.13` (after the CUDA major, not NCCL's), takes the first that opens,
+//! and panics where none does. On the device's 2-GPU host its first name opens (the system's
+//! 2.28.3); PyTorch's install holds another copy (2.28.9) under `libnccl.so.2` only. So:
+//! `QUARRY_NCCL_LIBRARY` if set, else `libnccl.so.2`, else `libnccl.so`; the version it reports
+//! is checked against the ABI declared below (NCCL 2, from 2.19: bf16 reductions,
+//! `ncclGetLastError`); missing or too old is an error that says what to do, never a panic.
 //!
 //! One process drives every local GPU (`Group::local`, `ncclCommInitAll`): a collective over
 //! the group is one NCCL group call with a rank per device.
