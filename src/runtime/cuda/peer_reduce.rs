@@ -47,6 +47,27 @@ fn device(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Runtime
     move |e| RuntimeError::Device(format!("{what}: {e}"))
 }
 
+/// Lets `reader` use what `owner` allocates from its memory pool: buffers come from
+/// `cuMemAllocAsync`, whose pools peer access between contexts does not cover.
+fn grant_pool(owner: &CudaContext, reader: &CudaContext) -> Result<()> {
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: writes one handle; the device exists.
+    unsafe { sys::cuDeviceGetMemPool(&mut pool, owner.cu_device()) }
+        .result()
+        .map_err(device("reading a memory pool"))?;
+    let access = sys::CUmemAccessDesc {
+        location: sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: reader.ordinal() as i32,
+        },
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    };
+    // SAFETY: one descriptor, read during the call.
+    unsafe { sys::cuMemPoolSetAccess(pool, &access, 1) }
+        .result()
+        .map_err(device("granting a GPU another's memory pool"))
+}
+
 impl PeerReduce {
     /// The group, or None where some GPU cannot reach another's memory.
     pub fn new(contexts: &[Arc<CudaContext>]) -> Result<Option<PeerReduce>> {
@@ -77,6 +98,9 @@ impl PeerReduce {
                             b.ordinal()
                         )))
                     }
+                }
+                if b.has_async_alloc() {
+                    grant_pool(b, a)?;
                 }
             }
         }
