@@ -14,6 +14,7 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 
 use crate::runtime::cuda::nccl::{self, Group, Nccl};
 use crate::runtime::cuda::peer_reduce::PeerReduce;
+use crate::runtime::RuntimeError;
 
 #[derive(clap::Args)]
 pub struct AllReduceArgs {
@@ -123,21 +124,10 @@ pub fn run(args: AllReduceArgs) -> anyhow::Result<()> {
                 );
             }
         }
-        for _ in 0..10 {
-            group.all_reduce_sum(&ptrs, &raw_streams, n, dtype)?;
-        }
-        for s in &streams {
-            s.synchronize()?;
-        }
-        let started = Instant::now();
-        for _ in 0..args.iters {
-            group.all_reduce_sum(&ptrs, &raw_streams, n, dtype)?;
-        }
-        for s in &streams {
-            s.synchronize()?;
-        }
+        let us = time_calls(&streams, args.iters, || {
+            group.all_reduce_sum(&ptrs, &raw_streams, n, dtype)
+        })?;
         group.async_error()?;
-        let us = started.elapsed().as_secs_f64() * 1e6 / args.iters as f64;
         let bytes = (n * elem) as f64;
         // Bus bandwidth as nccl-tests counts it: what each rank's links carry in a ring.
         let alg = bytes / us / 1e3;
@@ -231,15 +221,25 @@ fn time_peer(peer: &mut PeerReduce, streams: &[Arc<CudaStream>], n: usize, iters
             );
         }
     }
+    time_calls(streams, iters, || peer.all_reduce_f32(&ins, &outs, n, streams))
+}
+
+/// Microseconds a call of `call`: 10 untimed, then `iters` back to back, timed to the moment
+/// every stream has finished them.
+fn time_calls(
+    streams: &[Arc<CudaStream>],
+    iters: usize,
+    mut call: impl FnMut() -> Result<(), RuntimeError>,
+) -> anyhow::Result<f64> {
     for _ in 0..10 {
-        peer.all_reduce_f32(&ins, &outs, n, streams)?;
+        call()?;
     }
     for s in streams {
         s.synchronize()?;
     }
     let started = Instant::now();
     for _ in 0..iters {
-        peer.all_reduce_f32(&ins, &outs, n, streams)?;
+        call()?;
     }
     for s in streams {
         s.synchronize()?;

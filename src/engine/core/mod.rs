@@ -383,10 +383,9 @@ impl EngineCore {
 
     /// The flattened batch of the scheduled requests' tokens (their drafts last), and the
     /// requests that sample, with their rows of logits: the last known token's, then each
-    /// draft's.
-    /// The batch of a step and the requests that sample in it. `drawn`: for a pipelined plan,
-    /// the row of the step in flight that draws each waiting request's placeholder, which the
-    /// batch then marks `FROM_LAST_DRAW | row` (in the request's span and its twin's).
+    /// draft's. `drawn`: for a pipelined plan, the row of the step in flight that draws each
+    /// waiting request's placeholder, which the batch then marks `FROM_LAST_DRAW | row` (in
+    /// the request's span and its twin's).
     fn prepare_batch(
         &mut self,
         scheduled: &[Scheduled],

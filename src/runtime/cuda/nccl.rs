@@ -55,10 +55,6 @@ pub struct Nccl {
     _lib: libloading::Library,
 }
 
-fn err(what: &str) -> impl Fn(String) -> RuntimeError + '_ {
-    move |m| RuntimeError::Device(format!("NCCL: {what}: {m}"))
-}
-
 impl Nccl {
     /// Opens NCCL (see the module's comment for where it looks).
     pub fn open() -> Result<Arc<Nccl>, RuntimeError> {
@@ -145,7 +141,7 @@ impl Nccl {
             .filter(|d| !d.is_empty())
             .map(|d| format!(" ({d})"))
             .unwrap_or_default();
-        Err(err(what)(format!("{text}{detail}")))
+        Err(RuntimeError::Device(format!("NCCL: {what}: {text}{detail}")))
     }
 }
 

@@ -141,18 +141,9 @@ impl CudaBackend {
             .collect();
         self.rows_copied += has_logits.iter().filter(|&&h| h).count() as u64;
         let mut data = Vec::new();
-        let mut i = 0;
-        while i < rows {
-            if !has_logits[i] {
-                i += 1;
-                continue;
-            }
-            let start = i;
-            while i < rows && has_logits[i] {
-                i += 1;
-            }
+        for run in runs(&has_logits) {
             let part = s
-                .clone_dtoh(&self.buffers.logits.slice(start * vocab..i * vocab))
+                .clone_dtoh(&self.buffers.logits.slice(run.start * vocab..run.end * vocab))
                 .map_err(device_err("copying logits"))?;
             data.extend_from_slice(&part);
         }
@@ -183,17 +174,8 @@ impl CudaBackend {
                     self.redraw_logits = s.alloc_zeros::<f32>(n).map_err(device_err("sampling"))?;
                 }
                 // One copy per run of masked rows.
-                let mut i = 0;
-                while i < rows {
-                    if !self.redraw_rows[i] {
-                        i += 1;
-                        continue;
-                    }
-                    let start = i;
-                    while i < rows && self.redraw_rows[i] {
-                        i += 1;
-                    }
-                    let span = start * vocab..i * vocab;
+                for run in runs(&self.redraw_rows) {
+                    let span = run.start * vocab..run.end * vocab;
                     let src = self.buffers.logits.slice(span.clone());
                     let mut dst = self.redraw_logits.slice_mut(span);
                     s.memcpy_dtod(&src, &mut dst)
@@ -669,5 +651,36 @@ impl ReadPlan {
             }));
         }
         decided
+    }
+}
+
+/// The runs of consecutive true entries, in order: rows copied together.
+fn runs(flags: &[bool]) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < flags.len() {
+        if !flags[i] {
+            i += 1;
+            continue;
+        }
+        let start = i;
+        while i < flags.len() && flags[i] {
+            i += 1;
+        }
+        out.push(start..i);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn runs_are_the_stretches_of_true_in_order() {
+        assert_eq!(
+            super::runs(&[true, true, false, true, false, false, true]),
+            vec![0..2, 3..4, 6..7]
+        );
+        assert!(super::runs(&[false, false]).is_empty());
+        assert_eq!(super::runs(&[true; 3]), vec![0..3]);
     }
 }
