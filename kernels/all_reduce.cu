@@ -2,9 +2,12 @@
 // enough that NCCL's launch and protocol cost more than the bytes: one token's hidden state is
 // 16 KiB. Every rank's kernel reads every rank's input over NVLink and sums it in rank order, so
 // every rank gets the same bits, and a row's sum does not depend on the message's size (nor on
-// which rows ride with it). Two barriers through arrival words in each rank's memory: before
-// the reads (every rank's input is written: its kernels before this one are done) and after
-// them (no rank overwrites its input while another still reads it).
+// which rows ride with it). Barriers through arrival words in each rank's memory: before the
+// reads (every rank's input is written: its kernels before this one are done) and, where the
+// caller asks (`guard`), after them, so that no rank overwrites its input while another still
+// reads it. A caller that alternates between two inputs needs no second barrier: a rank that
+// writes the input of call k again (at call k + 2) has passed call k + 1's first barrier, which
+// every rank reaches only after its reads of call k.
 #define AR_MAX_RANKS 8
 #define AR_MAX_BLOCKS 64
 
@@ -18,7 +21,9 @@ struct PeerPtrs {
 // Block b tells every rank it has reached barrier `value`, then waits until block b of every
 // rank has told it the same. Values only grow (wrap-safe compare), so a rank already past the
 // next barrier also counts as arrived. A rank that never comes traps after seconds: the
-// context reports an error instead of hanging.
+// context reports an error instead of hanging. Each block counts its calls in `epochs`, in its
+// rank's memory, so that a call replayed from a CUDA graph takes the next barrier values (an
+// argument would be frozen at capture); every rank makes the same calls, so the counts agree.
 __device__ void peer_barrier(const PeerPtrs& p, int rank, int ranks, u32 value) {
     __syncthreads();
     if ((int)threadIdx.x < ranks) {
@@ -50,10 +55,14 @@ __device__ __forceinline__ float load_cg(const float* p) {
     return v;
 }
 
-// out = the sum over ranks of in[r], n floats (16-byte aligned buffers), in rank order.
-extern "C" __global__ void peer_all_reduce(PeerPtrs p, float* out, int n, int rank, int ranks, u32 epoch) {
+// out = the sum over ranks of in[r] + offset, n floats (16-byte aligned buffers), in rank order.
+extern "C" __global__ void peer_all_reduce(PeerPtrs p, long long offset, float* out, int n, int rank, int ranks,
+                                           u32* epochs, int guard) {
     after_previous_kernel();
+    // Every thread reads the count before thread 0 moves it on, after the last barrier.
+    u32 epoch = epochs[blockIdx.x] + 1;
     peer_barrier(p, rank, ranks, 2 * epoch);
+    for (int r = 0; r < ranks; r++) p.in[r] += offset;
     int stride = gridDim.x * blockDim.x;
     int n4 = n >> 2;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += stride) {
@@ -72,5 +81,6 @@ extern "C" __global__ void peer_all_reduce(PeerPtrs p, float* out, int n, int ra
         for (int r = 1; r < ranks; r++) s += load_cg(p.in[r] + i);
         out[i] = s;
     }
-    peer_barrier(p, rank, ranks, 2 * epoch + 1);
+    if (guard) peer_barrier(p, rank, ranks, 2 * epoch + 1);
+    if (threadIdx.x == 0) epochs[blockIdx.x] = epoch;
 }

@@ -85,7 +85,8 @@ pub struct ModelArgs {
     /// benchmarks of large shapes; the tokenizer still comes from --model).
     #[arg(long, default_value = "auto", value_parser = parse_load_format)]
     load_format: LoadFormat,
-    /// The shape of dummy weights: llama-3.1-8b, qwen2.5-7b or a Hugging Face config.json.
+    /// The shape of dummy weights: llama-3.1-8b, llama-3.1-70b, qwen2.5-7b or a Hugging Face
+    /// config.json.
     #[arg(long)]
     model_config: Option<String>,
     /// Share of the GPU's memory the backend may take, KV cache included (vLLM's
@@ -112,6 +113,11 @@ pub struct ModelArgs {
     /// for speculative checks as they come).
     #[arg(long)]
     enforce_eager: bool,
+    /// Split the model over this many GPUs (tensor parallelism), from --device's on: each
+    /// holds a share of the heads and of the MLP, and the GPUs sum their parts after each
+    /// attention and MLP.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=8))]
+    tensor_parallel_size: u16,
     /// Plan and queue each step before the last one's tokens are read, so that the device
     /// does not wait for the host between steps (the tokens go from the GPU's draws straight
     /// into the next pass). Outputs are the same either way. [default: on a GPU, unless
@@ -234,17 +240,15 @@ impl ModelArgs {
         let tokenizer = Tokenizer::from_model_file(&path)?;
         let model_config = match &self.model_config {
             None => None,
-            Some(name) => {
-                Some(match ModelConfig::preset(name) {
-                    Some(c) => c,
-                    None => {
-                        let text = std::fs::read_to_string(name).map_err(|e| {
-                        anyhow::anyhow!("--model-config {name}: not a preset (llama-3.1-8b, qwen2.5-7b) nor a readable file: {e}")
+            Some(name) => Some(match ModelConfig::preset(name) {
+                Some(c) => c,
+                None => {
+                    let text = std::fs::read_to_string(name).map_err(|e| {
+                        anyhow::anyhow!("--model-config {name}: not a preset (llama-3.1-8b, llama-3.1-70b, qwen2.5-7b) nor a readable file: {e}")
                     })?;
-                        ModelConfig::from_hf_json(&text)?
-                    }
-                })
-            }
+                    ModelConfig::from_hf_json(&text)?
+                }
+            }),
         };
         // Without --kv-cache-*, the CPU's pool is a share of host memory (its options carry
         // the default); the GPU's, of device memory.
@@ -262,6 +266,7 @@ impl ModelArgs {
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_num_seqs: self.max_num_seqs,
             enforce_eager: self.enforce_eager,
+            tensor_parallel_size: self.tensor_parallel_size.into(),
         };
         let backend = crate::runtime::load(self.device, &path, options)?;
         Ok((backend, tokenizer))

@@ -237,6 +237,11 @@ impl ModelConfig {
                 "num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"rope_theta":500000.0,
                 "rms_norm_eps":1e-5,"max_position_embeddings":131072}"#
             }
+            "llama-3.1-70b" => {
+                r#"{"model_type":"llama","vocab_size":128256,"hidden_size":8192,"intermediate_size":28672,
+                "num_hidden_layers":80,"num_attention_heads":64,"num_key_value_heads":8,"rope_theta":500000.0,
+                "rms_norm_eps":1e-5,"max_position_embeddings":131072}"#
+            }
             "qwen2.5-7b" => {
                 r#"{"model_type":"qwen2","vocab_size":152064,"hidden_size":3584,"intermediate_size":18944,
                 "num_hidden_layers":28,"num_attention_heads":28,"num_key_value_heads":4,"rope_theta":1000000.0,

@@ -12,6 +12,7 @@ pub mod gguf;
 pub mod hf;
 pub mod model;
 pub mod names;
+pub mod shard;
 
 pub use batch::{ForwardBatch, KvLayout, Logits};
 pub use config::{Architecture, ModelConfig};
@@ -287,12 +288,20 @@ pub struct LoadOptions {
     pub max_num_seqs: usize,
     /// The GPU runs every step eagerly, without CUDA graphs (vLLM's --enforce-eager).
     pub enforce_eager: bool,
+    /// GPUs the model is split over (tensor parallelism), from the device's ordinal on; 0 and
+    /// 1: one.
+    pub tensor_parallel_size: usize,
 }
 
 /// The one place a backend is chosen and built.
 pub fn load(device: DeviceChoice, model: &Path, options: LoadOptions) -> Result<Box<dyn Backend>> {
     match device.resolve()? {
         Device::Cpu => {
+            if options.tensor_parallel_size > 1 {
+                return Err(RuntimeError::Device(
+                    "--tensor-parallel-size splits a model over GPUs; this run is on the CPU".into(),
+                ));
+            }
             if options.load_format == LoadFormat::Dummy {
                 return Err(RuntimeError::Device(
                     "--load-format dummy runs on the GPU only (the CPU backend reads quantized GGUF)".into(),
@@ -331,7 +340,32 @@ pub fn load(device: DeviceChoice, model: &Path, options: LoadOptions) -> Result<
                 (LoadFormat::Auto, _) if hf::is_model_dir(model) => cuda::WeightSource::HuggingFace(model),
                 (LoadFormat::Auto, _) => cuda::WeightSource::Gguf(model),
             };
-            Ok(Box::new(cuda::CudaBackend::load(source, &cuda_options)?))
+            match options.tensor_parallel_size {
+                0 | 1 => Ok(Box::new(cuda::CudaBackend::load(source, &cuda_options)?)),
+                size => Ok(Box::new(cuda::tensor_parallel::TensorParallel::load(
+                    source,
+                    &cuda_options,
+                    size,
+                )?)),
+            }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tensor_parallelism_on_the_cpu_is_refused_before_anything_loads() {
+        let options = LoadOptions {
+            tensor_parallel_size: 2,
+            ..Default::default()
+        };
+        let e = load(DeviceChoice::Cpu, Path::new("/nonexistent.gguf"), options)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(e.contains("--tensor-parallel-size"), "{e}");
     }
 }

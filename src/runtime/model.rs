@@ -54,6 +54,11 @@ pub trait Ops<W: Weights> {
     fn qkv_rope_and_cache(&mut self, qkv: &W::Linear, bias: Option<&W::Vector>, layer: usize) -> Result<()>;
     /// Paged attention of the rotated queries over layer `layer`'s cache, into `Attn`.
     fn attention(&mut self, layer: usize) -> Result<()>;
+    /// Under tensor parallelism, `act` (a row-parallel projection's partial sum on each GPU)
+    /// summed over the GPUs; nothing on one.
+    fn all_reduce(&mut self, _act: Act) -> Result<()> {
+        Ok(())
+    }
     /// `Normed` through gate|up, then SiLU(gate) * up into `Hidden`.
     fn gate_up_silu(&mut self, gate_up: &W::Linear) -> Result<()>;
     /// The last residual add and the final norm, on the rows whose logits are wanted only,
@@ -72,7 +77,8 @@ impl<W: Weights> Attention<W> {
     fn forward(&self, ops: &mut impl Ops<W>, layer: usize) -> Result<()> {
         ops.qkv_rope_and_cache(&self.qkv, self.qkv_bias.as_ref(), layer)?;
         ops.attention(layer)?;
-        ops.linear(&self.out, Act::Attn, Act::Branch)
+        ops.linear(&self.out, Act::Attn, Act::Branch)?;
+        ops.all_reduce(Act::Branch)
     }
 }
 
@@ -84,7 +90,8 @@ pub struct Mlp<W: Weights> {
 impl<W: Weights> Mlp<W> {
     fn forward(&self, ops: &mut impl Ops<W>) -> Result<()> {
         ops.gate_up_silu(&self.gate_up)?;
-        ops.linear(&self.down, Act::Hidden, Act::Branch)
+        ops.linear(&self.down, Act::Hidden, Act::Branch)?;
+        ops.all_reduce(Act::Branch)
     }
 }
 

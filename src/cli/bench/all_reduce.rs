@@ -91,7 +91,7 @@ pub fn run(args: AllReduceArgs) -> anyhow::Result<()> {
     let streams = contexts.iter().map(|c| c.new_stream()).collect::<Result<Vec<_>, _>>()?;
     let raw_streams: Vec<_> = streams.iter().map(|s| s.cu_stream()).collect();
     let mut group = Group::local(nccl.clone(), &devices)?;
-    let mut peer = match bf16 {
+    let peer = match bf16 {
         true => None,
         false => PeerReduce::new(&contexts)?,
     };
@@ -132,7 +132,7 @@ pub fn run(args: AllReduceArgs) -> anyhow::Result<()> {
         // Bus bandwidth as nccl-tests counts it: what each rank's links carry in a ring.
         let alg = bytes / us / 1e3;
         let bus = alg * 2.0 * (ranks - 1) as f64 / ranks as f64;
-        let peer_us = match peer.as_mut().filter(|_| n * elem <= args.peer_max) {
+        let peer_us = match peer.as_ref().filter(|_| n * elem <= args.peer_max) {
             Some(p) => Some(time_peer(p, &streams, n, args.iters)?),
             None => None,
         };
@@ -184,7 +184,7 @@ pub fn run(args: AllReduceArgs) -> anyhow::Result<()> {
 
 /// Checks the peer all-reduce of `n` floats bitwise against the host's sum in rank order (on
 /// random values, where another order would round differently), then times it: us a call.
-fn time_peer(peer: &mut PeerReduce, streams: &[Arc<CudaStream>], n: usize, iters: usize) -> anyhow::Result<f64> {
+fn time_peer(peer: &PeerReduce, streams: &[Arc<CudaStream>], n: usize, iters: usize) -> anyhow::Result<f64> {
     let ranks = streams.len();
     // A fixed pseudo-random fill per rank: values of mixed magnitude and sign.
     let values = |r: usize| -> Vec<f32> {

@@ -13,6 +13,7 @@ pub mod peer_reduce;
 mod sample;
 mod staging;
 mod step;
+pub mod tensor_parallel;
 mod timing;
 mod weights;
 
@@ -26,12 +27,14 @@ use self::graphs::{Graphs, Shape};
 use self::kernels::Kernels;
 use self::launcher::{launch, launch3, launch_items, launch_smem, Arg, ROW_THREADS, THREADS};
 use self::staging::Staging;
+use self::tensor_parallel::RankLink;
 use self::timing::{Phase, Timing};
 use self::weights::{CudaWeights, Weights};
 use super::batch::{ForwardBatch, KvLayout};
 use super::config::ModelConfig;
 use super::error::{Result, RuntimeError};
 use super::gguf::GgufFile;
+use super::shard::Shard;
 use super::{Backend, RowRequest, Sampled, FROM_LAST_DRAW};
 
 /// Tokens per KV block.
@@ -137,6 +140,8 @@ pub struct CudaBackend {
     graphs: Option<Graphs>,
     /// The last `run` captured its shape's graph.
     captured_last_run: bool,
+    /// This GPU's place in a tensor-parallel group (its shard of the model, the all-reduce).
+    rank: Option<RankLink>,
 }
 
 /// Where a staged pass's tokens decided by the last draw go (device addresses): its ids, the
@@ -210,33 +215,45 @@ fn device_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> RuntimeErro
 
 impl CudaBackend {
     pub fn load(source: WeightSource<'_>, options: &CudaOptions) -> Result<Self> {
-        let ctx = CudaContext::new(options.ordinal)
-            .map_err(|e| RuntimeError::Device(format!("creating a context on cuda:{}: {e}", options.ordinal)))?;
+        Self::load_rank(&source, options, None)
+    }
+
+    /// The whole model (`rank` None), or one rank's shard of it, on the rank's context.
+    pub(crate) fn load_rank(source: &WeightSource<'_>, options: &CudaOptions, rank: Option<RankLink>) -> Result<Self> {
+        let ctx = match &rank {
+            Some(link) => link.ctx.clone(),
+            None => CudaContext::new(options.ordinal)
+                .map_err(|e| RuntimeError::Device(format!("creating a context on cuda:{}: {e}", options.ordinal)))?,
+        };
+        let ordinal = ctx.ordinal();
         // One stream does all the work in order, so cudarc's per-buffer events are not needed.
         // SAFETY: no buffer is used on another stream.
         unsafe { ctx.disable_event_tracking() };
         // A stream of our own: the legacy default stream cannot be captured into a graph.
         let stream = ctx
             .new_stream()
-            .map_err(|e| RuntimeError::Device(format!("creating a stream on cuda:{}: {e}", options.ordinal)))?;
+            .map_err(|e| RuntimeError::Device(format!("creating a stream on cuda:{ordinal}: {e}")))?;
         let kernels = Kernels::load(&ctx)?;
-        let (config, weights) = match source {
+        let shard = rank.as_ref().map_or(Shard::WHOLE, |link| link.shard);
+        let (whole, weights) = match source {
             WeightSource::Gguf(path) => {
                 let mut gguf = GgufFile::open(path)?;
                 let config = ModelConfig::from_gguf(&gguf)?;
-                let weights = CudaWeights::from_gguf(&mut gguf, &config, &stream)?;
+                let weights = CudaWeights::from_gguf(&mut gguf, &config, shard, &stream)?;
                 (config, weights)
             }
             WeightSource::HuggingFace(dir) => {
                 let (config, tied) = super::hf::config(dir)?;
-                let weights = CudaWeights::from_hf(dir, &config, tied, &stream)?;
+                let weights = CudaWeights::from_hf(dir, &config, tied, shard, &stream)?;
                 (config, weights)
             }
             WeightSource::Dummy(config) => {
-                let weights = CudaWeights::dummy(&config, &stream, &kernels)?;
-                (config, weights)
+                let weights = CudaWeights::dummy(&shard.config(config), shard, &stream, &kernels)?;
+                (config.clone(), weights)
             }
         };
+        // The kernels see the heads and the MLP width this GPU computes.
+        let config = shard.config(&whole);
         // The attention kernel holds a head in registers and shared memory of 256 values.
         if config.head_dim > MAX_HEAD_DIM {
             return Err(RuntimeError::BadMetadata {
@@ -308,8 +325,7 @@ impl CudaBackend {
             v_cache.push(unsafe { stream.alloc::<u16>(per_layer) }.map_err(oom)?);
         }
         let name = format!(
-            "cuda:{} ({})",
-            options.ordinal,
+            "cuda:{ordinal} ({})",
             ctx.name().unwrap_or_else(|_| "unknown GPU".into())
         );
         if let Ok((free, total)) = ctx.mem_get_info() {
@@ -387,6 +403,7 @@ impl CudaBackend {
             timing,
             graphs,
             captured_last_run: false,
+            rank,
         };
         backend.capture_decode_graphs(&[1, 2])?;
         Ok(backend)
@@ -437,6 +454,8 @@ impl CudaBackend {
                 logits: self.ptr(&b.logits),
                 partials: self.ptr(&b.partials),
             },
+            rank: self.rank.as_ref(),
+            reduce_slot: 0,
         }
     }
 
@@ -687,6 +706,15 @@ impl Backend for CudaBackend {
         let step_batch = padded.as_ref().unwrap_or(batch);
         let (t, rows) = (step_batch.num_tokens(), step_batch.logits_rows.len());
         if t > self.buffers.tokens || rows > self.buffers.rows {
+            // The group's all-reduce reads every rank's partial sums at addresses fixed at load.
+            if let Some(link) = self.rank.as_ref().filter(|link| t > link.capacity) {
+                let e = RuntimeError::InvalidBatch(format!(
+                    "{t} tokens in one pass; a tensor-parallel group takes at most {}",
+                    link.capacity
+                ));
+                self.graphs = graphs;
+                return Err(e);
+            }
             self.buffers = Buffers::new(
                 &self.stream,
                 &cfg,

@@ -13,6 +13,7 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUstream;
+use cudarc::driver::CudaStream;
 
 use crate::runtime::RuntimeError;
 
@@ -248,6 +249,69 @@ impl Group {
             // SAFETY: each communicator is aborted once and not used again.
             unsafe { (self.nccl.fns.comm_abort)(comm) };
         }
+    }
+}
+
+impl Group {
+    /// The communicators apart, one for each rank's own thread (a thread a GPU, as tensor
+    /// parallelism drives them).
+    pub fn into_ranks(mut self) -> Vec<RankComm> {
+        std::mem::take(&mut self.comms)
+            .into_iter()
+            .map(|comm| RankComm {
+                nccl: self.nccl.clone(),
+                comm,
+            })
+            .collect()
+    }
+}
+
+/// One rank's communicator, driven by its GPU's thread alone: its collectives are single
+/// calls, since every other rank's thread makes its own.
+pub struct RankComm {
+    nccl: Arc<Nccl>,
+    comm: Comm,
+}
+
+// SAFETY: a communicator may move between threads; it is used by one at a time (`&self`
+// methods queue work on a stream the caller owns, and NCCL locks a communicator's state).
+unsafe impl Send for RankComm {}
+unsafe impl Sync for RankComm {}
+
+impl RankComm {
+    /// `out` = the sum over ranks of `input`, `count` f32 values on this rank's device,
+    /// queued on `stream`.
+    pub fn all_reduce_f32(&self, input: u64, out: u64, count: usize, stream: &CudaStream) -> Result<(), RuntimeError> {
+        let f = &self.nccl.fns;
+        // SAFETY: both buffers hold `count` floats on this rank's device.
+        let r = unsafe {
+            (f.all_reduce)(
+                input as *const c_void,
+                out as *mut c_void,
+                count,
+                FLOAT32,
+                SUM,
+                self.comm,
+                stream.cu_stream(),
+            )
+        };
+        self.nccl.check(r, Some(self.comm), "ncclAllReduce")
+    }
+
+    /// An error a collective of this rank's reported since (a peer that failed or stalled).
+    pub fn async_error(&self) -> Result<(), RuntimeError> {
+        let mut r: NcclResult = SUCCESS;
+        // SAFETY: writes one result.
+        let got = unsafe { (self.nccl.fns.async_error)(self.comm, &mut r) };
+        self.nccl.check(got, Some(self.comm), "ncclCommGetAsyncError")?;
+        self.nccl.check(r, Some(self.comm), "a collective failed")
+    }
+}
+
+impl Drop for RankComm {
+    fn drop(&mut self) {
+        // SAFETY: destroyed once, after its last use.
+        unsafe { (self.nccl.fns.comm_destroy)(self.comm) };
     }
 }
 

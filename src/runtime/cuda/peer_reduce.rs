@@ -39,8 +39,18 @@ pub struct PeerReduce {
     kernels: Vec<CudaFunction>,
     /// Each rank's arrival words (`PeerPtrs::arrivals`), zero at first.
     arrivals: Vec<CudaSlice<u32>>,
-    /// The calls so far: the barriers' values come from it and only grow.
-    epoch: u32,
+    /// Each rank's count of calls, a word a block (the kernel's `epochs`).
+    epochs: Vec<CudaSlice<u32>>,
+}
+
+/// One rank's end of a group, for the thread that drives that GPU: every call sums one of two
+/// inputs a rank, fixed here, and calls alternate between them (so one barrier a call does).
+pub struct PeerRank {
+    group: Arc<PeerReduce>,
+    rank: usize,
+    ptrs: PeerPtrs,
+    /// Floats each of a rank's two inputs holds; the second follows the first.
+    capacity: usize,
 }
 
 fn device(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> RuntimeError {
@@ -109,14 +119,17 @@ impl PeerReduce {
             .iter()
             .map(|c| load_one(c, "all_reduce.cu", source, "peer_all_reduce"))
             .collect::<Result<Vec<_>>>()?;
-        let arrivals = contexts
-            .iter()
-            .map(|c| {
-                c.default_stream()
-                    .alloc_zeros::<u32>(MAX_BLOCKS * MAX_RANKS)
-                    .map_err(device("arrival words"))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let words = |what: &'static str| {
+            contexts
+                .iter()
+                .map(|c| {
+                    c.default_stream()
+                        .alloc_zeros::<u32>(MAX_BLOCKS * MAX_RANKS)
+                        .map_err(device(what))
+                })
+                .collect::<Result<Vec<_>>>()
+        };
+        let (arrivals, epochs) = (words("arrival words")?, words("call counts")?);
         for c in contexts {
             c.synchronize().map_err(device("arrival words"))?;
         }
@@ -124,7 +137,7 @@ impl PeerReduce {
             contexts: contexts.to_vec(),
             kernels,
             arrivals,
-            epoch: 0,
+            epochs,
         }))
     }
 
@@ -132,51 +145,103 @@ impl PeerReduce {
         self.contexts.len()
     }
 
-    /// `outputs[i] = sum over ranks of inputs[r]`, `n` floats each, queued on `streams[i]` for
-    /// rank i. Every buffer is 16-byte aligned; inputs and outputs do not overlap.
-    pub fn all_reduce_f32(
-        &mut self,
-        inputs: &[u64],
-        outputs: &[u64],
-        n: usize,
-        streams: &[Arc<CudaStream>],
-    ) -> Result<()> {
+    /// Rank `rank`'s end of the group, whose calls sum `inputs` (rank i's buffer on GPU i, two
+    /// inputs of `capacity` floats one after the other, 16-byte aligned, alive as long as the
+    /// end is).
+    pub fn rank(self: &Arc<Self>, rank: usize, inputs: &[u64], capacity: usize) -> Result<PeerRank> {
+        let stream = self.contexts[rank].default_stream();
+        Ok(PeerRank {
+            ptrs: self.ptrs(inputs, &stream)?,
+            group: self.clone(),
+            rank,
+            capacity,
+        })
+    }
+
+    fn ptrs(&self, inputs: &[u64], stream: &Arc<CudaStream>) -> Result<PeerPtrs> {
         let ranks = self.ranks();
-        if inputs.len() != ranks || outputs.len() != ranks || streams.len() != ranks {
+        if inputs.len() != ranks {
             return Err(RuntimeError::InvalidBatch(format!(
-                "a peer all-reduce over {ranks} ranks was given {} inputs, {} outputs and {} streams",
-                inputs.len(),
-                outputs.len(),
-                streams.len()
+                "a peer all-reduce over {ranks} ranks was given {} inputs",
+                inputs.len()
             )));
-        }
-        if n == 0 {
-            return Ok(());
         }
         let mut ptrs = PeerPtrs {
             inputs: [0; MAX_RANKS],
             arrivals: [0; MAX_RANKS],
         };
-        for r in 0..ranks {
-            ptrs.inputs[r] = inputs[r];
-            ptrs.arrivals[r] = self.arrivals[r].device_ptr(&streams[r]).0;
+        for (r, (&input, arrivals)) in inputs.iter().zip(&self.arrivals).enumerate() {
+            ptrs.inputs[r] = input;
+            ptrs.arrivals[r] = arrivals.device_ptr(stream).0;
         }
-        self.epoch = self.epoch.wrapping_add(1);
+        Ok(ptrs)
+    }
+
+    /// Queues rank `rank`'s part of a call on `stream`: every rank must queue the same calls,
+    /// in the same order, with the same `n`. The inputs start `offset` floats into each
+    /// rank's buffer; `guard`: a barrier after the reads, for callers that may write an input
+    /// again before the next call.
+    #[allow(clippy::too_many_arguments)]
+    fn launch(
+        &self,
+        ptrs: &PeerPtrs,
+        offset: usize,
+        rank: usize,
+        out: u64,
+        n: usize,
+        guard: bool,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
         // Enough blocks to have the bytes in flight, few enough to be resident at once (their
         // barriers wait on each other across the GPUs).
         let blocks = (n.div_ceil(4) as u32).div_ceil(THREADS).clamp(1, MAX_BLOCKS as u32);
-        let (count, ranks_i) = (n as i32, ranks as i32);
-        let epoch = self.epoch as i32;
+        let (count, rank_i, ranks_i) = (n as i32, rank as i32, self.ranks() as i32);
+        let (offset, guard) = (offset as i64, guard as i32);
+        let epochs = self.epochs[rank].device_ptr(stream).0;
+        launch(
+            stream,
+            &self.kernels[rank],
+            (blocks, 1),
+            THREADS,
+            &[ptrs, &offset, &out, &count, &rank_i, &ranks_i, &epochs, &guard],
+        )
+    }
+
+    /// `outputs[i] = sum over ranks of inputs[r]`, `n` floats each, queued on `streams[i]` for
+    /// rank i, from one thread. Every buffer is 16-byte aligned; inputs and outputs do not
+    /// overlap.
+    pub fn all_reduce_f32(&self, inputs: &[u64], outputs: &[u64], n: usize, streams: &[Arc<CudaStream>]) -> Result<()> {
+        let ranks = self.ranks();
+        if outputs.len() != ranks || streams.len() != ranks {
+            return Err(RuntimeError::InvalidBatch(format!(
+                "a peer all-reduce over {ranks} ranks was given {} outputs and {} streams",
+                outputs.len(),
+                streams.len()
+            )));
+        }
+        let ptrs = self.ptrs(inputs, &streams[0])?;
         for r in 0..ranks {
-            let rank = r as i32;
-            launch(
-                &streams[r],
-                &self.kernels[r],
-                (blocks, 1),
-                THREADS,
-                &[&ptrs, &outputs[r], &count, &rank, &ranks_i, &epoch],
-            )?;
+            self.launch(&ptrs, 0, r, outputs[r], n, true, &streams[r])?;
         }
         Ok(())
+    }
+}
+
+impl PeerRank {
+    /// `out` = the sum over ranks of the first `n` floats of their input `slot` (0 or 1; calls
+    /// alternate between them), queued on this rank's `stream`; graph-safe (the kernel counts
+    /// its own calls).
+    pub fn all_reduce(&self, slot: usize, out: u64, n: usize, stream: &Arc<CudaStream>) -> Result<()> {
+        if n > self.capacity {
+            return Err(RuntimeError::InvalidBatch(format!(
+                "an all-reduce of {n} floats; the ranks' buffers hold {}",
+                self.capacity
+            )));
+        }
+        self.group
+            .launch(&self.ptrs, (slot & 1) * self.capacity, self.rank, out, n, false, stream)
     }
 }

@@ -9,6 +9,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use super::attention::{self, AttentionArgs, Plan};
 use super::gemm::{Gemm, OutType, RopeArgs};
 use super::kernels::Kernels;
+use super::tensor_parallel::RankLink;
 use super::timing::{Phase, Timing};
 use super::weights::CudaWeights;
 use super::{launch, silu_mul, Arg, ROW_THREADS};
@@ -64,6 +65,12 @@ pub struct CudaStep<'a> {
     pub v_cache: &'a [CudaSlice<u16>],
     pub meta: Meta,
     pub buf: Buffers,
+    /// This GPU's place in a tensor-parallel group, where there is one.
+    pub rank: Option<&'a RankLink>,
+    /// Which of the rank's two partial-sum buffers the last row-parallel product went to:
+    /// attention's output projection and the MLP's down projection take one each, so that
+    /// the all-reduces alternate between them.
+    pub reduce_slot: usize,
 }
 
 impl CudaStep<'_> {
@@ -147,7 +154,12 @@ impl Ops<CudaWeights> for CudaStep<'_> {
 
     fn linear(&mut self, weight: &CudaSlice<u16>, input: Act, output: Act) -> Result<()> {
         self.mark(Phase::Gemm);
-        let ((x, k), (y, n)) = (self.act(input), self.act(output));
+        let ((x, k), (mut y, n)) = (self.act(input), self.act(output));
+        // A row-parallel product is a partial sum: it goes where the all-reduce reads it.
+        if let (Act::Branch, Some(link)) = (output, self.rank) {
+            self.reduce_slot = (input == Act::Hidden) as usize;
+            y = link.partial(self.reduce_slot, self.stream);
+        }
         self.gemm
             .matmul(x, self.ptr(weight), y, OutType::F32, self.meta.tokens, n, k)
     }
@@ -200,6 +212,13 @@ impl Ops<CudaWeights> for CudaStep<'_> {
         )
     }
 
+    fn all_reduce(&mut self, act: Act) -> Result<()> {
+        let Some(link) = self.rank else { return Ok(()) };
+        self.mark(Phase::Reduce);
+        let (out, width) = self.act(act);
+        link.all_reduce(self.reduce_slot, out, self.meta.tokens * width, self.stream)
+    }
+
     fn gate_up_silu(&mut self, gate_up: &CudaSlice<u16>) -> Result<()> {
         let inter = self.cfg.intermediate_size;
         let (x, k, w) = (self.buf.normed, self.cfg.hidden_size, self.ptr(gate_up));
@@ -221,7 +240,8 @@ impl Ops<CudaWeights> for CudaStep<'_> {
 
     fn logits(&mut self, norm: &CudaSlice<f32>, head: Head<'_, CudaWeights>) -> Result<()> {
         let rows = self.meta.rows;
-        if rows == 0 {
+        // The first rank alone computes logits and draws.
+        if rows == 0 || self.rank.is_some_and(|link| !link.shard.leads()) {
             return Ok(());
         }
         self.mark(Phase::Head);

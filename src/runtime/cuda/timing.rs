@@ -23,22 +23,25 @@ pub enum Phase {
     Elementwise,
     Head,
     Sample,
+    /// Tensor parallelism's all-reduces.
+    Reduce,
     End,
 }
 
-const PHASES: [Phase; 5] = [
+const PHASES: [Phase; 6] = [
     Phase::Gemm,
     Phase::Attention,
     Phase::Elementwise,
     Phase::Head,
     Phase::Sample,
+    Phase::Reduce,
 ];
 
 #[derive(Default)]
 struct Totals {
-    gpu_ms: [f64; 5],
+    gpu_ms: [f64; 6],
     /// The same, over steps whose every sequence has one query token (and their sampling).
-    decode_ms: [f64; 5],
+    decode_ms: [f64; 6],
     decode_steps: usize,
     /// Whether the last `run` was such a step (its sampling counts with it).
     last_decode: bool,

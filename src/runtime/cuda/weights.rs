@@ -1,6 +1,7 @@
 //! The decoder's weights in device memory, bf16 matrices and f32 norm vectors, from a GGUF file
 //! (dequantized on load) or deterministic random values of any shape (`--load-format dummy`).
 //! They fill the shared model (runtime/model.rs), with the CPU's stacking of q|k|v and gate|up.
+//! Under tensor parallelism a rank keeps its shard's rows and columns (runtime/shard.rs).
 
 use std::sync::Arc;
 
@@ -14,6 +15,7 @@ use crate::runtime::error::{Result, RuntimeError};
 use crate::runtime::gguf::GgufFile;
 use crate::runtime::model::{Attention, Block, Mlp, Model};
 use crate::runtime::names::{Format, Part};
+use crate::runtime::shard::Shard;
 
 /// The GPU's forms of weights: bf16 matrices `[out, in]` (their shapes follow from the config
 /// and the activations they join), f32 vectors.
@@ -63,7 +65,12 @@ fn upload_f32(stream: &Arc<CudaStream>, name: &str, values: &[f32]) -> Result<Cu
 pub type Reader<'a> = dyn FnMut(&str, &[usize]) -> Result<Vec<f32>> + 'a;
 
 impl CudaWeights {
-    pub fn from_gguf(gguf: &mut GgufFile, cfg: &ModelConfig, stream: &Arc<CudaStream>) -> Result<Weights> {
+    pub fn from_gguf(
+        gguf: &mut GgufFile,
+        cfg: &ModelConfig,
+        shard: Shard,
+        stream: &Arc<CudaStream>,
+    ) -> Result<Weights> {
         let has_head = gguf.has_tensor(Format::Gguf.head());
         let mut read = |name: &str, shape: &[usize]| -> Result<Vec<f32>> {
             let t = gguf.tensor(name)?;
@@ -75,22 +82,30 @@ impl CudaWeights {
             }
             Ok(t.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?)
         };
-        Self::load(&mut read, Format::Gguf, has_head, cfg, stream)
+        Self::load(&mut read, Format::Gguf, has_head, cfg, shard, stream)
     }
 
-    pub fn from_hf(dir: &std::path::Path, cfg: &ModelConfig, tied: bool, stream: &Arc<CudaStream>) -> Result<Weights> {
-        let shards = crate::runtime::hf::Shards::open(dir)?;
+    pub fn from_hf(
+        dir: &std::path::Path,
+        cfg: &ModelConfig,
+        tied: bool,
+        shard: Shard,
+        stream: &Arc<CudaStream>,
+    ) -> Result<Weights> {
+        let files = crate::runtime::hf::Shards::open(dir)?;
         let has_head = !tied;
-        let mut read = |name: &str, shape: &[usize]| shards.read(name, shape);
-        Self::load(&mut read, Format::HuggingFace, has_head, cfg, stream)
+        let mut read = |name: &str, shape: &[usize]| files.read(name, shape);
+        Self::load(&mut read, Format::HuggingFace, has_head, cfg, shard, stream)
     }
 
-    /// The weights by name, q|k|v and gate|up stacked as the kernels want them.
+    /// The weights by name, q|k|v and gate|up stacked as the kernels want them; `cfg` is the
+    /// whole model's shape, of which `shard` keeps its part.
     fn load(
         read: &mut Reader<'_>,
         names: Format,
         has_head: bool,
         cfg: &ModelConfig,
+        shard: Shard,
         stream: &Arc<CudaStream>,
     ) -> Result<Weights> {
         let (d, inter, q, kv) = (cfg.hidden_size, cfg.intermediate_size, cfg.q_size(), cfg.kv_size());
@@ -100,29 +115,41 @@ impl CudaWeights {
             &read(names.embedding(), &[cfg.vocab_size, d])?,
         )?;
         let mut layers = Vec::with_capacity(cfg.num_layers);
+        let (heads, hd, mlp) = (shard.q_heads(cfg), cfg.head_dim, shard.intermediate(cfg));
         for i in 0..cfg.num_layers {
             let n = |p: Part| names.layer(i, p);
-            let mut qkv = read(&n(Part::Q), &[q, d])?;
-            qkv.extend(read(&n(Part::K), &[kv, d])?);
-            qkv.extend(read(&n(Part::V), &[kv, d])?);
+            let (wq, wk, wv) = (
+                read(&n(Part::Q), &[q, d])?,
+                read(&n(Part::K), &[kv, d])?,
+                read(&n(Part::V), &[kv, d])?,
+            );
+            let qkv = shard.qkv_rows(cfg, &wq, &wk, &wv, d);
             let qkv_bias = if cfg.qkv_bias {
-                let mut b = read(&n(Part::QBias), &[q])?;
-                b.extend(read(&n(Part::KBias), &[kv])?);
-                b.extend(read(&n(Part::VBias), &[kv])?);
-                Some(upload_f32(stream, &n(Part::QBias), &b)?)
+                let (bq, bk, bv) = (
+                    read(&n(Part::QBias), &[q])?,
+                    read(&n(Part::KBias), &[kv])?,
+                    read(&n(Part::VBias), &[kv])?,
+                );
+                Some(upload_f32(
+                    stream,
+                    &n(Part::QBias),
+                    &shard.qkv_rows(cfg, &bq, &bk, &bv, 1),
+                )?)
             } else {
                 None
             };
-            let mut gate_up = read(&n(Part::Gate), &[inter, d])?;
-            gate_up.extend(read(&n(Part::Up), &[inter, d])?);
+            let mut gate_up = Shard::rows(&read(&n(Part::Gate), &[inter, d])?, d, mlp.clone());
+            gate_up.extend(Shard::rows(&read(&n(Part::Up), &[inter, d])?, d, mlp.clone()));
+            let out = Shard::columns(&read(&n(Part::AttnOut), &[d, q])?, q, heads.start * hd..heads.end * hd);
+            let down = Shard::columns(&read(&n(Part::Down), &[d, inter])?, inter, mlp.clone());
             layers.push(block(
                 upload_f32(stream, &n(Part::AttnNorm), &read(&n(Part::AttnNorm), &[d])?)?,
                 upload_bf16(stream, &n(Part::Q), &qkv)?,
                 qkv_bias,
-                upload_bf16(stream, &n(Part::AttnOut), &read(&n(Part::AttnOut), &[d, q])?)?,
+                upload_bf16(stream, &n(Part::AttnOut), &out)?,
                 upload_f32(stream, &n(Part::FfnNorm), &read(&n(Part::FfnNorm), &[d])?)?,
                 upload_bf16(stream, &n(Part::Gate), &gate_up)?,
-                upload_bf16(stream, &n(Part::Down), &read(&n(Part::Down), &[d, inter])?)?,
+                upload_bf16(stream, &n(Part::Down), &down)?,
             ));
         }
         let output_norm = upload_f32(stream, names.output_norm(), &read(names.output_norm(), &[d])?)?;
@@ -146,12 +173,18 @@ impl CudaWeights {
 
     /// Uniform random matrices (the same on every run for a given shape), unit norms, an
     /// untied head: the memory traffic and arithmetic of the real model, for benchmarks.
-    pub fn dummy(cfg: &ModelConfig, stream: &Arc<CudaStream>, kernels: &Kernels) -> Result<Weights> {
-        let mut seed = 0u64;
+    /// `cfg` is the shape a rank computes (a shard's); each rank draws its own values.
+    pub fn dummy(cfg: &ModelConfig, shard: Shard, stream: &Arc<CudaStream>, kernels: &Kernels) -> Result<Weights> {
+        let mut made = 0u64;
         let mut matrix = |name: &str, rows: usize, cols: usize| -> Result<CudaSlice<u16>> {
             let n = rows * cols;
             let mut m = stream.alloc_zeros::<u16>(n).map_err(|e| oom(name, e))?;
-            seed += 1;
+            made += 1;
+            // The first, the embedding, is every rank's; the rest are the rank's own.
+            let seed = match made {
+                1 => 1,
+                k => k + shard.rank as u64 * 1_000_000,
+            };
             let scale = 1.0f32 / (cols as f32).sqrt();
             let (n64, cfg_launch) = (
                 n as u64,

@@ -1,0 +1,294 @@
+//! Tensor parallelism (`--tensor-parallel-size N`): one model split over N GPUs of one host
+//! (runtime/shard.rs says how), one process with a thread a GPU. Each rank is a whole CUDA
+//! backend over its shard: it stages the batch, replays its own graphs and queues its own
+//! all-reduces, which are captured with the rest of its step. The engine sees one backend:
+//! every pass goes to every rank at once; the logits, masks and draws stay on rank 0, and the
+//! tokens it draws reach the other ranks in the next pass's batch.
+//!
+//! The all-reduce is the one-shot through peer memory (peer_reduce.rs) where every GPU reaches
+//! the others': it sums in rank order, so every rank holds the same residual stream, and a
+//! row's sum does not depend on what else is in the pass. Elsewhere NCCL, a communicator a
+//! rank. Either way the partial sums go to a buffer fixed at load, whose address the other
+//! ranks hold.
+
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
+
+use super::graphs::MAX_PER_SEQ;
+use super::nccl::{Group, Nccl, RankComm};
+use super::peer_reduce::{PeerRank, PeerReduce};
+use super::{CudaBackend, CudaOptions, WeightSource};
+use crate::runtime::config::ModelConfig;
+use crate::runtime::error::{Result, RuntimeError};
+use crate::runtime::gguf::GgufFile;
+use crate::runtime::shard::{self, Shard};
+use crate::runtime::{Backend, ForwardBatch, KvLayout, RowDraw, RowRequest, Sampled};
+
+/// What one rank's backend needs of its group.
+pub struct RankLink {
+    pub shard: Shard,
+    pub ctx: Arc<CudaContext>,
+    reduce: Reduce,
+    /// Where the rank's row-parallel products go: two buffers (peer_reduce.rs's slots) of
+    /// `capacity` tokens of the hidden width, one after the other.
+    partial: CudaSlice<f32>,
+    /// Floats in one of them.
+    slot_len: usize,
+    /// The most tokens a pass may have.
+    pub capacity: usize,
+}
+
+enum Reduce {
+    Peer(PeerRank),
+    Nccl(RankComm),
+}
+
+impl RankLink {
+    /// The buffer `slot` (0 or 1) a row-parallel projection writes its partial sums to.
+    pub fn partial(&self, slot: usize, stream: &Arc<CudaStream>) -> u64 {
+        self.partial.device_ptr(stream).0 + (slot * self.slot_len * std::mem::size_of::<f32>()) as u64
+    }
+
+    /// `out` = the sum over the ranks of the first `n` floats of their partial sums in
+    /// `slot`, on `stream`.
+    pub fn all_reduce(&self, slot: usize, out: u64, n: usize, stream: &Arc<CudaStream>) -> Result<()> {
+        match &self.reduce {
+            Reduce::Peer(peer) => peer.all_reduce(slot, out, n, stream),
+            Reduce::Nccl(comm) => comm.all_reduce_f32(self.partial(slot, stream), out, n, stream),
+        }
+    }
+}
+
+/// A rank other than the first, on its own thread: it runs each pass it is sent.
+struct Worker {
+    passes: Option<mpsc::Sender<Arc<ForwardBatch>>>,
+    done: mpsc::Receiver<Result<()>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+pub struct TensorParallel {
+    lead: CudaBackend,
+    workers: Vec<Worker>,
+    /// The whole model's shape.
+    config: ModelConfig,
+    /// Blocks every rank has: the smallest pool among them.
+    layout: KvLayout,
+    name: String,
+}
+
+/// The whole model's shape, before any rank loads its part.
+fn whole_config(source: &WeightSource<'_>) -> Result<ModelConfig> {
+    match source {
+        WeightSource::Gguf(path) => ModelConfig::from_gguf(&GgufFile::open(path)?),
+        WeightSource::HuggingFace(dir) => Ok(crate::runtime::hf::config(dir)?.0),
+        WeightSource::Dummy(config) => Ok(config.clone()),
+    }
+}
+
+fn device(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> RuntimeError {
+    move |e| RuntimeError::Device(format!("{what}: {e}"))
+}
+
+impl TensorParallel {
+    /// The model split over `size` GPUs from `options.ordinal` on.
+    pub fn load(source: WeightSource<'_>, options: &CudaOptions, size: usize) -> Result<Self> {
+        let config = whole_config(&source)?;
+        shard::check(&config, size)?;
+        let count = CudaContext::device_count().map_err(device("counting GPUs"))? as usize;
+        let ordinals: Vec<usize> = (options.ordinal..options.ordinal + size).collect();
+        if ordinals.last().is_some_and(|&last| last >= count) {
+            return Err(RuntimeError::Device(format!(
+                "--tensor-parallel-size {size} from cuda:{} needs GPUs up to cuda:{}; this machine has {count}",
+                options.ordinal,
+                options.ordinal + size - 1
+            )));
+        }
+        let contexts = ordinals
+            .iter()
+            .map(|&o| CudaContext::new(o).map_err(device("creating a context")))
+            .collect::<Result<Vec<_>>>()?;
+        let capacity = options.max_num_batched_tokens.max(options.max_num_seqs * MAX_PER_SEQ);
+        let floats = capacity * config.hidden_size;
+        let partials = contexts
+            .iter()
+            .map(|c| {
+                c.default_stream()
+                    .alloc_zeros::<f32>(2 * floats)
+                    .map_err(device("partial sums"))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        for c in &contexts {
+            c.synchronize().map_err(device("partial sums"))?;
+        }
+        let reduces = match PeerReduce::new(&contexts)? {
+            Some(group) => {
+                let group = Arc::new(group);
+                let inputs: Vec<u64> = partials
+                    .iter()
+                    .zip(&contexts)
+                    .map(|(p, c)| p.device_ptr(&c.default_stream()).0)
+                    .collect();
+                (0..size)
+                    .map(|r| group.rank(r, &inputs, floats).map(Reduce::Peer))
+                    .collect::<Result<Vec<_>>>()?
+            }
+            None => {
+                let devices: Vec<i32> = ordinals.iter().map(|&o| o as i32).collect();
+                Group::local(Nccl::open()?, &devices)?
+                    .into_ranks()
+                    .into_iter()
+                    .map(Reduce::Nccl)
+                    .collect()
+            }
+        };
+        let how = match reduces[0] {
+            Reduce::Peer(_) => "the one-shot all-reduce through peer memory",
+            Reduce::Nccl(_) => "NCCL (the GPUs do not reach each other's memory)",
+        };
+        let links =
+            contexts
+                .into_iter()
+                .zip(reduces)
+                .zip(partials)
+                .enumerate()
+                .map(|(rank, ((ctx, reduce), partial))| RankLink {
+                    shard: Shard { rank, size },
+                    ctx,
+                    reduce,
+                    partial,
+                    slot_len: floats,
+                    capacity,
+                });
+        // Every rank loads its shard at once, each on its own thread.
+        let source = &source;
+        let loaded: Vec<Result<CudaBackend>> = std::thread::scope(|s| {
+            let loads: Vec<_> = links
+                .map(|link| s.spawn(move || CudaBackend::load_rank(source, options, Some(link))))
+                .collect();
+            loads
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(RuntimeError::Device("a rank panicked while loading".into())))
+                })
+                .collect()
+        });
+        let mut ranks = loaded.into_iter().collect::<Result<Vec<_>>>()?;
+        let layout = KvLayout {
+            num_blocks: ranks.iter().map(|r| r.layout.num_blocks).min().unwrap_or(0),
+            block_size: ranks[0].layout.block_size,
+        };
+        let name = format!("{size} x {} (tensor parallel)", ranks[0].device_name());
+        eprintln!(
+            "quarry: {name}: {} blocks of {} tokens a rank; all-reduce by {how}",
+            layout.num_blocks, layout.block_size
+        );
+        let workers = ranks.drain(1..).map(Worker::start).collect();
+        Ok(TensorParallel {
+            lead: ranks.pop().expect("rank 0"),
+            workers,
+            config,
+            layout,
+            name,
+        })
+    }
+}
+
+impl Worker {
+    fn start(mut backend: CudaBackend) -> Worker {
+        let (passes, jobs) = mpsc::channel::<Arc<ForwardBatch>>();
+        let (report, done) = mpsc::channel();
+        let thread = std::thread::spawn(move || {
+            while let Ok(batch) = jobs.recv() {
+                if report.send(backend.run(&batch)).is_err() {
+                    break;
+                }
+            }
+        });
+        Worker {
+            passes: Some(passes),
+            done,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.passes.take();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Backend for TensorParallel {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn kv_layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    fn run(&mut self, batch: &ForwardBatch) -> Result<()> {
+        // A pass refused by one rank after the others queued theirs would leave their
+        // all-reduces waiting for it: refuse it here, for all of them.
+        let c = &self.config;
+        batch.validate_drawing(self.layout, c.vocab_size, c.context_length, &[])?;
+        let shared = Arc::new(batch.clone());
+        let gone = |r: usize| RuntimeError::Backend(format!("tensor-parallel rank {r} has stopped"));
+        let mut result = Ok(());
+        for (i, w) in self.workers.iter().enumerate() {
+            let sent = w.passes.as_ref().is_some_and(|p| p.send(shared.clone()).is_ok());
+            if !sent && result.is_ok() {
+                result = Err(gone(i + 1));
+            }
+        }
+        // Rank 0 queues its pass while the others queue theirs; each waits only for its own
+        // work, and their all-reduces meet on the GPUs.
+        let lead = self.lead.run(batch);
+        for (i, w) in self.workers.iter().enumerate() {
+            let r = w.done.recv().unwrap_or_else(|_| Err(gone(i + 1)));
+            if result.is_ok() {
+                result = r.map_err(|e| RuntimeError::Backend(format!("tensor-parallel rank {}: {e}", i + 1)));
+            }
+        }
+        lead.and(result)
+    }
+
+    fn sample(&mut self, rows: &[RowRequest<'_>]) -> Result<Sampled> {
+        self.lead.sample(rows)
+    }
+
+    fn redraw_within(&mut self, row: usize, mask: &[u32]) -> Result<RowDraw> {
+        self.lead.redraw_within(row, mask)
+    }
+
+    fn draws_on_device(&self) -> bool {
+        true
+    }
+
+    fn device_name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn logits_rows_copied(&self) -> u64 {
+        self.lead.logits_rows_copied()
+    }
+
+    fn graph_steps(&self) -> u64 {
+        self.lead.graph_steps()
+    }
+
+    fn last_run_warmed_up(&self) -> bool {
+        self.lead.last_run_warmed_up()
+    }
+
+    fn take_timing_report(&mut self) -> Option<String> {
+        self.lead.take_timing_report()
+    }
+}

@@ -1,0 +1,92 @@
+//! Tensor parallelism on a machine of several GPUs: a model split over 2, 3 or 4 of them gives
+//! what llama.cpp's goldens (SmolLM2, whose 9 query and 3 KV heads split 3 ways) and
+//! transformers' references (random Llama and Qwen2 models of 8 query and 2 KV heads: 2 ways,
+//! then 4 with each KV head kept by two ranks) say, within the tolerances the single-GPU tests
+//! hold. `QUARRY_TEST_GPUS` (set by `scripts/gpu-check run --gpus N`) says how many GPUs the
+//! machine has; unset, the tests skip with a message.
+
+mod common;
+mod hf_reference;
+
+use quarry::runtime::{Backend, DeviceChoice, LoadFormat, LoadOptions};
+
+/// The GPUs these tests may use, or None (after saying why they skip). Where it is set, a
+/// machine with fewer GPUs is a failure.
+fn gpus() -> Option<usize> {
+    let Some(n) = std::env::var("QUARRY_TEST_GPUS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    else {
+        eprintln!("skipping: QUARRY_TEST_GPUS is not set (scripts/gpu-check run --gpus N sets it)");
+        return None;
+    };
+    let have = quarry::runtime::device::cuda_devices().unwrap_or_else(|why| panic!("QUARRY_TEST_GPUS={n}, but {why}"));
+    assert!(have >= n, "QUARRY_TEST_GPUS={n}, but this machine has {have} GPUs");
+    Some(n)
+}
+
+fn split(model: &std::path::Path, size: usize, kv_cache_tokens: usize) -> Box<dyn Backend> {
+    let options = LoadOptions {
+        kv_cache_tokens: Some(kv_cache_tokens),
+        max_num_batched_tokens: 1024,
+        max_num_seqs: 8,
+        tensor_parallel_size: size,
+        ..Default::default()
+    };
+    let backend = quarry::runtime::load(DeviceChoice::Cuda(0), model, options)
+        .unwrap_or_else(|e| panic!("{} over {size} GPUs: {e}", model.display()));
+    assert!(
+        backend.device_name().contains("tensor parallel"),
+        "{}",
+        backend.device_name()
+    );
+    backend
+}
+
+#[test]
+fn smollm2_split_three_ways_matches_llama_cpp() {
+    let Some(gpus) = gpus() else { return };
+    if gpus < 3 {
+        // Not a skip: the machine was named as having fewer GPUs than the test needs.
+        println!("not applicable: SmolLM2 splits 3 ways; QUARRY_TEST_GPUS={gpus}");
+        return;
+    }
+    let path = common::model_path().expect("the default model on the GPU machine");
+    let mut backend = split(&path, 3, 4096);
+    common::check_against_llama_cpp(backend.as_mut());
+}
+
+#[test]
+fn transformers_models_split_two_and_four_ways_match_transformers() {
+    let Some(gpus) = gpus() else { return };
+    let dirs = hf_reference::reference_dirs().expect("QUARRY_HF_REFERENCE on a machine of several GPUs");
+    for size in [2, 4].into_iter().filter(|&s| s <= gpus) {
+        for dir in &dirs {
+            let mut backend = split(dir, size, 4096);
+            let (worst, flips) = hf_reference::check_against_reference(backend.as_mut(), dir);
+            println!("over {size} GPUs: worst {worst:.2}x the bound's base, {flips} near-tie partings");
+        }
+    }
+}
+
+#[test]
+fn a_model_that_does_not_split_evenly_is_refused_with_a_reason() {
+    if gpus().is_none() {
+        return;
+    }
+    // SmolLM2's shape: 9 query heads do not split 2 ways.
+    let mut shape = quarry::runtime::ModelConfig::preset("llama-3.1-8b").unwrap();
+    (shape.num_heads, shape.num_kv_heads, shape.head_dim) = (9, 3, 64);
+    let options = LoadOptions {
+        load_format: LoadFormat::Dummy,
+        model_config: Some(shape),
+        kv_cache_tokens: Some(1024),
+        tensor_parallel_size: 2,
+        ..Default::default()
+    };
+    let e = quarry::runtime::load(DeviceChoice::Cuda(0), std::path::Path::new("unused"), options)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(e.contains("9 query heads"), "{e}");
+}
