@@ -36,7 +36,8 @@ pub fn test_device() -> quarry::runtime::DeviceChoice {
 }
 
 /// The default model on the test device, or `None` (with a message) where the model or the
-/// GPU asked for is missing.
+/// GPU asked for is missing. `QUARRY_TEST_TENSOR_PARALLEL=N` splits it over N GPUs (scripts/
+/// bench-multi-gpu's tp-check runs the engine's tests so).
 pub fn load_backend(kv_cache_tokens: usize) -> Option<(Box<dyn quarry::runtime::Backend>, Tokenizer)> {
     let device = test_device();
     if device == quarry::runtime::DeviceChoice::Cpu {
@@ -49,9 +50,14 @@ pub fn load_backend(kv_cache_tokens: usize) -> Option<(Box<dyn quarry::runtime::
         kv_cache_tokens: Some(kv_cache_tokens),
         max_num_batched_tokens: 2048,
         max_num_seqs: 128,
+        tensor_parallel_size: std::env::var("QUARRY_TEST_TENSOR_PARALLEL")
+            .ok()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(1),
         ..Default::default()
     };
     let backend = quarry::runtime::load(device, &path, options).expect("load model");
+    println!("device: {}", backend.device_name());
     let tokenizer = Tokenizer::from_model_file(&path).expect("load tokenizer");
     Some((backend, tokenizer))
 }

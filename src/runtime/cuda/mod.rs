@@ -142,6 +142,9 @@ pub struct CudaBackend {
     captured_last_run: bool,
     /// This GPU's place in a tensor-parallel group (its shard of the model, the all-reduce).
     rank: Option<RankLink>,
+    /// The next pass's tokens drawn on another GPU (a tensor-parallel group's first rank):
+    /// the copy of that draw's scratch here, and each row's word in it.
+    remote_draw: Option<(u64, Vec<Option<u32>>)>,
 }
 
 /// Where a staged pass's tokens decided by the last draw go (device addresses): its ids, the
@@ -404,6 +407,7 @@ impl CudaBackend {
             graphs,
             captured_last_run: false,
             rank,
+            remote_draw: None,
         };
         backend.capture_decode_graphs(&[1, 2])?;
         Ok(backend)
@@ -553,7 +557,7 @@ impl CudaBackend {
             return Ok((at, words, 0));
         }
         let (scratch, token_word) = self
-            .last_draw()
+            .draw_source()
             .ok_or_else(|| RuntimeError::InvalidBatch("tokens stand for a draw that did not happen".into()))?;
         for (i, &t) in batch.token_ids.iter().enumerate() {
             if t & FROM_LAST_DRAW == 0 {
@@ -569,6 +573,15 @@ impl CudaBackend {
             words.push(word);
         }
         Ok((at, words, scratch))
+    }
+
+    /// Where the last draw's tokens are on this GPU, and each row's word among them: this
+    /// backend's own draw, or one made on another GPU and copied here.
+    fn draw_source(&self) -> Option<(u64, &[Option<u32>])> {
+        match &self.remote_draw {
+            Some((words, token_word)) => Some((*words, token_word)),
+            None => self.last_draw(),
+        }
     }
 
     /// Writes the staged pass's tokens that the last draw decided into its ids.
@@ -694,7 +707,7 @@ impl Backend for CudaBackend {
         let started = std::time::Instant::now();
         let cfg = self.config.clone();
         let drawn: Vec<bool> = self
-            .last_draw()
+            .draw_source()
             .map(|(_, words)| words.iter().map(Option::is_some).collect())
             .unwrap_or_default();
         batch.validate_drawing(self.layout, cfg.vocab_size, cfg.context_length, &drawn)?;

@@ -2,8 +2,9 @@
 //! (runtime/shard.rs says how), one process with a thread a GPU. Each rank is a whole CUDA
 //! backend over its shard: it stages the batch, replays its own graphs and queues its own
 //! all-reduces, which are captured with the rest of its step. The engine sees one backend:
-//! every pass goes to every rank at once; the logits, masks and draws stay on rank 0, and the
-//! tokens it draws reach the other ranks in the next pass's batch.
+//! every pass goes to every rank at once; the logits, masks and draws stay on rank 0. The
+//! tokens it draws reach the other ranks in the next pass's batch, or, where steps are
+//! pipelined, as a copy of its draw's scratch into theirs, which their next pass waits for.
 //!
 //! The all-reduce is the one-shot through peer memory (peer_reduce.rs) where every GPU reaches
 //! the others': it sums in rank order, so every rank holds the same residual stream, and a
@@ -15,7 +16,7 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{sys, CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr};
 
 use super::graphs::MAX_PER_SEQ;
 use super::nccl::{Group, Nccl, RankComm};
@@ -25,7 +26,7 @@ use crate::runtime::config::ModelConfig;
 use crate::runtime::error::{Result, RuntimeError};
 use crate::runtime::gguf::GgufFile;
 use crate::runtime::shard::{self, Shard};
-use crate::runtime::{Backend, ForwardBatch, KvLayout, RowDraw, RowRequest, Sampled};
+use crate::runtime::{Backend, ForwardBatch, KvLayout, RowDraw, RowRequest, Sampled, FROM_LAST_DRAW};
 
 /// What one rank's backend needs of its group.
 pub struct RankLink {
@@ -64,9 +65,20 @@ impl RankLink {
 
 /// A rank other than the first, on its own thread: it runs each pass it is sent.
 struct Worker {
-    passes: Option<mpsc::Sender<Arc<ForwardBatch>>>,
+    passes: Option<mpsc::Sender<Pass>>,
     done: mpsc::Receiver<Result<()>>,
     thread: Option<JoinHandle<()>>,
+    /// Where rank 0's draws are copied on this GPU (`RankLink::capacity` words), and its
+    /// context.
+    drawn: CudaSlice<u32>,
+    ctx: Arc<CudaContext>,
+}
+
+/// One pass for a rank: the batch, and where its tokens that rank 0 drew are (their words in
+/// the copy of the draw's scratch, and the event after the copy).
+struct Pass {
+    batch: Arc<ForwardBatch>,
+    drawn: Option<(u64, Vec<Option<u32>>, Arc<CudaEvent>)>,
 }
 
 pub struct TensorParallel {
@@ -186,7 +198,10 @@ impl TensorParallel {
             "quarry: {name}: {} blocks of {} tokens a rank; all-reduce by {how}",
             layout.num_blocks, layout.block_size
         );
-        let workers = ranks.drain(1..).map(Worker::start).collect();
+        let workers = ranks
+            .drain(1..)
+            .map(|r| Worker::start(r, capacity))
+            .collect::<Result<Vec<_>>>()?;
         Ok(TensorParallel {
             lead: ranks.pop().expect("rank 0"),
             workers,
@@ -198,21 +213,35 @@ impl TensorParallel {
 }
 
 impl Worker {
-    fn start(mut backend: CudaBackend) -> Worker {
-        let (passes, jobs) = mpsc::channel::<Arc<ForwardBatch>>();
+    fn start(mut backend: CudaBackend, capacity: usize) -> Result<Worker> {
+        let ctx = backend.ctx.clone();
+        let drawn = backend
+            .stream
+            .alloc_zeros::<u32>(capacity.max(1))
+            .map_err(device("room for rank 0's draws"))?;
+        let (passes, jobs) = mpsc::channel::<Pass>();
         let (report, done) = mpsc::channel();
         let thread = std::thread::spawn(move || {
-            while let Ok(batch) = jobs.recv() {
-                if report.send(backend.run(&batch)).is_err() {
+            while let Ok(pass) = jobs.recv() {
+                let mut result = Ok(());
+                if let Some((words, token_word, ready)) = pass.drawn {
+                    result = backend.stream.wait(&ready).map_err(device("waiting for rank 0's draw"));
+                    backend.remote_draw = Some((words, token_word));
+                }
+                let result = result.and_then(|_| backend.run(&pass.batch));
+                backend.remote_draw = None;
+                if report.send(result).is_err() {
                     break;
                 }
             }
         });
-        Worker {
+        Ok(Worker {
             passes: Some(passes),
             done,
             thread: Some(thread),
-        }
+            drawn,
+            ctx,
+        })
     }
 }
 
@@ -222,6 +251,46 @@ impl Drop for Worker {
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
+    }
+}
+
+impl TensorParallel {
+    /// Copies rank 0's last draw (the tokens' words of its scratch) to every other rank, on
+    /// rank 0's stream after the draw: each row's word, and the event after the copies.
+    fn share_draw(&self) -> Result<(Vec<Option<u32>>, Arc<CudaEvent>)> {
+        let (scratch, token_word) = self
+            .lead
+            .last_draw()
+            .ok_or_else(|| RuntimeError::InvalidBatch("tokens stand for a draw that did not happen".into()))?;
+        let words = token_word.iter().flatten().max().map_or(0, |&w| w as usize + 1);
+        let lead = &self.lead;
+        for w in &self.workers {
+            if words > w.drawn.len() {
+                return Err(RuntimeError::InvalidBatch(format!(
+                    "a draw of {words} tokens; a rank holds {}",
+                    w.drawn.len()
+                )));
+            }
+            let to = w.drawn.device_ptr(&w.ctx.default_stream()).0;
+            // SAFETY: both buffers hold `words` u32s; the copy is queued after the draw.
+            unsafe {
+                sys::cuMemcpyPeerAsync(
+                    to,
+                    w.ctx.cu_ctx(),
+                    scratch,
+                    lead.ctx.cu_ctx(),
+                    words * 4,
+                    lead.stream.cu_stream(),
+                )
+            }
+            .result()
+            .map_err(device("copying rank 0's draw"))?;
+        }
+        let ready = lead
+            .stream
+            .record_event(None)
+            .map_err(device("marking rank 0's draw"))?;
+        Ok((token_word.to_vec(), Arc::new(ready)))
     }
 }
 
@@ -238,12 +307,31 @@ impl Backend for TensorParallel {
         // A pass refused by one rank after the others queued theirs would leave their
         // all-reduces waiting for it: refuse it here, for all of them.
         let c = &self.config;
-        batch.validate_drawing(self.layout, c.vocab_size, c.context_length, &[])?;
+        let drawn: Vec<bool> = self
+            .lead
+            .last_draw()
+            .map(|(_, words)| words.iter().map(Option::is_some).collect())
+            .unwrap_or_default();
+        batch.validate_drawing(self.layout, c.vocab_size, c.context_length, &drawn)?;
         let shared = Arc::new(batch.clone());
+        let draws = match batch.token_ids.iter().any(|t| t & FROM_LAST_DRAW != 0) {
+            true => Some(self.share_draw()?),
+            false => None,
+        };
         let gone = |r: usize| RuntimeError::Backend(format!("tensor-parallel rank {r} has stopped"));
         let mut result = Ok(());
         for (i, w) in self.workers.iter().enumerate() {
-            let sent = w.passes.as_ref().is_some_and(|p| p.send(shared.clone()).is_ok());
+            let pass = Pass {
+                batch: shared.clone(),
+                drawn: draws.as_ref().map(|(token_word, ready)| {
+                    (
+                        w.drawn.device_ptr(&w.ctx.default_stream()).0,
+                        token_word.clone(),
+                        ready.clone(),
+                    )
+                }),
+            };
+            let sent = w.passes.as_ref().is_some_and(|p| p.send(pass).is_ok());
             if !sent && result.is_ok() {
                 result = Err(gone(i + 1));
             }
@@ -262,6 +350,18 @@ impl Backend for TensorParallel {
 
     fn sample(&mut self, rows: &[RowRequest<'_>]) -> Result<Sampled> {
         self.lead.sample(rows)
+    }
+
+    fn pipelines(&self) -> bool {
+        true
+    }
+
+    fn launch_sample(&mut self, rows: &[RowRequest<'_>]) -> Result<()> {
+        self.lead.launch_sample(rows)
+    }
+
+    fn collect(&mut self) -> Result<Sampled> {
+        self.lead.collect()
     }
 
     fn redraw_within(&mut self, row: usize, mask: &[u32]) -> Result<RowDraw> {
