@@ -149,16 +149,15 @@ impl PeerReduce {
     /// inputs of `capacity` floats one after the other, 16-byte aligned, alive as long as the
     /// end is).
     pub fn rank(self: &Arc<Self>, rank: usize, inputs: &[u64], capacity: usize) -> Result<PeerRank> {
-        let stream = self.contexts[rank].default_stream();
         Ok(PeerRank {
-            ptrs: self.ptrs(inputs, &stream)?,
+            ptrs: self.ptrs(inputs)?,
             group: self.clone(),
             rank,
             capacity,
         })
     }
 
-    fn ptrs(&self, inputs: &[u64], stream: &Arc<CudaStream>) -> Result<PeerPtrs> {
+    fn ptrs(&self, inputs: &[u64]) -> Result<PeerPtrs> {
         let ranks = self.ranks();
         if inputs.len() != ranks {
             return Err(RuntimeError::InvalidBatch(format!(
@@ -170,9 +169,11 @@ impl PeerReduce {
             inputs: [0; MAX_RANKS],
             arrivals: [0; MAX_RANKS],
         };
-        for (r, (&input, arrivals)) in inputs.iter().zip(&self.arrivals).enumerate() {
+        // Each rank's words through its own context's stream: another's would have cudarc
+        // record that rank's events on a stream of the wrong context.
+        for (r, ((&input, arrivals), ctx)) in inputs.iter().zip(&self.arrivals).zip(&self.contexts).enumerate() {
             ptrs.inputs[r] = input;
-            ptrs.arrivals[r] = arrivals.device_ptr(stream).0;
+            ptrs.arrivals[r] = arrivals.device_ptr(&ctx.default_stream()).0;
         }
         Ok(ptrs)
     }
@@ -222,7 +223,7 @@ impl PeerReduce {
                 streams.len()
             )));
         }
-        let ptrs = self.ptrs(inputs, &streams[0])?;
+        let ptrs = self.ptrs(inputs)?;
         for r in 0..ranks {
             self.launch(&ptrs, 0, r, outputs[r], n, true, &streams[r])?;
         }
