@@ -8,9 +8,7 @@
 mod common;
 mod hf_reference;
 
-use quarry::runtime::{
-    Backend, DeviceChoice, Draw, DrawParams, ForwardBatch, LoadFormat, LoadOptions, RowRequest, FROM_LAST_DRAW,
-};
+use quarry::runtime::{Backend, DeviceChoice, Draw, ForwardBatch, LoadFormat, LoadOptions, RowRequest, FROM_LAST_DRAW};
 
 /// The GPUs these tests may use, or None (after saying why they skip). Where it is set, a
 /// machine with fewer GPUs is a failure.
@@ -83,21 +81,7 @@ fn greedy_tokens(backend: &mut dyn Backend, prompts: &[Vec<u32>], steps: usize, 
         .collect();
     let greedy = RowRequest {
         mask: None,
-        draw: Some(Draw {
-            contrast: None,
-            params: DrawParams {
-                temperature: 0.0,
-                top_k: 0,
-                top_p: 1.0,
-                min_p: 0.0,
-                seed: 0,
-                counter: 0,
-                logprobs: None,
-                confidence: false,
-            },
-            bias: None,
-            penalties: &[],
-        }),
+        draw: Some(Draw::GREEDY),
         logits_back: false,
     };
     let rows = vec![greedy; prompts.len()];

@@ -146,6 +146,25 @@ pub struct Draw<'a> {
     pub penalties: &'a [Penalty],
 }
 
+impl Draw<'static> {
+    /// The argmax, nothing else applied.
+    pub const GREEDY: Draw<'static> = Draw {
+        contrast: None,
+        params: DrawParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 0,
+            counter: 0,
+            logprobs: None,
+            confidence: false,
+        },
+        bias: None,
+        penalties: &[],
+    };
+}
+
 /// What a draw takes from the request's sampling parameters and its sampler's state.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DrawParams {

@@ -9,7 +9,7 @@ use quarry_grammar::is_allowed;
 
 use crate::engine::kv_cache_manager::{KvCacheManager, RequestId};
 use crate::engine::BlockPool;
-use crate::runtime::{Backend, Draw, DrawParams, ForwardBatch, RowRequest, RuntimeError};
+use crate::runtime::{Backend, Draw, ForwardBatch, RowRequest, RuntimeError};
 
 pub struct DraftModel {
     backend: Box<dyn Backend>,
@@ -85,21 +85,7 @@ impl DraftModel {
         }
         let started = std::time::Instant::now();
         self.backend.run(&batch)?;
-        let greedy = Draw {
-            params: DrawParams {
-                temperature: 0.0,
-                top_k: 0,
-                top_p: 1.0,
-                min_p: 0.0,
-                seed: 0,
-                counter: 0,
-                logprobs: None,
-                confidence: false,
-            },
-            bias: None,
-            penalties: &[],
-            contrast: None,
-        };
+        let greedy = Draw::GREEDY;
         let on_device = self.backend.draws_on_device();
         let requests: Vec<RowRequest<'_>> = rows
             .iter()
