@@ -129,6 +129,8 @@ pub struct CudaBackend {
     /// Passes staged so far, and the last whose upload the stream is known to have passed.
     run_index: u64,
     passed_run: u64,
+    /// Under tensor parallelism, an event after each buffer's last upload.
+    uploaded: [Option<CudaEvent>; 2],
     sample_staging: Staging,
     redraw_staging: Staging,
     /// The staged pass's tokens that the last draw decided on the device.
@@ -399,6 +401,7 @@ impl CudaBackend {
             run_staging,
             run_index: 0,
             passed_run: 0,
+            uploaded: [None, None],
             sample_staging,
             redraw_staging,
             fill: None,
@@ -475,14 +478,25 @@ impl CudaBackend {
         };
         // The buffer this pass takes was the pass before last's: its upload must be done.
         self.run_index += 1;
+        let slot = (self.run_index % 2) as usize;
         if self.passed_run + 2 < self.run_index {
-            self.stream
-                .synchronize()
-                .map_err(device_err("finishing an earlier step"))?;
-            self.passed_run = self.run_index - 1;
+            match self.uploaded[slot].take() {
+                // That upload alone, not the passes queued since (a rank that never draws
+                // would otherwise wait for its last pass every other step).
+                Some(done) => {
+                    done.synchronize().map_err(device_err("finishing an earlier upload"))?;
+                    self.passed_run = self.run_index - 2;
+                }
+                None => {
+                    self.stream
+                        .synchronize()
+                        .map_err(device_err("finishing an earlier step"))?;
+                    self.passed_run = self.run_index - 1;
+                }
+            }
         }
         let fills = self.drawn_token_fills(batch)?;
-        let st = &mut self.run_staging[(self.run_index % 2) as usize];
+        let st = &mut self.run_staging[slot];
         st.clear();
         let ids = st.push(&batch.token_ids)?;
         let positions = st.push(&batch.positions)?;
@@ -511,6 +525,13 @@ impl CudaBackend {
             (Some(_), Some(g)) => st.send_to(&self.stream, g.meta_addr(&self.stream), g.meta_words())?,
             _ => st.send(&self.stream)?,
         };
+        if self.rank.is_some() {
+            let done = self
+                .stream
+                .record_event(None)
+                .map_err(device_err("marking an upload"))?;
+            self.uploaded[slot] = Some(done);
+        }
         let addr = |offset: usize| Staging::addr(base, offset);
         let max_len = match shape {
             Some(s) => s.max_len(),

@@ -89,6 +89,20 @@ pub struct TensorParallel {
     /// Blocks every rank has: the smallest pool among them.
     layout: KvLayout,
     name: String,
+    /// With `QUARRY_CUDA_TIMING`: where the host's time in `run` goes.
+    host: Option<HostTimes>,
+}
+
+/// Seconds of host time: copying the draw, rank 0's `run`, waiting for the other ranks, and
+/// outside `run` (the engine), over `passes`.
+#[derive(Default)]
+struct HostTimes {
+    share: f64,
+    lead: f64,
+    wait: f64,
+    between: f64,
+    passes: u64,
+    last_end: Option<std::time::Instant>,
 }
 
 /// The whole model's shape, before any rank loads its part.
@@ -208,6 +222,7 @@ impl TensorParallel {
             config,
             layout,
             name,
+            host: std::env::var_os("QUARRY_CUDA_TIMING").map(|_| HostTimes::default()),
         })
     }
 }
@@ -242,6 +257,22 @@ impl Worker {
             drawn,
             ctx,
         })
+    }
+}
+
+impl Drop for TensorParallel {
+    fn drop(&mut self) {
+        if let Some(h) = &self.host {
+            let ms = |s: f64| 1e3 * s / h.passes.max(1) as f64;
+            eprintln!(
+                "quarry tensor parallel host: {} passes; per pass: rank 0's draw shared {:.3} ms, rank 0's run {:.3} ms, waiting for the others {:.3} ms, outside run {:.3} ms",
+                h.passes,
+                ms(h.share),
+                ms(h.lead),
+                ms(h.wait),
+                ms(h.between)
+            );
+        }
     }
 }
 
@@ -313,11 +344,13 @@ impl Backend for TensorParallel {
             .map(|(_, words)| words.iter().map(Option::is_some).collect())
             .unwrap_or_default();
         batch.validate_drawing(self.layout, c.vocab_size, c.context_length, &drawn)?;
+        let t0 = std::time::Instant::now();
         let shared = Arc::new(batch.clone());
         let draws = match batch.token_ids.iter().any(|t| t & FROM_LAST_DRAW != 0) {
             true => Some(self.share_draw()?),
             false => None,
         };
+        let t1 = std::time::Instant::now();
         let gone = |r: usize| RuntimeError::Backend(format!("tensor-parallel rank {r} has stopped"));
         let mut result = Ok(());
         for (i, w) in self.workers.iter().enumerate() {
@@ -339,11 +372,21 @@ impl Backend for TensorParallel {
         // Rank 0 queues its pass while the others queue theirs; each waits only for its own
         // work, and their all-reduces meet on the GPUs.
         let lead = self.lead.run(batch);
+        let t2 = std::time::Instant::now();
         for (i, w) in self.workers.iter().enumerate() {
             let r = w.done.recv().unwrap_or_else(|_| Err(gone(i + 1)));
             if result.is_ok() {
                 result = r.map_err(|e| RuntimeError::Backend(format!("tensor-parallel rank {}: {e}", i + 1)));
             }
+        }
+        if let Some(h) = &mut self.host {
+            let t3 = std::time::Instant::now();
+            h.between += h.last_end.map_or(0.0, |e| (t0 - e).as_secs_f64());
+            h.share += (t1 - t0).as_secs_f64();
+            h.lead += (t2 - t1).as_secs_f64();
+            h.wait += (t3 - t2).as_secs_f64();
+            h.passes += 1;
+            h.last_end = Some(t3);
         }
         lead.and(result)
     }
