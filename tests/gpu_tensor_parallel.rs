@@ -59,6 +59,7 @@ fn smollm2_split_three_ways_matches_llama_cpp() {
 #[test]
 fn transformers_models_split_two_and_four_ways_match_transformers() {
     let Some(gpus) = gpus() else { return };
+    assert!(gpus >= 2, "QUARRY_TEST_GPUS={gpus}: a split needs 2 GPUs");
     let dirs = hf_reference::reference_dirs().expect("QUARRY_HF_REFERENCE on a machine of several GPUs");
     for size in [2, 4].into_iter().filter(|&s| s <= gpus) {
         for dir in &dirs {
@@ -129,7 +130,8 @@ fn greedy_tokens(backend: &mut dyn Backend, prompts: &[Vec<u32>], steps: usize, 
 
 #[test]
 fn pipelined_steps_give_the_tokens_of_steps_read_one_by_one() {
-    let Some(_) = gpus() else { return };
+    let Some(gpus) = gpus() else { return };
+    assert!(gpus >= 2, "QUARRY_TEST_GPUS={gpus}: a split needs 2 GPUs");
     let dirs = hf_reference::reference_dirs().expect("QUARRY_HF_REFERENCE on a machine of several GPUs");
     let prompts: Vec<Vec<u32>> = (0..4u32)
         .map(|s| (1..=5 + 7 * s).map(|t| t * 97 + s).collect())

@@ -635,6 +635,13 @@ impl CudaBackend {
             let mut step = self.step(meta, false);
             let weights = &self.weights;
             if let Err(e) = graphs.capture(&self.stream, shape, || weights.forward(&mut step)) {
+                // A rank of a group that ran this shape eagerly from now on would pad later
+                // batches unlike the others, and their all-reduces would no longer pair up.
+                if self.rank.is_some() {
+                    return Err(RuntimeError::Device(format!(
+                        "a tensor-parallel rank could not capture a step: {e}"
+                    )));
+                }
                 eprintln!("quarry: {e}; steps of that shape run without a graph");
                 return if launch {
                     self.take_drawn_tokens()?;

@@ -68,8 +68,8 @@ struct Worker {
     passes: Option<mpsc::Sender<Pass>>,
     done: mpsc::Receiver<Result<()>>,
     thread: Option<JoinHandle<()>>,
-    /// Where rank 0's draws are copied on this GPU (`RankLink::capacity` words), and its
-    /// context.
+    /// Where rank 0's draws are copied on this GPU (twice `RankLink::capacity` words: a
+    /// draw's tokens may sit after its seeded rows' words), and its context.
     drawn: CudaSlice<u32>,
     ctx: Arc<CudaContext>,
 }
@@ -91,6 +91,9 @@ pub struct TensorParallel {
     name: String,
     /// With `QUARRY_CUDA_TIMING`: where the host's time in `run` goes.
     host: Option<HostTimes>,
+    /// The first error of a pass: the ranks' all-reduces may no longer pair up, so no pass
+    /// runs after it.
+    failed: Option<String>,
 }
 
 /// Seconds of host time: copying the draw, rank 0's `run`, waiting for the other ranks, and
@@ -223,6 +226,7 @@ impl TensorParallel {
             layout,
             name,
             host: std::env::var_os("QUARRY_CUDA_TIMING").map(|_| HostTimes::default()),
+            failed: None,
         })
     }
 }
@@ -232,7 +236,7 @@ impl Worker {
         let ctx = backend.ctx.clone();
         let drawn = backend
             .stream
-            .alloc_zeros::<u32>(capacity.max(1))
+            .alloc_zeros::<u32>(2 * capacity.max(1))
             .map_err(device("room for rank 0's draws"))?;
         let (passes, jobs) = mpsc::channel::<Pass>();
         let (report, done) = mpsc::channel();
@@ -262,6 +266,12 @@ impl Worker {
 
 impl Drop for TensorParallel {
     fn drop(&mut self) {
+        // Every rank done before any frees its partial sums: a rank past its last all-reduce
+        // may free them while another still reads them.
+        let _ = self.lead.ctx.synchronize();
+        for w in &self.workers {
+            let _ = w.ctx.synchronize();
+        }
         if let Some(h) = &self.host {
             let ms = |s: f64| 1e3 * s / h.passes.max(1) as f64;
             eprintln!(
@@ -335,6 +345,11 @@ impl Backend for TensorParallel {
     }
 
     fn run(&mut self, batch: &ForwardBatch) -> Result<()> {
+        if let Some(why) = &self.failed {
+            return Err(RuntimeError::Device(format!(
+                "the tensor-parallel group stopped after an error ({why}); restart to use it again"
+            )));
+        }
         // A pass refused by one rank after the others queued theirs would leave their
         // all-reduces waiting for it: refuse it here, for all of them.
         let c = &self.config;
@@ -388,7 +403,12 @@ impl Backend for TensorParallel {
             h.passes += 1;
             h.last_end = Some(t3);
         }
-        lead.and(result)
+        let result = lead.and(result);
+        if let Err(e) = &result {
+            eprintln!("quarry: a tensor-parallel pass failed: {e}; the group takes no more passes");
+            self.failed = Some(e.to_string());
+        }
+        result
     }
 
     fn sample(&mut self, rows: &[RowRequest<'_>]) -> Result<Sampled> {
