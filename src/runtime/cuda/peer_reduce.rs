@@ -53,7 +53,7 @@ pub struct PeerRank {
     capacity: usize,
 }
 
-fn device(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> RuntimeError {
+pub(super) fn device(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> RuntimeError {
     move |e| RuntimeError::Device(format!("{what}: {e}"))
 }
 

@@ -20,7 +20,7 @@ use cudarc::driver::{sys, CudaContext, CudaEvent, CudaSlice, CudaStream, DeviceP
 
 use super::graphs::MAX_PER_SEQ;
 use super::nccl::{Group, Nccl, RankComm};
-use super::peer_reduce::{PeerRank, PeerReduce};
+use super::peer_reduce::{device, PeerRank, PeerReduce};
 use super::{CudaBackend, CudaOptions, WeightSource};
 use crate::runtime::config::ModelConfig;
 use crate::runtime::error::{Result, RuntimeError};
@@ -115,10 +115,6 @@ fn whole_config(source: &WeightSource<'_>) -> Result<ModelConfig> {
         WeightSource::HuggingFace(dir) => Ok(crate::runtime::hf::config(dir)?.0),
         WeightSource::Dummy(config) => Ok(config.clone()),
     }
-}
-
-fn device(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> RuntimeError {
-    move |e| RuntimeError::Device(format!("{what}: {e}"))
 }
 
 impl TensorParallel {
