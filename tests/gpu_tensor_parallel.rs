@@ -10,19 +10,8 @@ mod hf_reference;
 
 use quarry::runtime::{Backend, DeviceChoice, Draw, ForwardBatch, LoadFormat, LoadOptions, RowRequest, FROM_LAST_DRAW};
 
-/// The GPUs these tests may use, or None (after saying why they skip). Where it is set, a
-/// machine with fewer GPUs is a failure.
 fn gpus() -> Option<usize> {
-    let Some(n) = std::env::var("QUARRY_TEST_GPUS")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-    else {
-        eprintln!("skipping: QUARRY_TEST_GPUS is not set (scripts/gpu-check run --gpus N sets it)");
-        return None;
-    };
-    let have = quarry::runtime::device::cuda_devices().unwrap_or_else(|why| panic!("QUARRY_TEST_GPUS={n}, but {why}"));
-    assert!(have >= n, "QUARRY_TEST_GPUS={n}, but this machine has {have} GPUs");
-    Some(n)
+    common::test_gpus()
 }
 
 fn split(model: &std::path::Path, size: usize, kv_cache_tokens: usize) -> Box<dyn Backend> {

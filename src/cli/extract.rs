@@ -12,7 +12,6 @@ use serde_json::Value;
 
 use super::progress::Progress;
 use super::ModelArgs;
-use crate::engine::EngineClient;
 use crate::extract::records::{self, Format, Record, RecordResult};
 use crate::extract::table::Table;
 use crate::extract::{Extractor, Outcome};
@@ -125,9 +124,8 @@ pub fn run(args: ExtractArgs) -> anyhow::Result<()> {
         },
         grounding: false,
     };
-    let (engine, tokenizer) = args.model.engine()?;
-    let device = engine.backend().device_name();
-    let extractor = Arc::new(Extractor::new(EngineClient::start(engine), tokenizer));
+    let (client, tokenizer, device) = args.model.client()?;
+    let extractor = Arc::new(Extractor::new(client, tokenizer));
     let service = Arc::new(Service::new(
         args.model.model_name(),
         device,

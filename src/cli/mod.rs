@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::engine::{EngineConfig, EngineCore};
+use crate::engine::{EngineClient, EngineConfig, EngineCore};
 use crate::runtime::cpu::{CpuOptions, Prefault};
 use crate::runtime::{Backend, DeviceChoice, LoadFormat, LoadOptions, ModelConfig};
 use crate::tokenizer::Tokenizer;
@@ -118,6 +118,14 @@ pub struct ModelArgs {
     /// attention and MLP.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=8))]
     tensor_parallel_size: u16,
+    /// Disaggregated serving: the device that computes prompts (cpu or cuda:N), with
+    /// --decode-device (--device is then not used). Each prompt's KV blocks then go to the decode device (over NCCL
+    /// between GPUs), which decodes, so long prompts arriving never stretch its steps.
+    #[arg(long, requires = "decode_device")]
+    prefill_device: Option<DeviceChoice>,
+    /// Disaggregated serving: the device that decodes (see --prefill-device).
+    #[arg(long, requires = "prefill_device")]
+    decode_device: Option<DeviceChoice>,
     /// Plan and queue each step before the last one's tokens are read, so that the device
     /// does not wait for the host between steps (the tokens go from the GPU's draws straight
     /// into the next pass). Outputs are the same either way. [default: on a GPU, unless
@@ -226,6 +234,42 @@ fn default_kv_cache_memory() -> u64 {
 
 impl ModelArgs {
     fn load(&self) -> anyhow::Result<(Box<dyn Backend>, Tokenizer)> {
+        self.load_on(self.device)
+    }
+
+    /// The engine's client: one engine on --device, or a prefill and a decode engine (on
+    /// --prefill-device and --decode-device) joined by a KV link.
+    pub(crate) fn client(&self) -> anyhow::Result<(EngineClient, Arc<Tokenizer>, String)> {
+        let (Some(from), Some(to)) = (self.prefill_device, self.decode_device) else {
+            let (engine, tokenizer) = self.engine()?;
+            let device = engine.backend().device_name();
+            return Ok((EngineClient::start(engine), tokenizer, device));
+        };
+        anyhow::ensure!(
+            self.tensor_parallel_size == 1,
+            "--tensor-parallel-size with --prefill-device/--decode-device is not supported yet: each side runs on one device"
+        );
+        anyhow::ensure!(
+            self.speculative_model.is_none(),
+            "--speculative-model with --prefill-device/--decode-device is not supported yet"
+        );
+        anyhow::ensure!(
+            !self.no_prefix_caching,
+            "disaggregated serving hands prompts over through the prefix cache: drop --no-prefix-caching"
+        );
+        let (mut prefill, tokenizer) = self.load_on(from)?;
+        let (mut decode, _) = self.load_on(to)?;
+        crate::runtime::kv_link::join(prefill.as_mut(), from, decode.as_mut(), to)?;
+        let device = format!("prefill {}, decode {}", prefill.device_name(), decode.device_name());
+        let tokenizer = Arc::new(tokenizer);
+        let config = self.engine_config()?;
+        let prefill = EngineCore::new(prefill, tokenizer.clone(), config);
+        let decode = EngineCore::new(decode, tokenizer.clone(), config);
+        let client = EngineClient::start_disaggregated(prefill, decode).map_err(|e| anyhow::anyhow!(e))?;
+        Ok((client, tokenizer, device))
+    }
+
+    fn load_on(&self, device: DeviceChoice) -> anyhow::Result<(Box<dyn Backend>, Tokenizer)> {
         if let Some(n) = self.threads {
             anyhow::ensure!(n > 0, "--threads must be at least 1");
             // Read once by candle's thread pool, which has not started yet.
@@ -268,7 +312,7 @@ impl ModelArgs {
             enforce_eager: self.enforce_eager,
             tensor_parallel_size: self.tensor_parallel_size.into(),
         };
-        let backend = crate::runtime::load(self.device, &path, options)?;
+        let backend = crate::runtime::load(device, &path, options)?;
         Ok((backend, tokenizer))
     }
 }

@@ -8,7 +8,6 @@ use clap::Args;
 use std::time::Duration;
 
 use super::ModelArgs;
-use crate::engine::EngineClient;
 use crate::extract::Extractor;
 use crate::jobs::{self, Worker, WorkerConfig};
 use crate::runtime::cpu::Prefault;
@@ -115,15 +114,14 @@ fn app_state(
 ) -> anyhow::Result<Arc<AppState>> {
     let schemas = crate::service::schemas::SchemaRegistry::load(schemas)?;
     let jobs = job_args.worker()?;
-    let (engine, tokenizer) = model_args.engine()?;
+    let (client, tokenizer, device) = model_args.client()?;
     let model = model_args.model_name();
-    let device = engine.backend().device_name();
-    let steps = match engine.pipelining() {
+    let steps = match client.pipelining() {
         true => "steps pipelined (--no-async-scheduling turns it off)",
         false => "steps not pipelined",
     };
     tracing::info!("quarry: model {model} on {device}; {steps}");
-    let extractor = Arc::new(Extractor::new(EngineClient::start(engine), tokenizer));
+    let extractor = Arc::new(Extractor::new(client, tokenizer));
     Ok(Arc::new(AppState {
         service: Arc::new(Service::new(model, device, extractor, schemas, max_pending)),
         api_keys,

@@ -9,8 +9,11 @@ use std::thread::JoinHandle;
 
 use tokio::sync::{mpsc as async_mpsc, oneshot};
 
+use super::block_pool::BlockHash;
 use super::core::{AddError, Completion, Completions, EngineCore, EngineRequest, RequestOutput};
+use super::disaggregated::Router;
 use super::kv_cache_manager::{PrefixCacheStats, RequestId};
+use crate::runtime::RuntimeError;
 
 /// A snapshot of the engine, refreshed after every step (for metrics and admission control).
 #[derive(Debug, Clone, Default)]
@@ -36,6 +39,10 @@ pub struct EngineStats {
     /// Sampled rows of pipelined steps dropped because the step before ended their request,
     /// forced tokens after it, or took back the token they were computed from.
     pub pipelined_rows_dropped: u64,
+    /// Disaggregated serving's KV blocks moved from or to this engine, and failed transfers.
+    pub kv_blocks_sent: u64,
+    pub kv_blocks_received: u64,
+    pub kv_transfer_failures: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -53,8 +60,31 @@ enum Command {
         request: Box<EngineRequest>,
         outputs: async_mpsc::UnboundedSender<RequestOutput>,
         admitted: oneshot::Sender<Result<(), AddError>>,
+        /// Not scheduled until its prompt's blocks are handed over (`Handoff::Receive`).
+        held: bool,
     },
     Abort(RequestId),
+    /// Disaggregated serving (`disaggregated`): the engine side of a handoff.
+    Handoff(Handoff),
+}
+
+/// A step of a prompt's handoff between engines (`EngineCore`'s `send_blocks`,
+/// `reserve_blocks`, `receive_blocks`), answered on its own channel.
+pub(super) enum Handoff {
+    Send {
+        hashes: Vec<BlockHash>,
+        sent: oneshot::Sender<Result<usize, RuntimeError>>,
+    },
+    Reserve {
+        id: RequestId,
+        hashes: Vec<BlockHash>,
+        wanted: oneshot::Sender<Vec<BlockHash>>,
+    },
+    Receive {
+        id: RequestId,
+        count: usize,
+        queued: oneshot::Sender<Result<(), RuntimeError>>,
+    },
 }
 
 /// A handle to the engine thread; cheap to share behind an `Arc`.
@@ -63,6 +93,10 @@ pub struct EngineClient {
     next_id: AtomicU64,
     stats: Arc<Mutex<EngineStats>>,
     thread: Mutex<Option<JoinHandle<EngineCore>>>,
+    /// Where prompts are computed by another engine first (disaggregated serving).
+    router: Option<Arc<Router>>,
+    /// `EngineCore::pipelining` of the engine.
+    pipelining: bool,
 }
 
 /// The outputs of one request, in order; the last one has `finished` set.
@@ -131,6 +165,7 @@ impl EngineClient {
     pub fn start(core: EngineCore) -> Self {
         let (tx, rx) = mpsc::channel();
         let stats = Arc::new(Mutex::new(core.stats()));
+        let pipelining = core.pipelining();
         let shared = stats.clone();
         let thread = std::thread::Builder::new()
             .name("quarry-engine".into())
@@ -141,12 +176,58 @@ impl EngineClient {
             next_id: AtomicU64::new(0),
             stats,
             thread: Mutex::new(Some(thread)),
+            router: None,
+            pipelining,
         }
+    }
+
+    /// Disaggregated serving: `decode` serves the requests, each prompt computed by `prefill`
+    /// first and its blocks handed over (their backends joined by a KV link,
+    /// `Backend::attach_kv_link`). Both caches must name blocks alike (the same model).
+    pub fn start_disaggregated(prefill: EngineCore, decode: EngineCore) -> Result<Self, String> {
+        let hasher = decode.kv().hasher();
+        if prefill.kv().hasher() != hasher {
+            return Err(format!(
+                "the prefill and decode engines name KV blocks differently (block sizes {} and {}, or another model)",
+                prefill.kv().block_size(),
+                decode.kv().block_size()
+            ));
+        }
+        let mut client = EngineClient::start(decode);
+        client.router = Some(Arc::new(Router::new(EngineClient::start(prefill), hasher)));
+        Ok(client)
+    }
+
+    /// The prefill engine's stats, where prompts are computed by another engine.
+    pub fn prefill_stats(&self) -> Option<EngineStats> {
+        self.router.as_ref().map(|r| r.prefill.stats())
+    }
+
+    /// Asks the engine to take part in a handoff (`disaggregated`).
+    pub(super) fn handoff(&self, step: Handoff) -> Result<(), SubmitError> {
+        let commands = self.sender().ok_or(SubmitError::Stopped)?;
+        commands.send(Command::Handoff(step)).map_err(|_| SubmitError::Stopped)
     }
 
     /// Queues a request (its `id` is assigned here) and returns its output stream, or the
     /// reason it was refused up front.
-    pub async fn submit(&self, mut request: EngineRequest) -> Result<RequestStream, SubmitError> {
+    pub async fn submit(&self, request: EngineRequest) -> Result<RequestStream, SubmitError> {
+        let Some(router) = &self.router else {
+            return self.enqueue(request, false).await;
+        };
+        // Kept for the prefill engine: the prompt and where its request goes in the queue.
+        let (prompt, priority) = (request.prompt.clone(), request.priority);
+        let stream = self.enqueue(request, true).await?;
+        let decode = DecodeSide {
+            commands: stream.commands.clone(),
+        };
+        let (router, id) = (router.clone(), stream.id);
+        tokio::spawn(async move { router.hand_off(&decode, id, prompt, priority).await });
+        Ok(stream)
+    }
+
+    /// `submit` to this engine alone; a `held` request waits for its prompt's blocks.
+    pub(super) async fn enqueue(&self, mut request: EngineRequest, held: bool) -> Result<RequestStream, SubmitError> {
         request.id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let id = request.id;
         let commands = self.sender().ok_or(SubmitError::Stopped)?;
@@ -157,6 +238,7 @@ impl EngineClient {
                 request: Box::new(request),
                 outputs: out_tx,
                 admitted: ok_tx,
+                held,
             })
             .map_err(|_| SubmitError::Stopped)?;
         ok_rx.await.map_err(|_| SubmitError::Stopped)??;
@@ -169,12 +251,21 @@ impl EngineClient {
         })
     }
 
+    /// Whether the (decode) engine pipelines its steps (`EngineCore::pipelining`).
+    pub fn pipelining(&self) -> bool {
+        self.pipelining
+    }
+
     pub fn stats(&self) -> EngineStats {
         self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    /// Stops taking requests, lets the running ones finish, and returns the engine.
+    /// Stops taking requests, lets the running ones finish, and returns the engine (the
+    /// decode engine, where prompts were computed by another).
     pub fn shutdown(&self) -> Option<EngineCore> {
+        if let Some(router) = &self.router {
+            router.prefill.shutdown();
+        }
         self.commands.lock().unwrap_or_else(|e| e.into_inner()).take();
         let thread = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take()?;
         thread.join().ok()
@@ -200,7 +291,7 @@ fn run(mut core: EngineCore, commands: mpsc::Receiver<Command>, stats: Arc<Mutex
     loop {
         if open {
             let mut first = None;
-            if !core.has_unfinished() {
+            if !core.has_unfinished() && !core.has_transfers() {
                 match commands.recv() {
                     Ok(c) => first = Some(c),
                     Err(_) => open = false,
@@ -212,9 +303,13 @@ fn run(mut core: EngineCore, commands: mpsc::Receiver<Command>, stats: Arc<Mutex
                         request,
                         outputs,
                         admitted,
+                        held,
                     } => {
                         let id = request.id;
-                        let result = core.add_request(*request);
+                        let result = match held {
+                            true => core.add_held_request(*request),
+                            false => core.add_request(*request),
+                        };
                         if result.is_ok() {
                             streams.insert(id, outputs);
                         }
@@ -228,10 +323,17 @@ fn run(mut core: EngineCore, commands: mpsc::Receiver<Command>, stats: Arc<Mutex
                         core.abort(id);
                         streams.remove(&id);
                     }
+                    Command::Handoff(step) => hand_off(&mut core, step),
                 }
             }
         }
+        core.poll_transfers();
         if !core.has_unfinished() {
+            if core.has_transfers() {
+                // Nothing to step, but a transfer's blocks to let go of when it lands.
+                std::thread::sleep(std::time::Duration::from_micros(200));
+                continue;
+            }
             *stats.lock().unwrap_or_else(|e| e.into_inner()) = core.stats();
             if open {
                 continue;
@@ -258,5 +360,34 @@ fn run(mut core: EngineCore, commands: mpsc::Receiver<Command>, stats: Arc<Mutex
             }
         }
         *stats.lock().unwrap_or_else(|e| e.into_inner()) = core.stats();
+    }
+}
+
+/// One handoff step on the engine's thread; its answer goes back on the step's channel (a
+/// router that gave up no longer listens, which changes nothing here).
+fn hand_off(core: &mut EngineCore, step: Handoff) {
+    match step {
+        Handoff::Send { hashes, sent } => {
+            let _ = sent.send(core.send_blocks(&hashes));
+        }
+        Handoff::Reserve { id, hashes, wanted } => {
+            let _ = wanted.send(core.reserve_blocks(id, hashes));
+        }
+        Handoff::Receive { id, count, queued } => {
+            let _ = queued.send(core.receive_blocks(id, count));
+        }
+    }
+}
+
+/// The decode engine's channel, as a handoff task drives it.
+pub(super) struct DecodeSide {
+    commands: mpsc::Sender<Command>,
+}
+
+impl DecodeSide {
+    pub(super) fn handoff(&self, step: Handoff) -> Result<(), SubmitError> {
+        self.commands
+            .send(Command::Handoff(step))
+            .map_err(|_| SubmitError::Stopped)
     }
 }

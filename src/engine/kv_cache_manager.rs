@@ -30,6 +30,35 @@ impl PrefixCacheStats {
     }
 }
 
+/// How a cache names its full blocks: two caches with equal hashers give a prefix the same
+/// hashes (disaggregated serving hands blocks between them by hash).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockHasher {
+    pub block_size: usize,
+    extra_key: u64,
+}
+
+impl BlockHasher {
+    /// The chained hashes of the full blocks of `tokens`, which follow the block of hash
+    /// `parent` (`None`: they start the sequence).
+    pub fn chain(&self, parent: Option<BlockHash>, tokens: &[u32]) -> Vec<BlockHash> {
+        let mut parent = parent.unwrap_or(self.extra_key as BlockHash);
+        tokens
+            .chunks_exact(self.block_size)
+            .map(|block| {
+                // Two independently seeded 64-bit hashes make the 128.
+                let half = |seed: u8| {
+                    let mut h = DefaultHasher::new();
+                    (seed, parent, block, self.extra_key).hash(&mut h);
+                    h.finish() as BlockHash
+                };
+                parent = (half(1) << 64) | half(2);
+                parent
+            })
+            .collect()
+    }
+}
+
 #[derive(Default)]
 struct Table {
     blocks: Vec<BlockId>,
@@ -92,20 +121,15 @@ impl KvCacheManager {
     /// The chained hashes of the full blocks of `tokens`, which follow the block of hash
     /// `parent` (`None`: they start the sequence).
     fn block_hashes_from(&self, parent: Option<BlockHash>, tokens: &[u32]) -> Vec<BlockHash> {
-        let mut parent = parent.unwrap_or(self.extra_key as BlockHash);
-        tokens
-            .chunks_exact(self.block_size)
-            .map(|block| {
-                // Two independently seeded 64-bit hashes make the 128.
-                let half = |seed: u8| {
-                    let mut h = DefaultHasher::new();
-                    (seed, parent, block, self.extra_key).hash(&mut h);
-                    h.finish() as BlockHash
-                };
-                parent = (half(1) << 64) | half(2);
-                parent
-            })
-            .collect()
+        self.hasher().chain(parent, tokens)
+    }
+
+    /// What names this cache's blocks, for another party that must name them alike.
+    pub fn hasher(&self) -> BlockHasher {
+        BlockHasher {
+            block_size: self.block_size,
+            extra_key: self.extra_key,
+        }
     }
 
     /// The longest run of cached blocks that starts `tokens`, and the tokens they hold. At
@@ -206,6 +230,44 @@ impl KvCacheManager {
         }
     }
 
+    /// Disaggregated serving, sending side: the leading blocks of the chain `hashes` that are
+    /// still cached, each held (so not evicted or written) until `let_go`.
+    pub fn hold_cached(&mut self, hashes: &[BlockHash]) -> Vec<BlockId> {
+        let blocks: Vec<BlockId> = hashes.iter().map_while(|&h| self.pool.cached_block(h)).collect();
+        self.pool.touch(&blocks);
+        blocks
+    }
+
+    /// Drops the hold `hold_cached` or `hold_chain` took on `blocks`.
+    pub fn let_go(&mut self, blocks: &[BlockId]) {
+        self.pool.free(blocks.iter().rev().copied());
+    }
+
+    /// Disaggregated serving, receiving side: blocks for the chain `hashes` (a prompt's full
+    /// blocks), held: the leading ones this cache has already, then fresh ones for as many of
+    /// the rest as the pool has free, leaving `keep_free` blocks. Returns them and how many
+    /// were cached; the fresh ones are to be filled by a transfer, then `enter_chain`.
+    pub fn hold_chain(&mut self, hashes: &[BlockHash], keep_free: usize) -> (Vec<BlockId>, usize) {
+        if !self.caching {
+            return (Vec::new(), 0);
+        }
+        let mut blocks = self.hold_cached(hashes);
+        let cached = blocks.len();
+        let fresh = (hashes.len() - cached).min(self.pool.num_free().saturating_sub(keep_free));
+        blocks.extend(self.pool.allocate(fresh).expect("no more than are free"));
+        (blocks, cached)
+    }
+
+    /// Enters the first `filled` of `blocks` (held by `hold_chain`, now holding the chain
+    /// `hashes`) into the prefix cache, then lets go of them all: unfilled ones go back as
+    /// free blocks, filled ones stay cached until a request takes them or they are evicted.
+    pub fn enter_chain(&mut self, blocks: &[BlockId], hashes: &[BlockHash], filled: usize) {
+        for (&b, &h) in blocks.iter().zip(hashes).take(filled) {
+            self.pool.cache(b, h);
+        }
+        self.let_go(blocks);
+    }
+
     pub fn num_free_blocks(&self) -> usize {
         self.pool.num_free()
     }
@@ -294,6 +356,43 @@ mod tests {
         assert!(m.allocate_slots(1, 9, &[]));
         m.cache_blocks(1, 9, |r| tokens[r].to_vec());
         m.truncate(1, 7);
+    }
+
+    #[test]
+    fn a_chain_is_held_filled_and_entered() {
+        // The sending side: a request's prompt cached in one manager.
+        let mut sender = manager(8);
+        let prompt: Vec<u32> = (0..13).collect();
+        assert!(sender.allocate_slots(1, 13, &[]));
+        sender.cache_blocks(1, 13, |r| prompt[r].to_vec());
+        sender.free(1);
+        let hashes = sender.block_hashes(&prompt);
+        assert_eq!(hashes.len(), 3);
+        let held = sender.hold_cached(&hashes);
+        assert_eq!(held.len(), 3);
+        assert_eq!(sender.num_free_blocks(), 5, "held blocks are not free to evict");
+        sender.let_go(&held);
+        assert_eq!(sender.num_free_blocks(), 8);
+
+        // The receiving side already has the first block.
+        let mut receiver = manager(6);
+        assert!(receiver.allocate_slots(7, 4, &[]));
+        receiver.cache_blocks(7, 4, |r| prompt[r].to_vec());
+        receiver.free(7);
+        let (blocks, cached) = receiver.hold_chain(&hashes, 0);
+        assert_eq!((blocks.len(), cached), (3, 1));
+        assert_eq!(receiver.num_free_blocks(), 3);
+        // Only the second block arrives: the third goes back uncached.
+        receiver.enter_chain(&blocks, &hashes, 2);
+        assert_eq!(receiver.num_free_blocks(), 6);
+        let (hit, n) = receiver.get_computed_blocks(&prompt);
+        assert_eq!((hit, n), (blocks[..2].to_vec(), 8));
+
+        // Room is left for running requests: only what `keep_free` spares is taken.
+        let (blocks, cached) = receiver.hold_chain(&hashes, 5);
+        assert_eq!((blocks.len(), cached), (2, 2));
+        receiver.let_go(&blocks);
+        assert_eq!(receiver.num_free_blocks(), 6);
     }
 
     #[test]

@@ -7,6 +7,7 @@ mod contained;
 pub mod contrast;
 pub mod core;
 pub mod detokenizer;
+pub mod disaggregated;
 pub mod kv_cache_manager;
 pub mod proposers;
 pub mod request;
@@ -21,7 +22,7 @@ pub use core::{
     AddError, AsyncScheduling, Completion, Completions, EngineConfig, EngineCore, EngineRequest, FinishReason,
     RequestMetrics, RequestOutput,
 };
-pub use kv_cache_manager::{KvCacheManager, PrefixCacheStats, RequestId};
+pub use kv_cache_manager::{BlockHasher, KvCacheManager, PrefixCacheStats, RequestId};
 pub use request::{Request, RequestStatus};
 pub use scheduler::{AdmitError, Policy, Scheduled, Scheduler, SchedulerConfig, SchedulerOutput};
 pub use speculation::{DraftCounts, Proposer, SpeculativeConfig};

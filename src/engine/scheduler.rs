@@ -98,6 +98,9 @@ pub struct Scheduler<T = ()> {
     /// In the order they will be considered (see `pick_waiting`).
     waiting: Vec<RequestId>,
     running: Vec<RequestId>,
+    /// Admitted but not to be scheduled yet: their prompt's blocks are on their way from
+    /// another engine (disaggregated serving).
+    held: Vec<RequestId>,
     next_arrival: u64,
     num_preemptions: usize,
 }
@@ -116,6 +119,7 @@ impl<T> Scheduler<T> {
             requests: HashMap::new(),
             waiting: Vec::new(),
             running: Vec::new(),
+            held: Vec::new(),
             next_arrival: 0,
             num_preemptions: 0,
         }
@@ -149,6 +153,27 @@ impl<T> Scheduler<T> {
         self.requests.insert(id, Entry { request, state });
         self.waiting.push(id);
         Ok(())
+    }
+
+    /// Keeps a waiting request from being scheduled until `release`.
+    pub fn hold(&mut self, id: RequestId) {
+        if let Some(at) = self.waiting.iter().position(|&r| r == id) {
+            self.waiting.remove(at);
+            self.held.push(id);
+        }
+    }
+
+    /// Lets a held request be scheduled, behind those waiting already.
+    pub fn release(&mut self, id: RequestId) {
+        if let Some(at) = self.held.iter().position(|&r| r == id) {
+            self.held.remove(at);
+            self.waiting.push(id);
+        }
+    }
+
+    /// Whether `id` is held (`hold`).
+    pub fn is_held(&self, id: RequestId) -> bool {
+        self.held.contains(&id)
     }
 
     /// Bounds a request's output (`Request::max_output`).
@@ -190,13 +215,19 @@ impl<T> Scheduler<T> {
         &self.kv
     }
 
+    /// The cache, for blocks held outside any request (disaggregated serving's transfers).
+    pub fn kv_mut(&mut self) -> &mut KvCacheManager {
+        &mut self.kv
+    }
+
     /// `KvCacheManager::forget_prefixes`.
     pub fn forget_prefixes(&mut self) {
         self.kv.forget_prefixes();
     }
 
+    /// Waiting requests, held ones included.
     pub fn num_waiting(&self) -> usize {
-        self.waiting.len()
+        self.waiting.len() + self.held.len()
     }
 
     /// The running requests, in the order they are considered.
@@ -212,6 +243,7 @@ impl<T> Scheduler<T> {
         self.num_preemptions
     }
 
+    /// Whether a request can be scheduled (held ones wait for their owner's `release`).
     pub fn has_unfinished(&self) -> bool {
         !self.waiting.is_empty() || !self.running.is_empty()
     }
@@ -524,6 +556,7 @@ impl<T> Scheduler<T> {
         self.kv.free(id | SHADOW);
         self.running.retain(|&r| r != id);
         self.waiting.retain(|&r| r != id);
+        self.held.retain(|&r| r != id);
         let Entry { mut request, state } = self.requests.remove(&id)?;
         request.status = RequestStatus::Finished;
         Some((request, state))

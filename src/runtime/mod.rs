@@ -10,6 +10,7 @@ pub mod device;
 pub mod error;
 pub mod gguf;
 pub mod hf;
+pub mod kv_link;
 pub mod model;
 pub mod names;
 pub mod shard;
@@ -18,6 +19,7 @@ pub use batch::{ForwardBatch, KvLayout, Logits};
 pub use config::{Architecture, ModelConfig};
 pub use device::{Device, DeviceChoice};
 pub use error::{Result, RuntimeError};
+pub use kv_link::{HostLink, KvLinkEnd};
 
 use std::path::Path;
 
@@ -106,6 +108,33 @@ pub trait Backend: Send {
     /// (`QUARRY_CUDA_TIMING`); the count starts again.
     fn take_timing_report(&mut self) -> Option<String> {
         None
+    }
+
+    /// Disaggregated serving (`kv_link`): joins this backend to one end of a link to another.
+    fn attach_kv_link(&mut self, _end: KvLinkEnd) -> Result<()> {
+        Err(RuntimeError::Backend(format!(
+            "{} cannot move KV blocks to another engine",
+            self.device_name()
+        )))
+    }
+
+    /// Queues the sending of `blocks`' keys and values (every layer, in order) over the link;
+    /// returns the transfer's ticket. The blocks must stay unwritten until
+    /// `kv_transfers_done` passes it.
+    fn send_kv_blocks(&mut self, _blocks: &[u32]) -> Result<u64> {
+        Err(RuntimeError::Backend("no KV link is attached".into()))
+    }
+
+    /// Queues the receiving of the oldest transfer not yet received into `blocks` (as many as
+    /// were sent); returns its ticket. The blocks hold it once `kv_transfers_done` passes it.
+    fn recv_kv_blocks(&mut self, _blocks: &[u32]) -> Result<u64> {
+        Err(RuntimeError::Backend("no KV link is attached".into()))
+    }
+
+    /// How many of this end's transfers (sends and receives, in the order queued) are done; an
+    /// error where the link failed, after which none completes.
+    fn kv_transfers_done(&mut self) -> Result<u64> {
+        Ok(0)
     }
 }
 

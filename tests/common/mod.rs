@@ -181,3 +181,19 @@ pub fn check_against_llama_cpp(backend: &mut dyn quarry::runtime::Backend) {
     assert!(worst_mean <= MEAN_LOGPROB_TOLERANCE, "mean deviation {worst_mean:.3}");
     assert!(worst_max <= MAX_LOGPROB_TOLERANCE, "max deviation {worst_max:.3}");
 }
+
+/// The GPUs the multi-GPU tests may use, or None (after saying why they skip):
+/// `QUARRY_TEST_GPUS` (set by `scripts/gpu-check run --gpus N` and scripts/bench-multi-gpu).
+/// Where it is set, a machine with fewer GPUs is a failure.
+pub fn test_gpus() -> Option<usize> {
+    let Some(n) = std::env::var("QUARRY_TEST_GPUS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    else {
+        eprintln!("skipping: QUARRY_TEST_GPUS is not set (scripts/gpu-check run --gpus N sets it)");
+        return None;
+    };
+    let have = quarry::runtime::device::cuda_devices().unwrap_or_else(|why| panic!("QUARRY_TEST_GPUS={n}, but {why}"));
+    assert!(have >= n, "QUARRY_TEST_GPUS={n}, but this machine has {have} GPUs");
+    Some(n)
+}

@@ -3,6 +3,7 @@
 
 mod all_reduce;
 mod calibration;
+mod interference;
 mod jobs;
 mod latency;
 mod prefix_cache;
@@ -31,6 +32,9 @@ pub enum BenchCommand {
     /// NCCL's all-reduce across this machine's GPUs (the collective tensor parallelism runs
     /// after each layer's row-parallel products): latency and bandwidth by message size.
     AllReduce(all_reduce::AllReduceArgs),
+    /// Decode latency while long prompts arrive: requests decoding all the time beside a long
+    /// prompt every so often, on one engine or with prefill and decode on separate devices.
+    Interference(interference::InterferenceArgs),
 }
 
 pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
@@ -41,6 +45,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::PrefixCache(args) => prefix_cache::run(args),
         BenchCommand::Quality(args) => quality::run(args),
         BenchCommand::AllReduce(args) => all_reduce::run(args),
+        BenchCommand::Interference(args) => interference::run(args),
     }
 }
 

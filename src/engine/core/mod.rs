@@ -7,6 +7,7 @@
 //! drafts the model agrees with, `output` turns the kept tokens into request state and
 //! outputs; `state` is a request's engine-side state.
 
+mod handoff;
 mod output;
 mod pipeline;
 mod propose;
@@ -141,6 +142,8 @@ pub struct EngineCore {
     in_flight: Option<pipeline::InFlight>,
     pipelined_steps: u64,
     pipelined_rows_dropped: u64,
+    /// Disaggregated serving's KV transfers (`handoff`).
+    handoffs: handoff::Handoffs,
 }
 
 impl EngineCore {
@@ -179,6 +182,7 @@ impl EngineCore {
             in_flight: None,
             pipelined_steps: 0,
             pipelined_rows_dropped: 0,
+            handoffs: handoff::Handoffs::default(),
         }
     }
 
@@ -287,6 +291,15 @@ impl EngineCore {
         Ok(())
     }
 
+    /// `add_request`, for a request whose prompt's blocks another engine computes: it is not
+    /// scheduled until `receive_blocks` has them in the cache (disaggregated serving).
+    pub fn add_held_request(&mut self, r: EngineRequest) -> Result<(), AddError> {
+        let id = r.id;
+        self.add_request(r)?;
+        self.scheduler.hold(id);
+        Ok(())
+    }
+
     /// The tokens whose text holds one of `breakers`, worked out once per list.
     fn breaker_tokens(&mut self, breakers: &[String]) -> Arc<[bool]> {
         let tokenizer = &self.tokenizer;
@@ -338,6 +351,9 @@ impl EngineCore {
             graph_steps: self.backend.graph_steps(),
             pipelined_steps: self.pipelined_steps,
             pipelined_rows_dropped: self.pipelined_rows_dropped,
+            kv_blocks_sent: self.handoffs.blocks_sent,
+            kv_blocks_received: self.handoffs.blocks_received,
+            kv_transfer_failures: self.handoffs.failures,
         }
     }
 

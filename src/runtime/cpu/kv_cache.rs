@@ -115,4 +115,47 @@ impl KvCache {
     pub fn layer(&self, layer: usize) -> (&[bf16], &[bf16]) {
         (&self.k[layer], &self.v[layer])
     }
+
+    /// Entries one block holds in one layer's K (or V) pool: a block is one contiguous run.
+    fn block_len(&self) -> usize {
+        self.layout.block_size * self.num_kv_heads * self.head_dim
+    }
+
+    /// Bytes `gather` gives for one block.
+    pub fn block_bytes(&self) -> usize {
+        2 * self.k.len() * self.block_len() * std::mem::size_of::<bf16>()
+    }
+
+    /// Each block's keys then values, layer after layer, block after block, as raw bf16 bytes
+    /// (both ends of a link lay blocks out alike: the same model on the same kind of backend).
+    pub fn gather(&self, blocks: &[u32]) -> Vec<u8> {
+        let n = self.block_len();
+        let mut out = Vec::with_capacity(blocks.len() * self.block_bytes());
+        for &b in blocks {
+            let at = b as usize * n;
+            for (k, v) in self.k.iter().zip(&self.v) {
+                for pool in [k, v] {
+                    out.extend(pool[at..at + n].iter().flat_map(|x| x.to_bits().to_le_bytes()));
+                }
+            }
+        }
+        out
+    }
+
+    /// Writes what `gather` gave for as many blocks into `blocks`.
+    pub fn scatter(&mut self, blocks: &[u32], bytes: &[u8]) {
+        let n = self.block_len();
+        let mut pieces = bytes.chunks_exact(2 * n);
+        for &b in blocks {
+            let at = b as usize * n;
+            for layer in 0..self.k.len() {
+                for pool in [&mut self.k[layer], &mut self.v[layer]] {
+                    let piece = pieces.next().expect("the caller checked the length");
+                    for (x, p) in pool[at..at + n].iter_mut().zip(piece.chunks_exact(2)) {
+                        *x = bf16::from_bits(u16::from_le_bytes([p[0], p[1]]));
+                    }
+                }
+            }
+        }
+    }
 }

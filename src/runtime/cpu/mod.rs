@@ -30,7 +30,7 @@ use super::config::ModelConfig;
 use super::error::{Result, RuntimeError};
 use super::gguf::GgufFile;
 use super::model;
-use super::{Backend, RowRequest, Sampled};
+use super::{Backend, HostLink, KvLinkEnd, RowRequest, Sampled};
 
 /// When the KV pool's pages are backed by memory.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -71,6 +71,10 @@ pub struct CpuBackend {
     rope: Rope,
     kv: KvCache,
     buffers: Buffers,
+    /// Disaggregated serving's link to another engine's backend, and the transfers queued on
+    /// it (each done as it is queued: the host copies at once).
+    kv_link: Option<HostLink>,
+    kv_transfers: u64,
 }
 
 /// Activations of one forward pass, `[tokens, width]` each.
@@ -133,7 +137,24 @@ impl CpuBackend {
             rope,
             kv,
             buffers: Buffers::default(),
+            kv_link: None,
+            kv_transfers: 0,
         })
+    }
+}
+
+impl CpuBackend {
+    /// The attached link, once `blocks` are known to lie in the pool.
+    fn link(&self, blocks: &[u32]) -> Result<HostLink> {
+        let total = self.kv.layout().num_blocks;
+        if let Some(b) = blocks.iter().find(|&&b| b as usize >= total) {
+            return Err(RuntimeError::InvalidBatch(format!(
+                "KV transfer names block {b} of a pool of {total}"
+            )));
+        }
+        self.kv_link
+            .clone()
+            .ok_or_else(|| RuntimeError::Backend("no KV link is attached".into()))
     }
 }
 
@@ -148,6 +169,37 @@ impl Backend for CpuBackend {
 
     fn device_name(&self) -> String {
         format!("cpu ({} threads)", pool::num_threads())
+    }
+
+    fn attach_kv_link(&mut self, end: KvLinkEnd) -> Result<()> {
+        match end {
+            KvLinkEnd::Host(link) => {
+                self.kv_link = Some(link);
+                Ok(())
+            }
+            KvLinkEnd::Nccl(_) => Err(RuntimeError::Backend(
+                "the CPU backend moves KV blocks through host memory, not NCCL".into(),
+            )),
+        }
+    }
+
+    fn send_kv_blocks(&mut self, blocks: &[u32]) -> Result<u64> {
+        let link = self.link(blocks)?;
+        link.send(self.kv.gather(blocks))?;
+        self.kv_transfers += 1;
+        Ok(self.kv_transfers - 1)
+    }
+
+    fn recv_kv_blocks(&mut self, blocks: &[u32]) -> Result<u64> {
+        let link = self.link(blocks)?;
+        let bytes = link.receive(blocks.len() * self.kv.block_bytes())?;
+        self.kv.scatter(blocks, &bytes);
+        self.kv_transfers += 1;
+        Ok(self.kv_transfers - 1)
+    }
+
+    fn kv_transfers_done(&mut self) -> Result<u64> {
+        Ok(self.kv_transfers)
     }
 
     /// The logits are on the host already: every row goes back to the engine's sampler.

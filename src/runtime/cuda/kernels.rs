@@ -24,7 +24,7 @@ const SOURCES: &[(&str, &str, &[&str])] = &[
     (
         "cache.cu",
         include_str!("../../../kernels/cache.cu"),
-        &["rope_and_cache"],
+        &["rope_and_cache", "kv_gather", "kv_scatter"],
     ),
     (
         "attention.cu",
@@ -75,6 +75,8 @@ pub struct Kernels {
     pub add_rms_norm: CudaFunction,
     pub add_bias: CudaFunction,
     pub rope_and_cache: CudaFunction,
+    pub kv_gather: CudaFunction,
+    pub kv_scatter: CudaFunction,
     pub paged_attention: CudaFunction,
     pub attention_merge: CudaFunction,
     pub flash_attention_d64: CudaFunction,
@@ -177,6 +179,8 @@ impl Kernels {
             add_rms_norm: take("add_rms_norm"),
             add_bias: take("add_bias"),
             rope_and_cache: take("rope_and_cache"),
+            kv_gather: take("kv_gather"),
+            kv_scatter: take("kv_scatter"),
             paged_attention: take("paged_attention"),
             attention_merge: take("attention_merge"),
             flash_attention_d64: take("flash_attention_d64"),

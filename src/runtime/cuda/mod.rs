@@ -7,6 +7,7 @@ mod attention;
 mod gemm;
 mod graphs;
 mod kernels;
+pub mod kv_transfer;
 mod launcher;
 pub mod nccl;
 pub mod peer_reduce;
@@ -136,6 +137,8 @@ pub struct CudaBackend {
     /// The staged pass's tokens that the last draw decided on the device.
     fill: Option<Fill>,
     name: String,
+    /// Disaggregated serving's link to another GPU's engine.
+    kv_port: Option<kv_transfer::KvPort>,
     timing: Option<Timing>,
     /// None: every step runs eagerly (`--enforce-eager`, per-kernel timing, or heads the
     /// tensor-core attention does not take).
@@ -406,6 +409,7 @@ impl CudaBackend {
             redraw_staging,
             fill: None,
             name,
+            kv_port: None,
             timing,
             graphs,
             captured_last_run: false,
@@ -718,6 +722,22 @@ fn silu_mul(stream: &CudaStream, k: &Kernels, gate_up: u64, act: u64, rows: usiz
     }
 }
 
+fn no_kv_link() -> RuntimeError {
+    RuntimeError::Backend("no KV link is attached".into())
+}
+
+impl CudaBackend {
+    fn check_kv_blocks(&self, blocks: &[u32]) -> Result<()> {
+        match blocks.iter().find(|&&b| b as usize >= self.layout.num_blocks) {
+            Some(b) => Err(RuntimeError::InvalidBatch(format!(
+                "KV transfer names block {b} of a pool of {}",
+                self.layout.num_blocks
+            ))),
+            None => Ok(()),
+        }
+    }
+}
+
 impl Backend for CudaBackend {
     fn config(&self) -> &ModelConfig {
         &self.config
@@ -729,6 +749,39 @@ impl Backend for CudaBackend {
 
     fn device_name(&self) -> String {
         self.name.clone()
+    }
+
+    fn attach_kv_link(&mut self, end: crate::runtime::KvLinkEnd) -> Result<()> {
+        let crate::runtime::KvLinkEnd::Nccl(end) = end else {
+            return Err(RuntimeError::Backend(
+                "a GPU backend moves KV blocks over NCCL, not through host memory".into(),
+            ));
+        };
+        let block_elems = self.layout.block_size * self.config.kv_size();
+        self.kv_port = Some(kv_transfer::KvPort::new(
+            end,
+            &self.ctx,
+            &self.k_cache,
+            &self.v_cache,
+            block_elems,
+        )?);
+        Ok(())
+    }
+
+    fn send_kv_blocks(&mut self, blocks: &[u32]) -> Result<u64> {
+        self.check_kv_blocks(blocks)?;
+        let port = self.kv_port.as_mut().ok_or_else(no_kv_link)?;
+        port.send(&self.kernels.kv_gather, blocks)
+    }
+
+    fn recv_kv_blocks(&mut self, blocks: &[u32]) -> Result<u64> {
+        self.check_kv_blocks(blocks)?;
+        let port = self.kv_port.as_mut().ok_or_else(no_kv_link)?;
+        port.recv(&self.kernels.kv_scatter, blocks)
+    }
+
+    fn kv_transfers_done(&mut self) -> Result<u64> {
+        self.kv_port.as_mut().map_or(Ok(0), |p| p.done())
     }
 
     fn run(&mut self, batch: &ForwardBatch) -> Result<()> {

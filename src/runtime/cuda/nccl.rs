@@ -22,6 +22,7 @@ const SUCCESS: NcclResult = 0;
 /// `ncclDataType_t` values (nccl.h, stable across NCCL 2).
 pub const FLOAT32: c_int = 7;
 pub const BFLOAT16: c_int = 9;
+const UINT8: c_int = 1;
 const SUM: c_int = 0;
 /// The oldest NCCL these bindings accept, as `ncclGetVersion` encodes it (major * 10000 +
 /// minor * 100 + patch).
@@ -44,6 +45,8 @@ struct Fns {
     all_reduce: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, Comm, CUstream) -> NcclResult,
     group_start: unsafe extern "C" fn() -> NcclResult,
     group_end: unsafe extern "C" fn() -> NcclResult,
+    send: unsafe extern "C" fn(*const c_void, usize, c_int, c_int, Comm, CUstream) -> NcclResult,
+    recv: unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, Comm, CUstream) -> NcclResult,
 }
 
 /// An opened NCCL library.
@@ -98,6 +101,8 @@ impl Nccl {
                 all_reduce: symbol(&lib, path, "ncclAllReduce")?,
                 group_start: symbol(&lib, path, "ncclGroupStart")?,
                 group_end: symbol(&lib, path, "ncclGroupEnd")?,
+                send: symbol(&lib, path, "ncclSend")?,
+                recv: symbol(&lib, path, "ncclRecv")?,
             }
         };
         let mut version: c_int = 0;
@@ -243,6 +248,48 @@ impl Group {
         Ok(())
     }
 
+    /// Sends `bytes` bytes from rank `from`'s buffer to rank `to`'s, each queued on its rank's
+    /// stream, in one group call: point-to-point connections are made by a pair's first
+    /// transfer, which needs both ranks at once, so a link makes it before its ranks go to
+    /// threads that send and receive apart.
+    pub fn send_recv(
+        &mut self,
+        from: usize,
+        to: usize,
+        buffers: [u64; 2],
+        streams: [CUstream; 2],
+        bytes: usize,
+    ) -> Result<(), RuntimeError> {
+        let f = &self.nccl.fns;
+        let (sender, receiver) = (self.comms[from], self.comms[to]);
+        // SAFETY: each buffer holds `bytes` bytes on its rank's device; the group call queues
+        // both halves before either waits on the other.
+        unsafe {
+            self.nccl.check((f.group_start)(), None, "ncclGroupStart")?;
+            let sent = (f.send)(
+                buffers[0] as *const c_void,
+                bytes,
+                UINT8,
+                to as c_int,
+                sender,
+                streams[0],
+            );
+            let received = (f.recv)(
+                buffers[1] as *mut c_void,
+                bytes,
+                UINT8,
+                from as c_int,
+                receiver,
+                streams[1],
+            );
+            let ended = self.nccl.check((f.group_end)(), None, "ncclGroupEnd");
+            self.nccl
+                .check(sent, Some(sender), "ncclSend")
+                .and(self.nccl.check(received, Some(receiver), "ncclRecv"))
+                .and(ended)
+        }
+    }
+
     /// Ends every communicator at once, collectives in flight included (a failed group).
     pub fn abort(mut self) {
         for comm in std::mem::take(&mut self.comms) {
@@ -296,6 +343,39 @@ impl RankComm {
             )
         };
         self.nccl.check(r, Some(self.comm), "ncclAllReduce")
+    }
+
+    /// Queues sending `bytes` bytes at `buffer` (on this rank's device) to rank `peer`, which
+    /// receives them with `recv` in the same order.
+    pub fn send(&self, buffer: u64, bytes: usize, peer: usize, stream: &CudaStream) -> Result<(), RuntimeError> {
+        // SAFETY: the buffer holds `bytes` bytes on this rank's device until the stream passes.
+        let r = unsafe {
+            (self.nccl.fns.send)(
+                buffer as *const c_void,
+                bytes,
+                UINT8,
+                peer as c_int,
+                self.comm,
+                stream.cu_stream(),
+            )
+        };
+        self.nccl.check(r, Some(self.comm), "ncclSend")
+    }
+
+    /// Queues receiving `bytes` bytes from rank `peer` into `buffer`.
+    pub fn recv(&self, buffer: u64, bytes: usize, peer: usize, stream: &CudaStream) -> Result<(), RuntimeError> {
+        // SAFETY: the buffer has room for `bytes` bytes on this rank's device.
+        let r = unsafe {
+            (self.nccl.fns.recv)(
+                buffer as *mut c_void,
+                bytes,
+                UINT8,
+                peer as c_int,
+                self.comm,
+                stream.cu_stream(),
+            )
+        };
+        self.nccl.check(r, Some(self.comm), "ncclRecv")
     }
 
     /// An error a collective of this rank's reported since (a peer that failed or stalled).

@@ -1,0 +1,155 @@
+//! Disaggregated serving (`engine::disaggregated`), the engine's part: a prefill engine sends
+//! the blocks of a prompt it computed; a decode engine holds blocks for them, receives them,
+//! enters them in its prefix cache and only then lets the request they belong to be scheduled,
+//! which finds its prompt cached and computes the rest. Neither engine's steps wait for a
+//! transfer: both hold a transfer's blocks until the backend says it is done
+//! (`poll_transfers`, every turn of the engine's loop).
+//!
+//! Every reservation ends in `receive_blocks` (the router's duty, even for a request aborted
+//! meanwhile, since a send already queued must meet its receive), and every path out of it
+//! lets go of the blocks: a failed transfer leaves them uncached and the request computes its
+//! prompt itself.
+
+use std::collections::{HashMap, VecDeque};
+
+use super::EngineCore;
+use crate::engine::block_pool::{BlockHash, BlockId};
+use crate::engine::kv_cache_manager::RequestId;
+use crate::runtime::RuntimeError;
+
+/// Transfers in flight and blocks held for them.
+#[derive(Default)]
+pub(super) struct Handoffs {
+    /// Blocks held for a request until its transfer is queued, with their chain and how many
+    /// were cached already.
+    reserved: HashMap<RequestId, Reserved>,
+    /// Queued transfers, in ticket order (sends and receives share the backend's count).
+    queued: VecDeque<Queued>,
+    pub blocks_sent: u64,
+    pub blocks_received: u64,
+    pub failures: u64,
+}
+
+struct Reserved {
+    blocks: Vec<BlockId>,
+    hashes: Vec<BlockHash>,
+    cached: usize,
+}
+
+struct Queued {
+    ticket: u64,
+    blocks: Vec<BlockId>,
+    /// A receive: the request to let go, the chain and how many blocks it fills.
+    receive: Option<(RequestId, Vec<BlockHash>, usize)>,
+}
+
+impl EngineCore {
+    /// Sending side: queues the sending of the leading blocks of the chain `hashes` that are
+    /// still cached here; returns how many go (the receiver must receive as many).
+    pub fn send_blocks(&mut self, hashes: &[BlockHash]) -> Result<usize, RuntimeError> {
+        let blocks = self.scheduler.kv_mut().hold_cached(hashes);
+        if blocks.is_empty() {
+            return Ok(0);
+        }
+        match self.backend.send_kv_blocks(&blocks) {
+            Ok(ticket) => {
+                self.handoffs.blocks_sent += blocks.len() as u64;
+                let n = blocks.len();
+                self.handoffs.queued.push_back(Queued {
+                    ticket,
+                    blocks,
+                    receive: None,
+                });
+                Ok(n)
+            }
+            Err(e) => {
+                self.handoffs.failures += 1;
+                self.scheduler.kv_mut().let_go(&blocks);
+                Err(e)
+            }
+        }
+    }
+
+    /// Receiving side: holds blocks for request `id`'s chain `hashes` (its prompt's full
+    /// blocks) and returns the hashes whose blocks must be sent: those after the ones cached
+    /// here, as far as the free blocks allow while the requests running here keep room to
+    /// grow. `receive_blocks` must follow.
+    pub fn reserve_blocks(&mut self, id: RequestId, hashes: Vec<BlockHash>) -> Vec<BlockHash> {
+        // A block per running request spares them a preemption on the next steps.
+        let keep_free = self.scheduler.num_running();
+        let (blocks, cached) = self.scheduler.kv_mut().hold_chain(&hashes, keep_free);
+        let wanted = hashes[cached..blocks.len()].to_vec();
+        self.handoffs.reserved.insert(id, Reserved { blocks, hashes, cached });
+        wanted
+    }
+
+    /// Receiving side: queues the receiving of `count` blocks (what the sender sent of those
+    /// `reserve_blocks` asked for) into request `id`'s reservation. The request is let go once
+    /// they land; at once where none come.
+    pub fn receive_blocks(&mut self, id: RequestId, count: usize) -> Result<(), RuntimeError> {
+        let Some(r) = self.handoffs.reserved.remove(&id) else {
+            self.scheduler.release(id);
+            return Ok(());
+        };
+        let count = count.min(r.blocks.len() - r.cached);
+        let filled = r.cached + count;
+        let mut result = Ok(());
+        if count > 0 {
+            match self.backend.recv_kv_blocks(&r.blocks[r.cached..filled]) {
+                Ok(ticket) => {
+                    self.handoffs.blocks_received += count as u64;
+                    self.handoffs.queued.push_back(Queued {
+                        ticket,
+                        blocks: r.blocks,
+                        receive: Some((id, r.hashes, filled)),
+                    });
+                    self.poll_transfers();
+                    return Ok(());
+                }
+                Err(e) => {
+                    self.handoffs.failures += 1;
+                    result = Err(e);
+                }
+            }
+        }
+        // Nothing comes (or nothing can): what was cached here is still good.
+        self.scheduler.kv_mut().enter_chain(&r.blocks, &r.hashes, r.cached);
+        self.scheduler.release(id);
+        result
+    }
+
+    /// Lets go of the blocks of every transfer the backend has finished; where the link
+    /// failed, of every transfer, their requests computing their prompts themselves.
+    pub fn poll_transfers(&mut self) {
+        if self.handoffs.queued.is_empty() {
+            return;
+        }
+        let done = match self.backend.kv_transfers_done() {
+            Ok(done) => done,
+            Err(e) => {
+                tracing::error!(
+                    "quarry: KV transfer failed: {e}; the requests waiting for it compute their prompts here"
+                );
+                self.handoffs.failures += 1;
+                u64::MAX
+            }
+        };
+        let failed = done == u64::MAX;
+        while self.handoffs.queued.front().is_some_and(|q| q.ticket < done) {
+            let q = self.handoffs.queued.pop_front().expect("checked");
+            match q.receive {
+                Some((id, hashes, filled)) => {
+                    let filled = if failed { 0 } else { filled };
+                    self.scheduler.kv_mut().enter_chain(&q.blocks, &hashes, filled);
+                    self.scheduler.release(id);
+                }
+                None => self.scheduler.kv_mut().let_go(&q.blocks),
+            }
+        }
+    }
+
+    /// Whether transfers are in flight (the engine's loop must come back to poll them).
+    pub fn has_transfers(&self) -> bool {
+        !self.handoffs.queued.is_empty()
+    }
+}

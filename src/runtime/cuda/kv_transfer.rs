@@ -1,0 +1,217 @@
+//! KV blocks from one GPU to another (runtime/kv_link.rs) over NCCL send and receive, on a
+//! stream of their own, so that neither engine's steps wait for a transfer.
+//!
+//! A transfer goes in pieces of at most `STAGING_BYTES`: the sender gathers a piece's blocks
+//! (every layer's K and V) into its staging buffer and sends it; the receiver receives into
+//! its own and scatters. Both ends cut a transfer alike (the same model's block size), so each
+//! send meets a receive of the same length. An event after each transfer tells the engine when
+//! the blocks may be written again (sender) or read (receiver).
+//!
+//! Nothing orders a gather after the engine's own stream: the engine sends only blocks whose
+//! step it has read back (so they are written), and holds them until the transfer is done.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr};
+
+use super::launcher::{self, Arg};
+use super::nccl::{Group, Nccl, RankComm};
+use crate::runtime::error::{Result, RuntimeError};
+use crate::runtime::KvLinkEnd;
+
+/// The most one piece of a transfer holds: a few dozen blocks of an 8B model's 2 MiB.
+const STAGING_BYTES: usize = 128 << 20;
+
+/// One GPU's end of a link: its rank in a two-rank communicator.
+pub struct NcclEnd {
+    comm: RankComm,
+    rank: usize,
+    device: usize,
+}
+
+/// Both ends of a link from GPU `from` to GPU `to`, their first transfer made.
+pub fn pair(from: usize, to: usize) -> Result<(KvLinkEnd, KvLinkEnd)> {
+    if from == to {
+        return Err(RuntimeError::Device(format!(
+            "a KV link joins two GPUs, and both ends are cuda:{from}"
+        )));
+    }
+    let nccl = Nccl::open()?;
+    let mut group = Group::local(nccl, &[from as i32, to as i32])?;
+    let err = |what: &'static str| move |e: cudarc::driver::DriverError| RuntimeError::Device(format!("{what}: {e}"));
+    let ctxs = [from, to].map(CudaContext::new);
+    let [a, b] = ctxs;
+    let (a, b) = (a.map_err(err("KV link"))?, b.map_err(err("KV link"))?);
+    let (sa, sb) = (
+        a.new_stream().map_err(err("KV link"))?,
+        b.new_stream().map_err(err("KV link"))?,
+    );
+    let ba = sa.alloc_zeros::<u8>(256).map_err(err("KV link"))?;
+    let bb = sb.alloc_zeros::<u8>(256).map_err(err("KV link"))?;
+    {
+        let (pa, _ga) = ba.device_ptr(&sa);
+        let (pb, _gb) = bb.device_ptr(&sb);
+        group.send_recv(0, 1, [pa, pb], [sa.cu_stream(), sb.cu_stream()], 256)?;
+    }
+    sa.synchronize().map_err(err("KV link's first transfer"))?;
+    sb.synchronize().map_err(err("KV link's first transfer"))?;
+    let mut comms = group.into_ranks().into_iter();
+    let mut end = |rank: usize, device: usize| NcclEnd {
+        comm: comms.next().expect("two ranks"),
+        rank,
+        device,
+    };
+    Ok((KvLinkEnd::Nccl(end(0, from)), KvLinkEnd::Nccl(end(1, to))))
+}
+
+/// A backend's side of a link.
+pub struct KvPort {
+    end: NcclEnd,
+    stream: Arc<CudaStream>,
+    /// Left allocated where a failed transfer may still use it.
+    staging: std::mem::ManuallyDrop<CudaSlice<u16>>,
+    /// Blocks one piece holds, and the entries of one block in one pool.
+    piece_blocks: usize,
+    block_elems: usize,
+    /// Each layer's K pool then V pool.
+    pools: CudaSlice<u64>,
+    num_pools: usize,
+    ids: CudaSlice<u32>,
+    /// An event after each transfer not yet seen done, oldest first.
+    pending: VecDeque<CudaEvent>,
+    done: u64,
+    failed: Option<String>,
+}
+
+impl KvPort {
+    /// A port over the cache pools `k` and `v` (one of each per layer) of the backend on
+    /// `ctx`, each block `block_elems` entries.
+    pub fn new(
+        end: NcclEnd,
+        ctx: &Arc<CudaContext>,
+        k: &[CudaSlice<u16>],
+        v: &[CudaSlice<u16>],
+        block_elems: usize,
+    ) -> Result<KvPort> {
+        if end.device != ctx.ordinal() {
+            return Err(RuntimeError::Device(format!(
+                "a KV link's end for cuda:{} was given to the backend on cuda:{}",
+                end.device,
+                ctx.ordinal()
+            )));
+        }
+        let err = |e: cudarc::driver::DriverError| RuntimeError::Device(format!("KV link on cuda:{}: {e}", end.device));
+        let stream = ctx.new_stream().map_err(err)?;
+        let addresses: Vec<u64> = k
+            .iter()
+            .zip(v)
+            .flat_map(|(k, v)| [k.device_ptr(&stream).0, v.device_ptr(&stream).0])
+            .collect();
+        let pools = stream.clone_htod(&addresses).map_err(err)?;
+        let block_bytes = addresses.len() * block_elems * 2;
+        let piece_blocks = (STAGING_BYTES / block_bytes).max(1);
+        // SAFETY: staging is written (gathered or received) before it is read.
+        let staging = unsafe { stream.alloc::<u16>(piece_blocks * addresses.len() * block_elems) }.map_err(err)?;
+        let staging = std::mem::ManuallyDrop::new(staging);
+        let ids = stream.alloc_zeros::<u32>(piece_blocks).map_err(err)?;
+        Ok(KvPort {
+            end,
+            stream,
+            staging,
+            piece_blocks,
+            block_elems,
+            num_pools: addresses.len(),
+            pools,
+            ids,
+            pending: VecDeque::new(),
+            done: 0,
+            failed: None,
+        })
+    }
+
+    /// Queues gathering and sending `blocks`; its ticket.
+    pub fn send(&mut self, gather: &CudaFunction, blocks: &[u32]) -> Result<u64> {
+        self.transfer(gather, blocks, true)
+    }
+
+    /// Queues receiving into `blocks` and scattering; its ticket.
+    pub fn recv(&mut self, scatter: &CudaFunction, blocks: &[u32]) -> Result<u64> {
+        self.transfer(scatter, blocks, false)
+    }
+
+    fn transfer(&mut self, kernel: &CudaFunction, blocks: &[u32], sending: bool) -> Result<u64> {
+        self.check()?;
+        let result = self.queue(kernel, blocks, sending);
+        if let Err(e) = &result {
+            // The two ends' pieces may no longer pair up: no later transfer can be trusted.
+            self.failed = Some(e.to_string());
+        }
+        result
+    }
+
+    fn queue(&mut self, kernel: &CudaFunction, blocks: &[u32], sending: bool) -> Result<u64> {
+        let err = |e: cudarc::driver::DriverError| RuntimeError::Device(format!("KV transfer: {e}"));
+        let peer = 1 - self.end.rank;
+        for piece in blocks.chunks(self.piece_blocks) {
+            self.stream.memcpy_htod(piece, &mut self.ids).map_err(err)?;
+            let bytes = piece.len() * self.num_pools * self.block_elems * 2;
+            let (ids, _g1) = self.ids.device_ptr(&self.stream);
+            let (pools, _g2) = self.pools.device_ptr(&self.stream);
+            let (staging, _g3) = self.staging.device_ptr(&self.stream);
+            let elems = self.block_elems as i32;
+            let args: [&dyn Arg; 4] = [&ids, &pools, &elems, &staging];
+            let grid = (piece.len() as u32, self.num_pools as u32);
+            if sending {
+                launcher::launch(&self.stream, kernel, grid, launcher::THREADS, &args)?;
+                self.end.comm.send(staging, bytes, peer, &self.stream)?;
+            } else {
+                self.end.comm.recv(staging, bytes, peer, &self.stream)?;
+                launcher::launch(&self.stream, kernel, grid, launcher::THREADS, &args)?;
+            }
+        }
+        let event = self.stream.record_event(None).map_err(err)?;
+        self.pending.push_back(event);
+        Ok(self.done + self.pending.len() as u64 - 1)
+    }
+
+    /// Transfers done so far, in order.
+    pub fn done(&mut self) -> Result<u64> {
+        self.check()?;
+        while let Some(event) = self.pending.front() {
+            match event.try_is_complete() {
+                Ok(true) => {
+                    self.pending.pop_front();
+                    self.done += 1;
+                }
+                Ok(false) => break,
+                Err(e) => {
+                    self.failed = Some(format!("KV transfer: {e}"));
+                    return self.check().map(|_| self.done);
+                }
+            }
+        }
+        if let Err(e) = self.end.comm.async_error() {
+            self.failed = Some(e.to_string());
+        }
+        self.check().map(|_| self.done)
+    }
+
+    fn check(&self) -> Result<()> {
+        match &self.failed {
+            Some(e) => Err(RuntimeError::Device(format!("the KV link failed earlier: {e}"))),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for KvPort {
+    fn drop(&mut self) {
+        // Transfers in flight read or write the staging buffer freed with the port. After a
+        // failure one may wait for a peer that never comes: the memory is left to the process.
+        if self.failed.is_none() && self.stream.synchronize().is_ok() {
+            // SAFETY: dropped once, here, after the stream's last use of it.
+            unsafe { std::mem::ManuallyDrop::drop(&mut self.staging) };
+        }
+    }
+}

@@ -1,0 +1,138 @@
+//! Disaggregated prefill and decode between two GPUs, KV blocks moving over NCCL
+//! (tests/disaggregated.rs does the same on the CPU through host memory):
+//! - blocks sent from cuda:0 land in other block ids on cuda:1 bit for bit: the next token's
+//!   logits from the received prompt equal the sender's own, bitwise (one kind of GPU, one
+//!   batch shape, so one sequence of kernels);
+//! - requests served by a prefill engine on cuda:0 and a decode engine on cuda:1 all finish,
+//!   the decode engine taking every prompt's full blocks from what it received and leaking no
+//!   block on either side.
+//!
+//! `QUARRY_TEST_GPUS` (scripts/bench-multi-gpu) says how many GPUs there are; unset, the tests
+//! skip with a message.
+
+mod common;
+
+use std::sync::Arc;
+
+use quarry::engine::{EngineClient, EngineConfig, EngineCore, EngineRequest, FinishReason};
+use quarry::runtime::{Backend, DeviceChoice, ForwardBatch, LoadOptions};
+use quarry::sampling::SamplingParams;
+
+fn load(device: usize) -> Box<dyn Backend> {
+    let path = common::model_path().expect("the default model on the GPU machine");
+    let options = LoadOptions {
+        kv_cache_tokens: Some(8192),
+        max_num_batched_tokens: 512,
+        max_num_seqs: 16,
+        ..Default::default()
+    };
+    quarry::runtime::load(DeviceChoice::Cuda(device), &path, options).expect("load model")
+}
+
+fn two_gpus() -> Option<(Box<dyn Backend>, Box<dyn Backend>)> {
+    let gpus = common::test_gpus()?;
+    assert!(gpus >= 2, "QUARRY_TEST_GPUS={gpus}: prefill and decode take 2 GPUs");
+    let (mut a, mut b) = (load(0), load(1));
+    quarry::runtime::kv_link::join(a.as_mut(), DeviceChoice::Cuda(0), b.as_mut(), DeviceChoice::Cuda(1))
+        .expect("an NCCL link between cuda:0 and cuda:1");
+    Some((a, b))
+}
+
+fn prompt(variant: u32, len: u32) -> Vec<u32> {
+    (0..len)
+        .map(|i| 200 + (i * 7919 + variant * 104_729) % 40_000)
+        .collect()
+}
+
+#[test]
+fn received_blocks_give_the_senders_next_logits() {
+    let Some((mut a, mut b)) = two_gpus() else { return };
+    let bs = a.kv_layout().block_size;
+    // More blocks than one piece of a transfer holds would be a few thousand for this model:
+    // a long prompt still crosses several of its own blocks and the last partial one.
+    let prompt = prompt(1, 700);
+    let n = prompt.len();
+    let blocks = n.div_ceil(bs) as u32;
+    let table_a: Vec<u32> = (0..blocks).collect();
+    let table_b: Vec<u32> = (0..blocks).map(|i| 300 - 2 * i).collect();
+    let mut prefill = ForwardBatch::default();
+    prefill.push_sequence(&prompt[..n - 1], 0, &table_a, bs);
+    a.forward(&prefill).unwrap();
+    let last = |table: &[u32]| {
+        let mut batch = ForwardBatch::default();
+        batch.push_sequence(&prompt[n - 1..], n - 1, table, bs);
+        batch.logits_rows = vec![0];
+        batch
+    };
+    let expected = a.forward(&last(&table_a)).unwrap();
+
+    let sent = a.send_kv_blocks(&table_a).unwrap();
+    let received = b.recv_kv_blocks(&table_b).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while a.kv_transfers_done().unwrap() <= sent || b.kv_transfers_done().unwrap() <= received {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the transfer did not finish in 30 s"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let got = b.forward(&last(&table_b)).unwrap();
+    assert_eq!(got.data, expected.data, "logits from the received blocks");
+}
+
+#[test]
+fn requests_served_across_two_gpus_finish_and_leak_nothing() {
+    let Some((a, b)) = two_gpus() else { return };
+    let bs = a.kv_layout().block_size;
+    let tokenizer = Arc::new(quarry::tokenizer::Tokenizer::from_model_file(&common::model_path().unwrap()).unwrap());
+    let config = EngineConfig::default();
+    let client = EngineClient::start_disaggregated(
+        EngineCore::new(a, tokenizer.clone(), config),
+        EngineCore::new(b, tokenizer, config),
+    )
+    .unwrap();
+    let prompts: Vec<Vec<u32>> = (0..12).map(|v| prompt(v, 100 + 37 * v)).collect();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let mut tasks = Vec::new();
+        for p in &prompts {
+            let request = EngineRequest {
+                id: 0,
+                prompt: p.clone(),
+                params: SamplingParams {
+                    ignore_eos: true,
+                    ..SamplingParams::greedy(16)
+                },
+                priority: 0,
+                constraint: None,
+            };
+            tasks.push(tokio::spawn(client.submit(request).await.unwrap().collect()));
+        }
+        for t in tasks {
+            let c = t.await.unwrap().expect("finished");
+            assert_eq!((c.tokens.len(), c.finish), (16, FinishReason::Length));
+        }
+    });
+    let mut settled = None;
+    for _ in 0..500 {
+        let (p, d) = (client.prefill_stats().unwrap(), client.stats());
+        if p.kv_blocks_free == p.kv_blocks_total && d.kv_blocks_free == d.kv_blocks_total {
+            settled = Some((p, d));
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let (p, d) = settled.expect("every block free on both GPUs");
+    let cacheable: usize = prompts.iter().map(|p| (p.len() - 1) / bs * bs).sum();
+    println!(
+        "blocks sent {}, received {}; decode cache hits {} of {} tokens",
+        p.kv_blocks_sent, d.kv_blocks_received, d.prefix_cache.hit_tokens, d.prefix_cache.queried_tokens
+    );
+    assert_eq!((p.kv_transfer_failures, d.kv_transfer_failures), (0, 0));
+    assert_eq!(d.kv_blocks_received, p.kv_blocks_sent);
+    assert_eq!(d.prefix_cache.hit_tokens as usize, cacheable);
+}
