@@ -155,3 +155,73 @@ fn a_model_that_does_not_split_evenly_is_refused_with_a_reason() {
         .to_string();
     assert!(e.contains("9 query heads"), "{e}");
 }
+
+/// A rank that hangs or dies mid-run (`QUARRY_TP_FAULT`): the pass fails with a clear error
+/// within `QUARRY_TP_TIMEOUT`, every pass after it fails at once, and the backend says it is
+/// broken (the server exits on it). The engine ends every request of a failed step as
+/// `internal` (tests/step_failure.rs). Each fault leaves a GPU context unusable (rank 0's
+/// all-reduce traps waiting for the missing rank), so each runs alone, in its own process:
+/// `scripts/bench-multi-gpu run tp-check` runs them by name with `--ignored`.
+fn fault(kind: &str) {
+    let Some(gpus) = gpus() else { return };
+    assert!(gpus >= 2, "QUARRY_TEST_GPUS={gpus}: a split needs 2 GPUs");
+    let dirs = hf_reference::reference_dirs().expect("QUARRY_HF_REFERENCE on a machine of several GPUs");
+    let timeout = 3.0;
+    std::env::set_var("QUARRY_TP_FAULT", format!("{kind}:1:6"));
+    std::env::set_var("QUARRY_TP_TIMEOUT", timeout.to_string());
+    let mut backend = split(&dirs[0], 2, 4096);
+    let block = backend.kv_layout().block_size;
+    let prompt: Vec<u32> = (1..=9).map(|t| t * 31).collect();
+    let table: Vec<u32> = (0..8).collect();
+    let mut failed_at = None;
+    for pass in 1..=8usize {
+        let mut batch = ForwardBatch::default();
+        let (tokens, start) = match pass {
+            1 => (prompt.clone(), 0),
+            p => (vec![prompt[p % prompt.len()]], prompt.len() + p - 2),
+        };
+        batch.push_sequence(&tokens, start, &table, block);
+        batch.logits_rows.push(batch.num_tokens() as u32 - 1);
+        let t0 = std::time::Instant::now();
+        let result = backend
+            .run(&batch)
+            .and_then(|_| backend.sample(&[RowRequest::LOGITS]).map(|_| ()));
+        let took = t0.elapsed().as_secs_f64();
+        match (result, failed_at) {
+            (Ok(()), None) => assert!(pass < 6, "pass {pass} ran past the fault"),
+            (Err(e), None) => {
+                println!("{kind}: pass {pass} failed after {took:.2} s: {e}");
+                assert_eq!(pass, 6, "the fault is at rank 1's sixth pass");
+                assert!(
+                    took < timeout + 2.0,
+                    "{took:.1} s to notice, with a {timeout} s timeout"
+                );
+                let text = e.to_string();
+                assert!(text.contains("rank 1"), "the error names the rank: {text}");
+                failed_at = Some(pass);
+            }
+            (Err(e), Some(_)) => {
+                assert!(took < 0.5, "a pass after the failure took {took:.1} s");
+                assert!(e.to_string().contains("stopped"), "{e}");
+            }
+            (Ok(()), Some(at)) => panic!("pass {pass} ran after the group failed at pass {at}"),
+        }
+    }
+    assert_eq!(failed_at, Some(6));
+    assert!(backend.broken().is_some(), "the backend says it is broken");
+    let t0 = std::time::Instant::now();
+    drop(backend);
+    println!("{kind}: the group was dropped in {:.1} s", t0.elapsed().as_secs_f64());
+}
+
+#[test]
+#[ignore = "leaves a GPU context unusable: run alone (scripts/bench-multi-gpu run tp-check)"]
+fn a_rank_that_hangs_fails_the_pass_within_the_timeout() {
+    fault("stall");
+}
+
+#[test]
+#[ignore = "leaves a GPU context unusable: run alone (scripts/bench-multi-gpu run tp-check)"]
+fn a_rank_that_dies_fails_the_pass_at_once() {
+    fault("exit");
+}

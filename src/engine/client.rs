@@ -43,6 +43,8 @@ pub struct EngineStats {
     pub kv_blocks_sent: u64,
     pub kv_blocks_received: u64,
     pub kv_transfer_failures: u64,
+    /// Why the backend can run nothing more (`Backend::broken`).
+    pub broken: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]

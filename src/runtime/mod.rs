@@ -110,6 +110,13 @@ pub trait Backend: Send {
         None
     }
 
+    /// Why the backend can run nothing more (a tensor-parallel rank that failed or hung: the
+    /// group's collectives may no longer pair up); `None` while it works. The server exits
+    /// on it rather than fail every request from then on.
+    fn broken(&self) -> Option<String> {
+        None
+    }
+
     /// Disaggregated serving (`kv_link`): joins this backend to one end of a link to another.
     fn attach_kv_link(&mut self, _end: KvLinkEnd) -> Result<()> {
         Err(RuntimeError::Backend(format!(

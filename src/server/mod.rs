@@ -169,6 +169,15 @@ pub async fn serve_when_ready(
     tokio::select! {
         _ = shutdown_signal() => {}
         ended = &mut serving => return Ok(ended??),
+        why = backend_broken(&state) => {
+            // Every request from here on would fail: better a clear exit that a supervisor
+            // restarts than a server answering 500s. Job items in flight go back to the store
+            // when their lease runs out.
+            tracing::error!("quarry: the model's backend can run nothing more ({why}); exiting");
+            state.jobs.stop();
+            let _ = stop.send(());
+            return Err(anyhow::anyhow!("the model's backend failed: {why}"));
+        }
     }
     tracing::info!("quarry: draining running requests");
     // No new job items from the signal on (open streams may keep the server up a while):
@@ -179,6 +188,16 @@ pub async fn serve_when_ready(
     let _ = worker.await;
     tokio::task::spawn_blocking(move || state.service.shutdown()).await?;
     Ok(())
+}
+
+/// Resolves once the engine's backend says it can run nothing more (`Backend::broken`).
+async fn backend_broken(state: &AppState) -> String {
+    loop {
+        if let Some(why) = state.service.stats().broken {
+            return why;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    }
 }
 
 /// Every request goes to the API once it is loaded; before that, the starting answers.

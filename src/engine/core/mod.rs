@@ -354,6 +354,7 @@ impl EngineCore {
             kv_blocks_sent: self.handoffs.blocks_sent,
             kv_blocks_received: self.handoffs.blocks_received,
             kv_transfer_failures: self.handoffs.failures,
+            broken: self.backend.broken(),
         }
     }
 

@@ -94,6 +94,38 @@ pub struct TensorParallel {
     /// The first error of a pass: the ranks' all-reduces may no longer pair up, so no pass
     /// runs after it.
     failed: Option<String>,
+    /// How long rank 0 waits for another rank to queue its part of a pass before the group
+    /// is given up (`QUARRY_TP_TIMEOUT`, seconds).
+    timeout: std::time::Duration,
+}
+
+/// `QUARRY_TP_TIMEOUT`'s default: a pass is queued in milliseconds, and loading or capturing
+/// happens before the first.
+const RANK_TIMEOUT_S: f64 = 30.0;
+
+/// A fault put in on purpose (`QUARRY_TP_FAULT=stall:RANK:PASS` or `exit:RANK:PASS`, for the
+/// fault tests): at its `pass`th pass (from 1) rank `rank` stops answering, or its thread
+/// ends, as a rank that hangs or dies would.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Fault {
+    Stall { rank: usize, pass: u64 },
+    Exit { rank: usize, pass: u64 },
+}
+
+impl Fault {
+    fn from_env() -> Option<Fault> {
+        let text = std::env::var("QUARRY_TP_FAULT").ok()?;
+        let parts: Vec<&str> = text.split(':').collect();
+        let (rank, pass) = match parts[..] {
+            [_, r, p] => (r.parse().ok()?, p.parse().ok()?),
+            _ => return None,
+        };
+        match parts[0] {
+            "stall" => Some(Fault::Stall { rank, pass }),
+            "exit" => Some(Fault::Exit { rank, pass }),
+            _ => None,
+        }
+    }
 }
 
 /// Seconds of host time: copying the draw, rank 0's `run`, waiting for the other ranks, and
@@ -211,10 +243,20 @@ impl TensorParallel {
             "quarry: {name}: {} blocks of {} tokens a rank; all-reduce by {how}",
             layout.num_blocks, layout.block_size
         );
+        let fault = Fault::from_env();
+        if let Some(f) = fault {
+            eprintln!("quarry: QUARRY_TP_FAULT puts in a fault on purpose: {f:?}");
+        }
         let workers = ranks
             .drain(1..)
-            .map(|r| Worker::start(r, capacity))
+            .enumerate()
+            .map(|(i, r)| Worker::start(r, capacity, fault, i + 1))
             .collect::<Result<Vec<_>>>()?;
+        let timeout = std::env::var("QUARRY_TP_TIMEOUT")
+            .ok()
+            .and_then(|t| t.parse::<f64>().ok())
+            .filter(|t| *t > 0.0)
+            .unwrap_or(RANK_TIMEOUT_S);
         Ok(TensorParallel {
             lead: ranks.pop().expect("rank 0"),
             workers,
@@ -223,12 +265,13 @@ impl TensorParallel {
             name,
             host: std::env::var_os("QUARRY_CUDA_TIMING").map(|_| HostTimes::default()),
             failed: None,
+            timeout: std::time::Duration::from_secs_f64(timeout),
         })
     }
 }
 
 impl Worker {
-    fn start(mut backend: CudaBackend, capacity: usize) -> Result<Worker> {
+    fn start(mut backend: CudaBackend, capacity: usize, fault: Option<Fault>, rank: usize) -> Result<Worker> {
         let ctx = backend.ctx.clone();
         let drawn = backend
             .stream
@@ -237,7 +280,18 @@ impl Worker {
         let (passes, jobs) = mpsc::channel::<Pass>();
         let (report, done) = mpsc::channel();
         let thread = std::thread::spawn(move || {
+            let mut passes = 0;
             while let Ok(pass) = jobs.recv() {
+                passes += 1;
+                match fault {
+                    Some(Fault::Exit { rank: r, pass: p }) if (r, p) == (rank, passes) => return,
+                    Some(Fault::Stall { rank: r, pass: p }) if (r, p) == (rank, passes) => {
+                        // Hung: no answer until the group is dropped.
+                        while jobs.recv().is_ok() {}
+                        return;
+                    }
+                    _ => {}
+                }
                 let mut result = Ok(());
                 if let Some((words, token_word, ready)) = pass.drawn {
                     result = backend.stream.wait(&ready).map_err(device("waiting for rank 0's draw"));
@@ -385,7 +439,15 @@ impl Backend for TensorParallel {
         let lead = self.lead.run(batch);
         let t2 = std::time::Instant::now();
         for (i, w) in self.workers.iter().enumerate() {
-            let r = w.done.recv().unwrap_or_else(|_| Err(gone(i + 1)));
+            let r = match w.done.recv_timeout(self.timeout) {
+                Ok(r) => r,
+                Err(mpsc::RecvTimeoutError::Timeout) => Err(RuntimeError::Backend(format!(
+                    "tensor-parallel rank {} did not queue its part of a pass within {:.0} s (QUARRY_TP_TIMEOUT): it hangs",
+                    i + 1,
+                    self.timeout.as_secs_f64()
+                ))),
+                Err(mpsc::RecvTimeoutError::Disconnected) => Err(gone(i + 1)),
+            };
             if result.is_ok() {
                 result = r.map_err(|e| RuntimeError::Backend(format!("tensor-parallel rank {}: {e}", i + 1)));
             }
@@ -409,6 +471,10 @@ impl Backend for TensorParallel {
 
     fn sample(&mut self, rows: &[RowRequest<'_>]) -> Result<Sampled> {
         self.lead.sample(rows)
+    }
+
+    fn broken(&self) -> Option<String> {
+        self.failed.clone()
     }
 
     fn pipelines(&self) -> bool {
