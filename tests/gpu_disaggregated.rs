@@ -7,10 +7,13 @@
 //!   the decode engine taking every prompt's full blocks from what it received and leaking no
 //!   block on either side.
 //!
-//! `QUARRY_TEST_GPUS` (scripts/bench-multi-gpu) says how many GPUs there are; unset, the tests
-//! skip with a message.
+//! The model is transformers' random Llama (`QUARRY_HF_REFERENCE`, with the default model's
+//! tokenizer copied in: scripts/bench-multi-gpu's disagg-check), so no model file need reach
+//! the machine. `QUARRY_TEST_GPUS` says how many GPUs there are; unset, the tests skip with a
+//! message.
 
 mod common;
+mod hf_reference;
 
 use std::sync::Arc;
 
@@ -18,8 +21,12 @@ use quarry::engine::{EngineClient, EngineConfig, EngineCore, EngineRequest, Fini
 use quarry::runtime::{Backend, DeviceChoice, ForwardBatch, LoadOptions};
 use quarry::sampling::SamplingParams;
 
+fn model() -> std::path::PathBuf {
+    hf_reference::reference_dirs().expect("QUARRY_HF_REFERENCE on a machine of several GPUs")[0].clone()
+}
+
 fn load(device: usize) -> Box<dyn Backend> {
-    let path = common::model_path().expect("the default model on the GPU machine");
+    let path = model();
     let options = LoadOptions {
         kv_cache_tokens: Some(8192),
         max_num_batched_tokens: 512,
@@ -48,8 +55,7 @@ fn prompt(variant: u32, len: u32) -> Vec<u32> {
 fn received_blocks_give_the_senders_next_logits() {
     let Some((mut a, mut b)) = two_gpus() else { return };
     let bs = a.kv_layout().block_size;
-    // More blocks than one piece of a transfer holds would be a few thousand for this model:
-    // a long prompt still crosses several of its own blocks and the last partial one.
+    // A prompt over many blocks and a last partial one.
     let prompt = prompt(1, 700);
     let n = prompt.len();
     let blocks = n.div_ceil(bs) as u32;
@@ -84,7 +90,8 @@ fn received_blocks_give_the_senders_next_logits() {
 fn requests_served_across_two_gpus_finish_and_leak_nothing() {
     let Some((a, b)) = two_gpus() else { return };
     let bs = a.kv_layout().block_size;
-    let tokenizer = Arc::new(quarry::tokenizer::Tokenizer::from_model_file(&common::model_path().unwrap()).unwrap());
+    let tokenizer =
+        Arc::new(quarry::tokenizer::Tokenizer::from_model_file(&model()).expect("a tokenizer beside the model"));
     let config = EngineConfig::default();
     let client = EngineClient::start_disaggregated(
         EngineCore::new(a, tokenizer.clone(), config),

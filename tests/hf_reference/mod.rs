@@ -1,6 +1,7 @@
 //! Checks a backend against transformers on the seeded random Llama and Qwen2 models of
 //! scripts/peers/transformers_reference.py (QUARRY_HF_REFERENCE, set by scripts/gpu-check on
 //! the GPU machine): shared by the single-GPU and the tensor-parallel tests.
+#![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
 

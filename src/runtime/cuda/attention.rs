@@ -104,9 +104,23 @@ pub enum Plan {
     General { part_keys: usize },
 }
 
+/// Whether a batch's longest contexts would set the pace of its attention: the kernel's
+/// blocks walk their sequences' partitions, and where one sequence has many times the
+/// partitions that the whole batch's share out over the GPU, its blocks run long after the
+/// rest are done (a long document decoding among short requests). Splitting then spreads its
+/// partitions over blocks of their own, at the cost of a merge.
+pub fn long_rows_dominate(context_lens: &[u32], kv_heads: usize, target_blocks: usize) -> bool {
+    let parts = |len: u32| (len as usize).max(1).div_ceil(FLASH_PART);
+    let longest = context_lens.iter().map(|&l| parts(l)).max().unwrap_or(0);
+    let total: usize = context_lens.iter().map(|&l| parts(l)).sum();
+    // The GPU's share of every partition, against the longest chain a block walks alone.
+    longest > 1 && longest * target_blocks.max(1) > 2 * total * kv_heads
+}
+
 impl Plan {
     /// The plan for `tokens` query tokens whose longest context is `max_len`, `count` flash
-    /// items at `items`; `target_blocks` fill the GPU.
+    /// items at `items`; `target_blocks` fill the GPU. `skewed`: the longest contexts would
+    /// set the pace (`long_rows_dominate`).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         head_dim: usize,
@@ -117,6 +131,7 @@ impl Plan {
         items: u64,
         count: usize,
         target_blocks: usize,
+        skewed: bool,
     ) -> Plan {
         if !flash_head(head_dim) {
             return Plan::General {
@@ -125,7 +140,8 @@ impl Plan {
         }
         let parts = max_len.max(1).div_ceil(FLASH_PART);
         let records = tokens * heads * parts * (head_dim + 2);
-        let split = (parts > 1 && count * kv_heads < target_blocks && records <= SCRATCH_FLOATS).then_some(parts);
+        let few_blocks = count * kv_heads < target_blocks;
+        let split = (parts > 1 && (few_blocks || skewed) && records <= SCRATCH_FLOATS).then_some(parts);
         Plan::Flash { items, count, split }
     }
 }
@@ -363,8 +379,24 @@ mod tests {
     }
 
     #[test]
+    fn a_long_context_among_short_ones_sets_the_pace() {
+        let mut lens = vec![700u32; 64];
+        // 64 decoders of two partitions: 128 partitions x 8 KV heads over 528 blocks, about
+        // 2 each; a chain of 2 sets no pace.
+        assert!(!long_rows_dominate(&lens, 8, 528));
+        // Two 8k documents among them: chains of 16 against about 2.4 a block.
+        lens.extend([8192, 8200]);
+        assert!(long_rows_dominate(&lens, 8, 528));
+        // 64 x 2k decode: chains of 4 against about 3.9.
+        assert!(!long_rows_dominate(&[2048; 64], 8, 528));
+        // One partition each: nothing to split.
+        assert!(!long_rows_dominate(&[300, 500], 8, 528));
+        assert!(!long_rows_dominate(&[], 8, 528));
+    }
+
+    #[test]
     fn split_only_where_whole_blocks_would_not_fill_the_gpu() {
-        let plan = |tokens, len, count| Plan::new(128, 32, 8, tokens, len, 0, count, 528);
+        let plan = |tokens, len, count| Plan::new(128, 32, 8, tokens, len, 0, count, 528, false);
         // One decode token over 16k keys: 8 blocks whole, 32 partitions split.
         assert_eq!(
             plan(1, 16384, 1),
@@ -402,6 +434,26 @@ mod tests {
             }
         );
         // Other head sizes take the general kernel.
-        assert!(matches!(Plan::new(36, 4, 2, 1, 100, 0, 1, 528), Plan::General { .. }));
+        assert!(matches!(
+            Plan::new(36, 4, 2, 1, 100, 0, 1, 528, false),
+            Plan::General { .. }
+        ));
+        // 72 decode tokens, most short: whole, unless a long one would set the pace.
+        assert_eq!(
+            plan(72, 8192, 72),
+            Plan::Flash {
+                items: 0,
+                count: 72,
+                split: None
+            }
+        );
+        assert_eq!(
+            Plan::new(128, 32, 8, 72, 8192, 0, 72, 528, true),
+            Plan::Flash {
+                items: 0,
+                count: 72,
+                split: Some(16)
+            }
+        );
     }
 }

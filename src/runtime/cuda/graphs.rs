@@ -50,6 +50,8 @@ pub struct Shape {
     pub parts: usize,
     /// Rows of logits.
     pub rows: usize,
+    /// Attention split by partitions however many sequences (`attention::long_rows_dominate`).
+    pub skewed: bool,
 }
 
 impl Shape {
@@ -78,7 +80,7 @@ pub fn ladder(max: usize) -> Vec<usize> {
 /// `ladder`, its tokens per sequence to the most any has, its longest context up powers of two
 /// of partitions (at most `max_parts`), its rows to one a sequence or all. None where padding would add
 /// more work than the replay saves.
-pub fn shape_of(batch: &ForwardBatch, ladder: &[usize], max_parts: usize) -> Option<Shape> {
+pub fn shape_of(batch: &ForwardBatch, ladder: &[usize], max_parts: usize, skewed: bool) -> Option<Shape> {
     let n = batch.num_seqs();
     let per_seq = batch.query_start.windows(2).map(|w| (w[1] - w[0]) as usize).max()?;
     if per_seq > MAX_PER_SEQ {
@@ -99,6 +101,7 @@ pub fn shape_of(batch: &ForwardBatch, ladder: &[usize], max_parts: usize) -> Opt
         per_seq,
         parts,
         rows,
+        skewed,
     })
 }
 
@@ -190,8 +193,8 @@ impl Graphs {
 
     /// The shape `batch` replays as, unless it runs eagerly (no shape covers it, or its
     /// shape is refused).
-    pub fn shape_for(&self, batch: &ForwardBatch) -> Option<Shape> {
-        shape_of(batch, &self.ladder, self.max_parts).filter(|&s| !self.refused(s))
+    pub fn shape_for(&self, batch: &ForwardBatch, skewed: bool) -> Option<Shape> {
+        shape_of(batch, &self.ladder, self.max_parts, skewed).filter(|&s| !self.refused(s))
     }
 
     pub fn ready(&self, shape: Shape) -> bool {
@@ -305,12 +308,13 @@ mod tests {
     #[test]
     fn steps_of_few_tokens_a_sequence_get_a_shape_and_others_run_eagerly() {
         let l = ladder(64);
-        let shape = |lens: &[usize], q: &[usize]| shape_of(&step(lens, q), &l, 16);
+        let shape = |lens: &[usize], q: &[usize]| shape_of(&step(lens, q), &l, 16, false);
         let decode = Shape {
             seqs: 4,
             per_seq: 1,
             parts: 2,
             rows: 4,
+            skewed: false,
         };
         assert_eq!(shape(&[100, 700, 20], &[1, 1, 1]), Some(decode));
         // Speculative checks of 4 tokens each; a 1,100-token context takes 4 partitions.
@@ -319,6 +323,7 @@ mod tests {
             per_seq: 4,
             parts: 4,
             rows: 8,
+            skewed: false,
         };
         assert_eq!(shape(&[1100, 30], &[4, 4]), Some(checks));
         // Checks of different lengths, or jump-forward's known tokens beside decode tokens.
@@ -327,6 +332,7 @@ mod tests {
             per_seq: 5,
             parts: 1,
             rows: 20,
+            skewed: false,
         };
         assert_eq!(shape(&[100, 200, 300], &[1, 5, 2]), Some(mixed));
         // Only the last row of each wanted.
@@ -337,8 +343,9 @@ mod tests {
             per_seq: 3,
             parts: 1,
             rows: 2,
+            skewed: false,
         };
-        assert_eq!(shape_of(&known, &l, 16), Some(last_rows));
+        assert_eq!(shape_of(&known, &l, 16, false), Some(last_rows));
         // A prefill chunk, more tokens of padding than the step's own (past the free ones), more
         // sequences than the ladder holds, or a context past its partitions.
         assert_eq!(shape(&[100, 40], &[1, 40]), None);
@@ -347,6 +354,7 @@ mod tests {
             per_seq: 1,
             parts: 1,
             rows: 40,
+            skewed: false,
         };
         assert_eq!(shape(&[300; 40], &[1; 40]), Some(forty));
         let mut lopsided = vec![1; 40];
@@ -360,14 +368,15 @@ mod tests {
     fn padding_goes_before_each_sequences_tokens_and_the_wanted_rows_come_first() {
         let mut b = step(&[40, 1000, 7], &[2, 1, 3]);
         b.logits_rows = vec![1, 2, 5];
-        let shape = shape_of(&b, &ladder(16), 8).unwrap();
+        let shape = shape_of(&b, &ladder(16), 8, false).unwrap();
         assert_eq!(
             shape,
             Shape {
                 seqs: 4,
                 per_seq: 3,
                 parts: 2,
-                rows: 4
+                rows: 4,
+                skewed: false,
             }
         );
         let p = padded(&b, shape, 999);

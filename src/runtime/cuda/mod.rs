@@ -537,9 +537,12 @@ impl CudaBackend {
             self.uploaded[slot] = Some(done);
         }
         let addr = |offset: usize| Staging::addr(base, offset);
-        let max_len = match shape {
-            Some(s) => s.max_len(),
-            None => batch.context_lens.iter().copied().max().unwrap_or(1) as usize,
+        let (max_len, skewed) = match shape {
+            Some(s) => (s.max_len(), s.skewed),
+            None => (
+                batch.context_lens.iter().copied().max().unwrap_or(1) as usize,
+                attention::long_rows_dominate(&batch.context_lens, cfg.num_kv_heads, self.target_blocks),
+            ),
         };
         let plan = attention::Plan::new(
             cfg.head_dim,
@@ -550,6 +553,7 @@ impl CudaBackend {
             addr(items),
             flash_items.len() / 4,
             self.target_blocks,
+            skewed,
         );
         self.fill = (!fills.0.is_empty()).then(|| Fill {
             ids: addr(ids),
@@ -680,6 +684,7 @@ impl CudaBackend {
                     per_seq: 1,
                     parts: p,
                     rows: seqs,
+                    skewed: false,
                 })
             })
             .collect();
@@ -795,7 +800,8 @@ impl Backend for CudaBackend {
         self.rows = 0;
         self.run_since_draw = true;
         let mut graphs = self.graphs.take();
-        let shape = graphs.as_ref().and_then(|g| g.shape_for(batch));
+        let skewed = attention::long_rows_dominate(&batch.context_lens, self.config.num_kv_heads, self.target_blocks);
+        let shape = graphs.as_ref().and_then(|g| g.shape_for(batch, skewed));
         let padded = shape.map(|s| graphs::padded(batch, s, self.reserved_block()));
         let step_batch = padded.as_ref().unwrap_or(batch);
         let (t, rows) = (step_batch.num_tokens(), step_batch.logits_rows.len());

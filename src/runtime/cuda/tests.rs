@@ -297,6 +297,7 @@ impl DeviceBatch {
             items,
             count,
             target_blocks,
+            false,
         )
     }
 
