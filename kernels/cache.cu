@@ -29,22 +29,29 @@ extern "C" __global__ void rope_and_cache(const float* qkv, int width, const u32
     }
 }
 
-// Disaggregated serving (runtime/kv_link.rs): the keys and values of blocks ids[0..gridDim.x]
+// Disaggregated serving (runtime/kv_link.rs): the keys and values of blocks ids.id[0..gridDim.x]
 // over every layer, gathered into `staging` as [block][pool][block_elems] for one send, and
 // scattered back by the receiver. `pools` holds each layer's K pool then its V pool, gridDim.y
-// of them; a block is block_elems contiguous entries of a pool (a multiple of 8).
-extern "C" __global__ void kv_gather(const u32* ids, const u64* pools, int block_elems, bf16* staging) {
+// of them; a block is block_elems contiguous entries of a pool (a multiple of 8). The ids come
+// by value: an upload would wait for the transfer stream's earlier work, on the engine's thread.
+#define KV_PIECE_BLOCKS 960
+struct KvIds {
+    u32 id[KV_PIECE_BLOCKS];
+};
+
+extern "C" __global__ void kv_gather(KvIds ids, const u64* pools, int block_elems, bf16* staging) {
     after_previous_kernel();
     const uint4* src = reinterpret_cast<const uint4*>(reinterpret_cast<const bf16*>(pools[blockIdx.y]) +
-                                                      (size_t)ids[blockIdx.x] * block_elems);
+                                                      (size_t)ids.id[blockIdx.x] * block_elems);
     uint4* dst = reinterpret_cast<uint4*>(staging + ((size_t)blockIdx.x * gridDim.y + blockIdx.y) * block_elems);
     for (int i = threadIdx.x; i < block_elems / 8; i += blockDim.x) dst[i] = src[i];
 }
 
-extern "C" __global__ void kv_scatter(const u32* ids, const u64* pools, int block_elems, const bf16* staging) {
+extern "C" __global__ void kv_scatter(KvIds ids, const u64* pools, int block_elems, const bf16* staging) {
     after_previous_kernel();
     const uint4* src =
         reinterpret_cast<const uint4*>(staging + ((size_t)blockIdx.x * gridDim.y + blockIdx.y) * block_elems);
-    uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<bf16*>(pools[blockIdx.y]) + (size_t)ids[blockIdx.x] * block_elems);
+    uint4* dst =
+        reinterpret_cast<uint4*>(reinterpret_cast<bf16*>(pools[blockIdx.y]) + (size_t)ids.id[blockIdx.x] * block_elems);
     for (int i = threadIdx.x; i < block_elems / 8; i += blockDim.x) dst[i] = src[i];
 }

@@ -23,6 +23,21 @@ use crate::runtime::KvLinkEnd;
 /// The most one piece of a transfer holds: a few dozen blocks of an 8B model's 2 MiB.
 const STAGING_BYTES: usize = 128 << 20;
 
+/// kernels/cache.cu's KV_PIECE_BLOCKS: the block ids of a piece, passed by value.
+const PIECE_BLOCKS: usize = 960;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct KvIds {
+    id: [u32; PIECE_BLOCKS],
+}
+
+impl Arg for KvIds {
+    fn as_param(&self) -> *mut std::ffi::c_void {
+        self as *const KvIds as *mut std::ffi::c_void
+    }
+}
+
 /// One GPU's end of a link: its rank in a two-rank communicator.
 pub struct NcclEnd {
     comm: RankComm,
@@ -77,7 +92,6 @@ pub struct KvPort {
     /// Each layer's K pool then V pool.
     pools: CudaSlice<u64>,
     num_pools: usize,
-    ids: CudaSlice<u32>,
     /// An event after each transfer not yet seen done, oldest first.
     pending: VecDeque<CudaEvent>,
     done: u64,
@@ -110,11 +124,10 @@ impl KvPort {
             .collect();
         let pools = stream.clone_htod(&addresses).map_err(err)?;
         let block_bytes = addresses.len() * block_elems * 2;
-        let piece_blocks = (STAGING_BYTES / block_bytes).max(1);
+        let piece_blocks = (STAGING_BYTES / block_bytes).clamp(1, PIECE_BLOCKS);
         // SAFETY: staging is written (gathered or received) before it is read.
         let staging = unsafe { stream.alloc::<u16>(piece_blocks * addresses.len() * block_elems) }.map_err(err)?;
         let staging = std::mem::ManuallyDrop::new(staging);
-        let ids = stream.alloc_zeros::<u32>(piece_blocks).map_err(err)?;
         Ok(KvPort {
             end,
             stream,
@@ -123,7 +136,6 @@ impl KvPort {
             block_elems,
             num_pools: addresses.len(),
             pools,
-            ids,
             pending: VecDeque::new(),
             done: 0,
             failed: None,
@@ -154,9 +166,9 @@ impl KvPort {
         let err = |e: cudarc::driver::DriverError| RuntimeError::Device(format!("KV transfer: {e}"));
         let peer = 1 - self.end.rank;
         for piece in blocks.chunks(self.piece_blocks) {
-            self.stream.memcpy_htod(piece, &mut self.ids).map_err(err)?;
+            let mut ids = KvIds { id: [0; PIECE_BLOCKS] };
+            ids.id[..piece.len()].copy_from_slice(piece);
             let bytes = piece.len() * self.num_pools * self.block_elems * 2;
-            let (ids, _g1) = self.ids.device_ptr(&self.stream);
             let (pools, _g2) = self.pools.device_ptr(&self.stream);
             let (staging, _g3) = self.staging.device_ptr(&self.stream);
             let elems = self.block_elems as i32;
