@@ -38,6 +38,8 @@ fn load(device: usize) -> Box<dyn Backend> {
 
 fn two_gpus() -> Option<(Box<dyn Backend>, Box<dyn Backend>)> {
     let gpus = common::test_gpus()?;
+    // Pieces of 7 blocks: a transfer of a long prompt goes in several (both ends read it).
+    std::env::set_var("QUARRY_KV_PIECE_BLOCKS", "7");
     assert!(gpus >= 2, "QUARRY_TEST_GPUS={gpus}: prefill and decode take 2 GPUs");
     let (mut a, mut b) = (load(0), load(1));
     quarry::runtime::kv_link::join(a.as_mut(), DeviceChoice::Cuda(0), b.as_mut(), DeviceChoice::Cuda(1))
@@ -55,7 +57,7 @@ fn prompt(variant: u32, len: u32) -> Vec<u32> {
 fn received_blocks_give_the_senders_next_logits() {
     let Some((mut a, mut b)) = two_gpus() else { return };
     let bs = a.kv_layout().block_size;
-    // A prompt over many blocks and a last partial one.
+    // A prompt over many blocks (pieces of 7) and a last partial one.
     let prompt = prompt(1, 700);
     let n = prompt.len();
     let blocks = n.div_ceil(bs) as u32;

@@ -77,6 +77,10 @@ pub(super) enum Handoff {
         hashes: Vec<BlockHash>,
         sent: oneshot::Sender<Result<usize, RuntimeError>>,
     },
+    Cached {
+        hashes: Vec<BlockHash>,
+        count: oneshot::Sender<usize>,
+    },
     Reserve {
         id: RequestId,
         hashes: Vec<BlockHash>,
@@ -259,7 +263,12 @@ impl EngineClient {
     }
 
     pub fn stats(&self) -> EngineStats {
-        self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        let mut stats = self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        // A prefill engine that can run nothing more breaks the service as much.
+        if stats.broken.is_none() {
+            stats.broken = self.prefill_stats().and_then(|p| p.broken);
+        }
+        stats
     }
 
     /// Stops taking requests, lets the running ones finish, and returns the engine (the
@@ -372,6 +381,9 @@ fn hand_off(core: &mut EngineCore, step: Handoff) {
         Handoff::Send { hashes, sent } => {
             let _ = sent.send(core.send_blocks(&hashes));
         }
+        Handoff::Cached { hashes, count } => {
+            let _ = count.send(core.cached_blocks(&hashes));
+        }
         Handoff::Reserve { id, hashes, wanted } => {
             let _ = wanted.send(core.reserve_blocks(id, hashes));
         }
@@ -382,6 +394,7 @@ fn hand_off(core: &mut EngineCore, step: Handoff) {
 }
 
 /// The decode engine's channel, as a handoff task drives it.
+#[derive(Clone)]
 pub(super) struct DecodeSide {
     commands: mpsc::Sender<Command>,
 }

@@ -4,12 +4,12 @@
 //!
 //! A request is admitted by the decode engine as usual (its checks, its grammar, its stream),
 //! but held there. The router then, for the prompt's full blocks:
-//! 1. asks the decode engine which of them it lacks, and it holds blocks for them (its prefix
-//!    cache may have some already: those are never sent);
+//! 1. asks the decode engine how many it caches already (all of them: nothing more to do);
 //! 2. has the prefill engine compute the prompt (a request of those tokens and one greedy
 //!    token, whose blocks its prefix cache keeps, and whose own cache may hold part already);
-//! 3. has the prefill engine send the blocks and the decode engine receive them, over the
-//!    link between their backends (`runtime::kv_link`);
+//! 3. has the decode engine hold blocks for those it lacks (as far as its free blocks allow),
+//!    the prefill engine send them and the decode engine receive them, over the link between
+//!    their backends (`runtime::kv_link`);
 //! 4. the decode engine enters them in its prefix cache once they land and lets the request
 //!    go: it finds its prompt cached and computes only the last partial block, then decodes
 //!    with its grammar and its own shadow prompt as on one engine.
@@ -46,28 +46,41 @@ impl Router {
     /// Hands request `id`'s prompt from the prefill engine to the decode engine (the module's
     /// steps), then lets the decode engine schedule it.
     pub(super) async fn hand_off(&self, decode: &DecodeSide, id: RequestId, prompt: Vec<u32>, priority: i32) {
+        // Whatever happens to this task, the decode engine gets its receive (`Pending`).
+        let mut pending = Pending {
+            decode: decode.clone(),
+            id,
+            sent: 0,
+        };
         // The decode engine computes at least the last token itself (its logits are needed):
         // the blocks before it are what a cache can give.
         let usable = (prompt.len().saturating_sub(1) / self.hasher.block_size) * self.hasher.block_size;
         let hashes = self.hasher.chain(None, &prompt[..usable]);
-        let wanted = match hashes.is_empty() {
-            true => Vec::new(),
-            false => ask(decode, |wanted| Handoff::Reserve { id, hashes, wanted })
-                .await
-                .unwrap_or_default(),
+        let cached = match hashes.is_empty() {
+            true => 0,
+            false => {
+                let hashes = hashes.clone();
+                ask(decode, |count| Handoff::Cached { hashes, count })
+                    .await
+                    .unwrap_or(0)
+            }
         };
-        let computed = !wanted.is_empty() && self.prefill_prompt(&prompt[..usable], priority).await;
+        // Blocks are held on the decode engine only once the prompt is computed: a prompt
+        // queued for prefill holds none of the decoders' room.
+        if cached == hashes.len() || !self.prefill_prompt(&prompt[..usable], priority).await {
+            return;
+        }
         let _order = self.transfers.lock().await;
-        let sent = match computed {
-            true => self.send(&wanted).await,
-            false => 0,
-        };
-        let received = ask(decode, |queued| Handoff::Receive {
-            id,
-            count: sent,
-            queued,
-        })
-        .await;
+        let wanted = ask(decode, |wanted| Handoff::Reserve { id, hashes, wanted })
+            .await
+            .unwrap_or_default();
+        if wanted.is_empty() {
+            return;
+        }
+        pending.sent = self.send(&wanted).await;
+        let count = pending.sent;
+        pending.disarm();
+        let received = ask(decode, |queued| Handoff::Receive { id, count, queued }).await;
         if let Some(Err(e)) = received {
             tracing::warn!(
                 "quarry: request {id}: receiving its prompt's KV blocks failed ({e}); it computes them itself"
@@ -139,4 +152,36 @@ async fn ask<T>(side: &impl Side, make: impl FnOnce(oneshot::Sender<T>) -> Hando
         return None;
     }
     rx.await.ok()
+}
+
+/// A handoff's last step, taken when the task ends without it (the prompt failed on the
+/// prefill engine, nothing was wanted, or the task was dropped): the decode engine receives
+/// what was sent (a queued send must meet its receive), lets go of what it held and lets the
+/// request be scheduled.
+struct Pending {
+    decode: DecodeSide,
+    id: RequestId,
+    sent: usize,
+}
+
+impl Pending {
+    /// The handoff takes its last step itself.
+    fn disarm(&mut self) {
+        self.id = RequestId::MAX;
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if self.id != RequestId::MAX {
+            // Nobody waits for the answer.
+            let (queued, _) = oneshot::channel();
+            let step = Handoff::Receive {
+                id: self.id,
+                count: self.sent,
+                queued,
+            };
+            let _ = self.decode.handoff(step);
+        }
+    }
 }

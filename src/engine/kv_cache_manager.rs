@@ -230,6 +230,17 @@ impl KvCacheManager {
         }
     }
 
+    /// How many leading blocks of the chain `hashes` are cached (nothing is held).
+    pub fn cached_run(&self, hashes: &[BlockHash]) -> usize {
+        if !self.caching {
+            return 0;
+        }
+        hashes
+            .iter()
+            .take_while(|&&h| self.pool.cached_block(h).is_some())
+            .count()
+    }
+
     /// Disaggregated serving, sending side: the leading blocks of the chain `hashes` that are
     /// still cached, each held (so not evicted or written) until `let_go`.
     pub fn hold_cached(&mut self, hashes: &[BlockHash]) -> Vec<BlockId> {

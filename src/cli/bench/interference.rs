@@ -102,6 +102,8 @@ pub fn run(args: InterferenceArgs) -> anyhow::Result<()> {
                     round += 1;
                     let Some(m) = finish(&client, fixed_length(0, prompt, output)).await else {
                         seen.lock().unwrap().failed += 1;
+                        // A refusal comes at once: not a loop that starves the runtime.
+                        tokio::time::sleep(Duration::from_millis(100)).await;
                         continue;
                     };
                     let (submitted, m) = m;

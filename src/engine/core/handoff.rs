@@ -70,6 +70,12 @@ impl EngineCore {
         }
     }
 
+    /// Receiving side: how many leading blocks of the chain `hashes` this cache has (nothing
+    /// is held: a request whose whole chain is here needs no prefill elsewhere).
+    pub fn cached_blocks(&self, hashes: &[BlockHash]) -> usize {
+        self.scheduler.kv().cached_run(hashes)
+    }
+
     /// Receiving side: holds blocks for request `id`'s chain `hashes` (its prompt's full
     /// blocks) and returns the hashes whose blocks must be sent: those after the ones cached
     /// here, as far as the free blocks allow while the requests running here keep room to

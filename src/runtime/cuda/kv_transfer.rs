@@ -26,6 +26,10 @@ const STAGING_BYTES: usize = 128 << 20;
 /// kernels/cache.cu's KV_PIECE_BLOCKS: the block ids of a piece, passed by value.
 const PIECE_BLOCKS: usize = 960;
 
+/// A transfer not done after this long is taken for a link that failed (a peer that never
+/// queued its half): its blocks are let go and the link refuses every later transfer.
+const TRANSFER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct KvIds {
@@ -92,8 +96,8 @@ pub struct KvPort {
     /// Each layer's K pool then V pool.
     pools: CudaSlice<u64>,
     num_pools: usize,
-    /// An event after each transfer not yet seen done, oldest first.
-    pending: VecDeque<CudaEvent>,
+    /// An event after each transfer not yet seen done, and when it was queued, oldest first.
+    pending: VecDeque<(CudaEvent, std::time::Instant)>,
     done: u64,
     failed: Option<String>,
 }
@@ -115,6 +119,11 @@ impl KvPort {
                 ctx.ordinal()
             )));
         }
+        if !block_elems.is_multiple_of(8) {
+            return Err(RuntimeError::Backend(format!(
+                "a KV block of {block_elems} entries: the transfer kernels copy 16 bytes at a time"
+            )));
+        }
         let err = |e: cudarc::driver::DriverError| RuntimeError::Device(format!("KV link on cuda:{}: {e}", end.device));
         let stream = ctx.new_stream().map_err(err)?;
         let addresses: Vec<u64> = k
@@ -124,7 +133,12 @@ impl KvPort {
             .collect();
         let pools = stream.clone_htod(&addresses).map_err(err)?;
         let block_bytes = addresses.len() * block_elems * 2;
-        let piece_blocks = (STAGING_BYTES / block_bytes).clamp(1, PIECE_BLOCKS);
+        // A smaller piece (tests of a transfer in many pieces); both ends must agree.
+        let most = std::env::var("QUARRY_KV_PIECE_BLOCKS")
+            .ok()
+            .and_then(|n| n.parse::<usize>().ok())
+            .map_or(PIECE_BLOCKS, |n| n.clamp(1, PIECE_BLOCKS));
+        let piece_blocks = (STAGING_BYTES / block_bytes).clamp(1, most);
         // SAFETY: staging is written (gathered or received) before it is read.
         let staging = unsafe { stream.alloc::<u16>(piece_blocks * addresses.len() * block_elems) }.map_err(err)?;
         let staging = std::mem::ManuallyDrop::new(staging);
@@ -142,19 +156,28 @@ impl KvPort {
         })
     }
 
-    /// Queues gathering and sending `blocks`; its ticket.
-    pub fn send(&mut self, gather: &CudaFunction, blocks: &[u32]) -> Result<u64> {
-        self.transfer(gather, blocks, true)
+    /// Queues gathering and sending `blocks`, after the work queued so far on `compute` (the
+    /// engine's stream); its ticket.
+    pub fn send(&mut self, gather: &CudaFunction, blocks: &[u32], compute: &CudaStream) -> Result<u64> {
+        self.transfer(gather, blocks, true, compute)
     }
 
-    /// Queues receiving into `blocks` and scattering; its ticket.
-    pub fn recv(&mut self, scatter: &CudaFunction, blocks: &[u32]) -> Result<u64> {
-        self.transfer(scatter, blocks, false)
+    /// Queues receiving into `blocks` and scattering, after the work queued so far on
+    /// `compute`; its ticket.
+    pub fn recv(&mut self, scatter: &CudaFunction, blocks: &[u32], compute: &CudaStream) -> Result<u64> {
+        self.transfer(scatter, blocks, false, compute)
     }
 
-    fn transfer(&mut self, kernel: &CudaFunction, blocks: &[u32], sending: bool) -> Result<u64> {
+    fn transfer(&mut self, kernel: &CudaFunction, blocks: &[u32], sending: bool, compute: &CudaStream) -> Result<u64> {
         self.check()?;
-        let result = self.queue(kernel, blocks, sending);
+        // A pass still queued may write these blocks (a block a pipelined step is filling, or
+        // one a finished request's last pass still writes): the transfer waits for it on the
+        // device, never on the host.
+        let ordered = compute
+            .record_event(None)
+            .and_then(|e| self.stream.wait(&e))
+            .map_err(|e| RuntimeError::Device(format!("KV transfer: {e}")));
+        let result = ordered.and_then(|_| self.queue(kernel, blocks, sending));
         if let Err(e) = &result {
             // The two ends' pieces may no longer pair up: no later transfer can be trusted.
             self.failed = Some(e.to_string());
@@ -183,14 +206,21 @@ impl KvPort {
             }
         }
         let event = self.stream.record_event(None).map_err(err)?;
-        self.pending.push_back(event);
+        self.pending.push_back((event, std::time::Instant::now()));
         Ok(self.done + self.pending.len() as u64 - 1)
     }
 
     /// Transfers done so far, in order.
     pub fn done(&mut self) -> Result<u64> {
         self.check()?;
-        while let Some(event) = self.pending.front() {
+        while let Some((event, queued)) = self.pending.front() {
+            if queued.elapsed() > TRANSFER_TIMEOUT {
+                self.failed = Some(format!(
+                    "a transfer not done after {} s (the other end never queued its half?)",
+                    TRANSFER_TIMEOUT.as_secs()
+                ));
+                return self.check().map(|_| self.done);
+            }
             match event.try_is_complete() {
                 Ok(true) => {
                     self.pending.pop_front();

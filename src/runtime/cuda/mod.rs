@@ -776,13 +776,13 @@ impl Backend for CudaBackend {
     fn send_kv_blocks(&mut self, blocks: &[u32]) -> Result<u64> {
         self.check_kv_blocks(blocks)?;
         let port = self.kv_port.as_mut().ok_or_else(no_kv_link)?;
-        port.send(&self.kernels.kv_gather, blocks)
+        port.send(&self.kernels.kv_gather, blocks, &self.stream)
     }
 
     fn recv_kv_blocks(&mut self, blocks: &[u32]) -> Result<u64> {
         self.check_kv_blocks(blocks)?;
         let port = self.kv_port.as_mut().ok_or_else(no_kv_link)?;
-        port.recv(&self.kernels.kv_scatter, blocks)
+        port.recv(&self.kernels.kv_scatter, blocks, &self.stream)
     }
 
     fn kv_transfers_done(&mut self) -> Result<u64> {
