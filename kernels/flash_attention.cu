@@ -287,6 +287,12 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
     int z_begin = split ? (int)blockIdx.z : 0;
     int z_end = split ? z_begin + 1 : last / FA_PART + 1;
     if (z_begin * FA_PART > last) return;
+    // Only now wait for the kernel before (the items and positions are uploads, which no
+    // kernel writes): a split grid is as deep as the longest context, and under programmatic
+    // launch every one of a short row's empty partitions would otherwise sit out that kernel's
+    // end holding an SM slot and its shared memory (64 decoders beside one 8k document: 16
+    // partitions a row, 14 of them empty).
+    after_previous_kernel();
 
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int g = lane >> 2, t = lane & 3;
@@ -540,7 +546,6 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
         const bf16* q, bf16* out, const bf16* k_cache, const bf16* v_cache, const u32* items,                 \
         const u32* positions, const u32* block_tables, int max_blocks, int num_heads, int num_kv_heads,        \
         float scale_log2, float* partials, int max_parts) {                                                     \
-        after_previous_kernel();                                                                                \
         flash_attention<D>(q, out, k_cache, v_cache, items, positions, block_tables, max_blocks, num_heads,    \
                            num_kv_heads, scale_log2, partials, max_parts);                                      \
     }
