@@ -12,7 +12,7 @@
 mod common;
 
 use quarry::engine::{EngineClient, EngineConfig, EngineCore, EngineRequest, EngineStats, FinishReason};
-use quarry::runtime::{Backend, ForwardBatch, HostLink};
+use quarry::runtime::{Backend, HostLink};
 use quarry::sampling::SamplingParams;
 use quarry::tokenizer::Tokenizer;
 use std::sync::Arc;
@@ -117,31 +117,8 @@ fn received_blocks_give_the_senders_next_logits() {
     let (ea, eb, _) = HostLink::pair();
     a.attach_kv_link(ea).unwrap();
     b.attach_kv_link(eb).unwrap();
-    let prompt = &prompts(&tok)[0];
-    let bs = a.kv_layout().block_size;
-    let n = prompt.len();
-    let blocks = n.div_ceil(bs) as u32;
-    let table_a: Vec<u32> = (0..blocks).collect();
     // Other ids, out of order: the receiver's table is its own.
-    let table_b: Vec<u32> = (0..blocks).map(|i| 40 - 3 * i).collect();
-
-    let mut prefill = ForwardBatch::default();
-    prefill.push_sequence(&prompt[..n - 1], 0, &table_a, bs);
-    a.forward(&prefill).unwrap();
-    let last = |table: &[u32]| {
-        let mut batch = ForwardBatch::default();
-        batch.push_sequence(&prompt[n - 1..], n - 1, table, bs);
-        batch.logits_rows = vec![0];
-        batch
-    };
-    let expected = a.forward(&last(&table_a)).unwrap();
-
-    let ticket = a.send_kv_blocks(&table_a).unwrap();
-    assert!(a.kv_transfers_done().unwrap() > ticket);
-    let ticket = b.recv_kv_blocks(&table_b).unwrap();
-    assert!(b.kv_transfers_done().unwrap() > ticket);
-    let got = b.forward(&last(&table_b)).unwrap();
-    assert_eq!(got.data, expected.data, "logits from the received blocks");
+    common::check_transfer(&mut a, &mut b, &prompts(&tok)[0], |i| 40 - 3 * i);
 
     // A block past the pool is refused before anything moves.
     assert!(a.send_kv_blocks(&[1 << 20]).is_err());

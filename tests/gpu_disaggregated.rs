@@ -18,7 +18,7 @@ mod hf_reference;
 use std::sync::Arc;
 
 use quarry::engine::{EngineClient, EngineConfig, EngineCore, EngineRequest, FinishReason};
-use quarry::runtime::{Backend, DeviceChoice, ForwardBatch, LoadOptions};
+use quarry::runtime::{Backend, DeviceChoice, LoadOptions};
 use quarry::sampling::SamplingParams;
 
 fn model() -> std::path::PathBuf {
@@ -56,36 +56,8 @@ fn prompt(variant: u32, len: u32) -> Vec<u32> {
 #[test]
 fn received_blocks_give_the_senders_next_logits() {
     let Some((mut a, mut b)) = two_gpus() else { return };
-    let bs = a.kv_layout().block_size;
     // A prompt over many blocks (pieces of 7) and a last partial one.
-    let prompt = prompt(1, 700);
-    let n = prompt.len();
-    let blocks = n.div_ceil(bs) as u32;
-    let table_a: Vec<u32> = (0..blocks).collect();
-    let table_b: Vec<u32> = (0..blocks).map(|i| 300 - 2 * i).collect();
-    let mut prefill = ForwardBatch::default();
-    prefill.push_sequence(&prompt[..n - 1], 0, &table_a, bs);
-    a.forward(&prefill).unwrap();
-    let last = |table: &[u32]| {
-        let mut batch = ForwardBatch::default();
-        batch.push_sequence(&prompt[n - 1..], n - 1, table, bs);
-        batch.logits_rows = vec![0];
-        batch
-    };
-    let expected = a.forward(&last(&table_a)).unwrap();
-
-    let sent = a.send_kv_blocks(&table_a).unwrap();
-    let received = b.recv_kv_blocks(&table_b).unwrap();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while a.kv_transfers_done().unwrap() <= sent || b.kv_transfers_done().unwrap() <= received {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the transfer did not finish in 30 s"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(1));
-    }
-    let got = b.forward(&last(&table_b)).unwrap();
-    assert_eq!(got.data, expected.data, "logits from the received blocks");
+    common::check_transfer(a.as_mut(), b.as_mut(), &prompt(1, 700), |i| 300 - 2 * i);
 }
 
 #[test]

@@ -197,3 +197,43 @@ pub fn test_gpus() -> Option<usize> {
     assert!(have >= n, "QUARRY_TEST_GPUS={n}, but this machine has {have} GPUs");
     Some(n)
 }
+
+/// Disaggregation's transfer, checked through the model: backend `a` computes `prompt` but its
+/// last token, sends those blocks to `b` (linked to it), which receives them into blocks of
+/// other ids (`b_block(i)` for a's block i); the last token's logits from `b`'s received blocks
+/// must equal `a`'s own, bit for bit (one kind of device, one batch shape).
+pub fn check_transfer(
+    a: &mut dyn quarry::runtime::Backend,
+    b: &mut dyn quarry::runtime::Backend,
+    prompt: &[u32],
+    b_block: impl Fn(u32) -> u32,
+) {
+    use quarry::runtime::ForwardBatch;
+    let bs = a.kv_layout().block_size;
+    let n = prompt.len();
+    let blocks = n.div_ceil(bs) as u32;
+    let table_a: Vec<u32> = (0..blocks).collect();
+    let table_b: Vec<u32> = (0..blocks).map(b_block).collect();
+    let mut prefill = ForwardBatch::default();
+    prefill.push_sequence(&prompt[..n - 1], 0, &table_a, bs);
+    a.forward(&prefill).unwrap();
+    let last = |table: &[u32]| {
+        let mut batch = ForwardBatch::default();
+        batch.push_sequence(&prompt[n - 1..], n - 1, table, bs);
+        batch.logits_rows = vec![0];
+        batch
+    };
+    let expected = a.forward(&last(&table_a)).unwrap();
+    let sent = a.send_kv_blocks(&table_a).unwrap();
+    let received = b.recv_kv_blocks(&table_b).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while a.kv_transfers_done().unwrap() <= sent || b.kv_transfers_done().unwrap() <= received {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the transfer did not finish in 30 s"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let got = b.forward(&last(&table_b)).unwrap();
+    assert_eq!(got.data, expected.data, "logits from the received blocks");
+}
