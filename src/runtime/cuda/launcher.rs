@@ -141,7 +141,7 @@ mod tests {
                     .split_whitespace()
                     .last()
                     .unwrap_or("");
-                if waiting.iter().any(|w| body.contains(&format!("{w}("))) {
+                if calls_any(body, &waiting) {
                     waiting.push(name.to_string());
                 }
             }
@@ -150,12 +150,19 @@ mod tests {
                 kernels += 1;
                 let name = body.split('(').next().unwrap_or("").trim();
                 assert!(
-                    waiting.iter().any(|w| body.contains(&format!("{w}("))),
+                    calls_any(body, &waiting),
                     "{}: kernel `{name}` never calls after_previous_kernel()",
                     path.display()
                 );
             }
         }
         assert!(kernels >= 20, "found only {kernels} kernels in {}", dir.display());
+    }
+
+    /// Whether `body` calls one of `functions`, templates (`name<D>(`) included.
+    fn calls_any(body: &str, functions: &[String]) -> bool {
+        functions
+            .iter()
+            .any(|f| body.contains(&format!("{f}(")) || body.contains(&format!("{f}<")))
     }
 }
