@@ -21,6 +21,20 @@ const DOCUMENT: &str = "Invoice 4471 from Harbour Freight Ltd, 12 Quay Street, B
     dated 3 March 2024. Items: 40 pallets of ceramic tiles at 118.50 each, handling 220.00, insurance 95.00. \
     Payment due within 30 days to account GB29 NWBK 6016 1331 9268 19. Contact: Mira Patel, accounts.";
 
+/// Prompts that share no block: each transfer then sends blocks of its own.
+fn distinct_prompts(tok: &Tokenizer) -> Vec<Vec<u32>> {
+    ["Harbour", "Northwind", "Quay"]
+        .iter()
+        .map(|w| {
+            tok.encode(
+                &format!("{w} case. {DOCUMENT}\n\nQuestion: what is due?\nAnswer:"),
+                false,
+            )
+            .unwrap()
+        })
+        .collect()
+}
+
 fn prompts(tok: &Tokenizer) -> Vec<Vec<u32>> {
     [
         "Who sent the invoice?",
@@ -100,7 +114,7 @@ fn assert_no_leak(stats: &EngineStats, side: &str) {
 
 /// Both engines' stats once idle (stats refresh as an engine's loop turns).
 fn settled(client: &EngineClient) -> (EngineStats, EngineStats) {
-    for _ in 0..200 {
+    for _ in 0..1000 {
         let (p, d) = (client.prefill_stats().unwrap(), client.stats());
         if p.kv_blocks_free == p.kv_blocks_total && d.kv_blocks_free == d.kv_blocks_total {
             return (p, d);
@@ -167,24 +181,33 @@ fn a_failed_transfer_leaks_nothing_and_the_request_computes_its_prompt() {
     };
     let bs = backend.kv_layout().block_size;
     let tok_arc = Arc::new(tok);
-    let all = prompts(&tok_arc);
-    let reference = run_all(&EngineClient::start(engine(Box::new(backend), &tok_arc)), &all[..3], 8);
+    let all = distinct_prompts(&tok_arc);
+    let reference = run_all(&EngineClient::start(engine(Box::new(backend), &tok_arc)), &all, 8);
 
     let Some((client, link, _)) = disaggregated(4096) else {
         return;
     };
     // One request at a time, the second one's send failing.
     let mut got = run_all(&client, &all[..1], 8);
+    let sent_before = settled(&client).0.kv_blocks_sent;
+    assert!(sent_before > 0);
     link.fail_send(1);
     got.extend(run_all(&client, &all[1..2], 8));
+    let (p, _) = settled(&client);
+    assert_eq!(
+        (p.kv_transfer_failures, p.kv_blocks_sent),
+        (1, sent_before),
+        "the second send failed"
+    );
     got.extend(run_all(&client, &all[2..3], 8));
     assert_eq!(got, reference);
     let (p, d) = settled(&client);
     assert_eq!(p.kv_transfer_failures, 1);
+    assert!(p.kv_blocks_sent > sent_before, "the third send went");
     assert_no_leak(&p, "prefill");
     assert_no_leak(&d, "decode");
     // The failed request's prompt was computed by the decode engine: fewer tokens were cached.
-    let cacheable: usize = all[..3].iter().map(|p| (p.len() - 1) / bs * bs).sum();
+    let cacheable: usize = all.iter().map(|p| (p.len() - 1) / bs * bs).sum();
     assert!((d.prefix_cache.hit_tokens as usize) < cacheable);
 }
 
