@@ -21,7 +21,9 @@
 // row's total, partition after partition, by `fold`. A block either walks all partitions itself
 // (whole mode: `partials` null) or computes one (split mode: blockIdx.z, for few rows over long
 // contexts) and writes it for flash_merge, which folds them in the same order with the same
-// arithmetic: the two modes give the same bits.
+// arithmetic: the two modes give the same bits. A token's records follow those of the tokens
+// before it (`part_bases`, from the host), so the scratch holds the partitions the step's rows
+// reach, not every row times the longest context.
 #define FA_BLOCK 16  // tokens per KV block: the host sends only such caches here
 #define FA_WARPS 4
 #define FA_THREADS (32 * FA_WARPS)
@@ -265,7 +267,7 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
                                                 const u32* __restrict__ items, const u32* __restrict__ positions,
                                                 const u32* __restrict__ block_tables, int max_blocks, int num_heads,
                                                 int num_kv_heads, float scale_log2,
-                                                float* __restrict__ partials, int max_parts) {
+                                                float* __restrict__ partials, const u32* __restrict__ part_bases) {
     constexpr int STRIDE = D + 8;  // a 16-byte pad puts the 8 rows of an ldmatrix in distinct banks
     constexpr int TILE = FA_KEYS * STRIDE;
     constexpr int NT = D / 8;   // 8-wide column tiles of the output
@@ -487,7 +489,7 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
 #pragma unroll
                 for (int rr = 0; rr < 2; rr++) {
                     if (pos[rr] < z * FA_PART) continue;  // no key of this partition
-                    float* rec = partials + (((size_t)tok[rr] * num_heads + head[rr]) * max_parts + z) * (D + 2);
+                    float* rec = partials + ((size_t)(part_bases[tok[rr]] + z) * num_heads + head[rr]) * (D + 2);
                     if (t == 0) {
                         rec[0] = m[rr];
                         rec[1] = lp[rr];
@@ -545,9 +547,9 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
     extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_d##D(                              \
         const bf16* q, bf16* out, const bf16* k_cache, const bf16* v_cache, const u32* items,                 \
         const u32* positions, const u32* block_tables, int max_blocks, int num_heads, int num_kv_heads,        \
-        float scale_log2, float* partials, int max_parts) {                                                     \
+        float scale_log2, float* partials, const u32* part_bases) {                                             \
         flash_attention<D>(q, out, k_cache, v_cache, items, positions, block_tables, max_blocks, num_heads,    \
-                           num_kv_heads, scale_log2, partials, max_parts);                                      \
+                           num_kv_heads, scale_log2, partials, part_bases);                                     \
     }
 FLASH_ENTRY(64)
 FLASH_ENTRY(128)
@@ -557,19 +559,22 @@ FLASH_ENTRY(128)
 // are folded, so a long context's partitions are not one dependent read after another.
 #define MERGE_AHEAD 8
 extern "C" __global__ void flash_merge(const float* __restrict__ partials, const u32* __restrict__ positions,
-                                       bf16* __restrict__ out, int num_heads, int head_dim, int max_parts) {
+                                       const u32* __restrict__ part_bases, bf16* __restrict__ out, int num_heads,
+                                       int head_dim) {
     after_previous_kernel();
     int tok = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
     if (d >= head_dim) return;
     int parts = (int)positions[tok] / FA_PART + 1;
-    const float* recs = partials + ((size_t)tok * num_heads + head) * max_parts * (head_dim + 2);
+    // Partition p's record of this head: part_bases[tok] + p in the step's numbering.
+    const size_t stride = (size_t)num_heads * (head_dim + 2);
+    const float* recs = partials + ((size_t)part_bases[tok] * num_heads + head) * (head_dim + 2);
     float M = NEG_INF, L = 0.0f, A = 0.0f;
     for (int p0 = 0; p0 < parts; p0 += MERGE_AHEAD) {
         float m[MERGE_AHEAD], l[MERGE_AHEAD], a[MERGE_AHEAD];
 #pragma unroll
         for (int u = 0; u < MERGE_AHEAD; u++) {
             if (p0 + u < parts) {
-                const float* rec = recs + (size_t)(p0 + u) * (head_dim + 2);
+                const float* rec = recs + (size_t)(p0 + u) * stride;
                 m[u] = rec[0];
                 l[u] = rec[1];
                 a[u] = rec[2 + d];

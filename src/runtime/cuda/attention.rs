@@ -72,6 +72,11 @@ pub fn flash_items(batch: &ForwardBatch, group: usize) -> Vec<u32> {
     items
 }
 
+/// The flash items of a sequence of `tokens` query tokens, `group` query heads a KV head.
+pub fn items_of(tokens: usize, group: usize) -> usize {
+    (tokens * group).div_ceil(FLASH_ROWS)
+}
+
 /// Device addresses and shapes of one layer's attention. `q` and `out` are bf16 `[tokens,
 /// heads * head_dim]`.
 pub struct AttentionArgs {
@@ -93,15 +98,29 @@ pub struct AttentionArgs {
 /// How a step's attention runs, the same for every layer.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Plan {
-    /// The tensor-core kernel over `items` (device address) of which there are `count`;
-    /// `split`: the number of partitions each computed by its own block, then merged.
+    /// The tensor-core kernel over `items` (device address) of which there are `count`.
     Flash {
         items: u64,
         count: usize,
-        split: Option<usize>,
+        split: Option<Split>,
     },
     /// The general kernel, `part_keys` keys per block.
     General { part_keys: usize },
+}
+
+/// Split mode: `parts` partitions a row at most, each computed by its own block, then merged.
+/// A token's records sit at `bases` (device address, one word a token): the partitions its
+/// keys reach are numbered on from those of the tokens before it, so the scratch holds what the
+/// step's rows fill, not every row times the longest context.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Split {
+    pub parts: usize,
+    pub bases: u64,
+}
+
+/// The partitions a query token at `position` reads: those its keys reach.
+pub fn partitions(position: u32) -> usize {
+    position as usize / FLASH_PART + 1
 }
 
 /// Whether a batch's longest contexts would set the pace of its attention: the kernel's
@@ -117,21 +136,43 @@ pub fn long_rows_dominate(context_lens: &[u32], kv_heads: usize, target_blocks: 
     longest > 1 && longest * target_blocks.max(1) > 2 * total * kv_heads
 }
 
+/// What decides a step's split: the same rule for eager steps and for captured shapes, which
+/// keep the choice of their capture.
+#[derive(Clone, Copy, Debug)]
+pub struct SplitRule {
+    pub head_dim: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    /// Blocks that fill the GPU.
+    pub target_blocks: usize,
+}
+
+impl SplitRule {
+    /// Whether `items` flash items whose longest context spans `parts` partitions, their
+    /// query tokens reaching `partitions` partitions in all, are split: where whole blocks
+    /// would not fill the GPU or `skewed` (`long_rows_dominate`), and the records fit the
+    /// scratch (else whole mode, slower, never wrong).
+    pub fn split(&self, items: usize, parts: usize, partitions: usize, skewed: bool) -> bool {
+        let few_blocks = items * self.kv_heads < self.target_blocks;
+        let records = partitions * self.heads * (self.head_dim + 2);
+        flash_head(self.head_dim) && parts > 1 && (few_blocks || skewed) && records <= SCRATCH_FLOATS
+    }
+}
+
 impl Plan {
     /// The plan for `tokens` query tokens whose longest context is `max_len`, `count` flash
-    /// items at `items`; `target_blocks` fill the GPU. `skewed`: the longest contexts would
-    /// set the pace (`long_rows_dominate`).
+    /// items at `items`; `target_blocks` fill the GPU. `split`: `SplitRule`'s choice, with the
+    /// tokens' record bases at `bases`.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         head_dim: usize,
         heads: usize,
-        kv_heads: usize,
         tokens: usize,
         max_len: usize,
         items: u64,
         count: usize,
         target_blocks: usize,
-        skewed: bool,
+        split: Option<u64>,
     ) -> Plan {
         if !flash_head(head_dim) {
             return Plan::General {
@@ -139,9 +180,7 @@ impl Plan {
             };
         }
         let parts = max_len.max(1).div_ceil(FLASH_PART);
-        let records = tokens * heads * parts * (head_dim + 2);
-        let few_blocks = count * kv_heads < target_blocks;
-        let split = (parts > 1 && (few_blocks || skewed) && records <= SCRATCH_FLOATS).then_some(parts);
+        let split = split.filter(|_| parts > 1).map(|bases| Split { parts, bases });
         Plan::Flash { items, count, split }
     }
 }
@@ -188,7 +227,7 @@ fn launch_flash(
     a: &AttentionArgs,
     items: u64,
     count: usize,
-    split: Option<usize>,
+    split: Option<Split>,
     tokens: usize,
     partials: u64,
 ) -> Result<()> {
@@ -211,10 +250,9 @@ fn launch_flash(
         }
     };
     let scale_log2 = a.scale * std::f32::consts::LOG2_E;
-    let parts = split.unwrap_or(1);
-    let (scratch, max_parts) = match split {
-        Some(p) => (partials, p as i32),
-        None => (0u64, 1i32),
+    let (parts, scratch, bases) = match split {
+        Some(s) => (s.parts, partials, s.bases),
+        None => (1, 0u64, 0u64),
     };
     super::launch_smem(
         stream,
@@ -235,7 +273,7 @@ fn launch_flash(
             &a.kv_heads,
             &scale_log2,
             &scratch,
-            &max_parts,
+            &bases,
         ],
     )?;
     if split.is_some() {
@@ -244,7 +282,7 @@ fn launch_flash(
             &k.flash_merge,
             (tokens as u32, a.heads as u32),
             a.head_dim as u32,
-            &[&partials, &a.positions, &a.out, &a.heads, &a.head_dim, &max_parts],
+            &[&partials, &a.positions, &bases, &a.out, &a.heads, &a.head_dim],
         )?;
     }
     Ok(())
@@ -394,65 +432,62 @@ mod tests {
         assert!(!long_rows_dominate(&[], 8, 528));
     }
 
+    /// One decode token a sequence at each context of `lens`: the rule's choice, `skewed`
+    /// computed as the backend does.
+    fn decode_split(lens: &[u32], heads: usize) -> bool {
+        let rule = SplitRule {
+            head_dim: 128,
+            heads,
+            kv_heads: 8,
+            target_blocks: 528,
+        };
+        let longest = lens.iter().copied().max().unwrap_or(1) as usize;
+        let partitions = lens.iter().map(|&l| partitions(l - 1)).sum();
+        let skewed = long_rows_dominate(lens, 8, 528);
+        rule.split(lens.len(), longest.div_ceil(FLASH_PART), partitions, skewed)
+    }
+
     #[test]
     fn split_only_where_whole_blocks_would_not_fill_the_gpu() {
-        let plan = |tokens, len, count| Plan::new(128, 32, 8, tokens, len, 0, count, 528, false);
         // One decode token over 16k keys: 8 blocks whole, 32 partitions split.
-        assert_eq!(
-            plan(1, 16384, 1),
-            Plan::Flash {
-                items: 0,
-                count: 1,
-                split: Some(32)
-            }
-        );
+        assert!(decode_split(&[16384], 32));
         // 64 decode tokens at 2k: 512 blocks whole, still under 528: split in 4.
-        assert_eq!(
-            plan(64, 2048, 64),
-            Plan::Flash {
-                items: 0,
-                count: 64,
-                split: Some(4)
-            }
-        );
-        // A 4k prefill: 256 items of 16 tokens make 2,048 blocks.
-        assert_eq!(
-            plan(4096, 4096, 256),
-            Plan::Flash {
-                items: 0,
-                count: 256,
-                split: None
-            }
-        );
+        assert!(decode_split(&[2048; 64], 32));
+        // 72 decode tokens at 2k: 576 blocks whole fill the GPU.
+        assert!(!decode_split(&[2048; 72], 32));
         // One partition: nothing to split.
-        assert_eq!(
-            plan(1, 200, 1),
-            Plan::Flash {
-                items: 0,
-                count: 1,
-                split: None
-            }
-        );
-        // Other head sizes take the general kernel.
+        assert!(!decode_split(&[200], 32));
+        // 72 decoders, most short: whole, unless a long one would set the pace.
+        assert!(!decode_split(&[700; 72], 32));
+        let mut lens = vec![700; 70];
+        lens.extend([8200, 8300]);
+        assert!(decode_split(&lens, 32));
+        // The records count what the rows reach: 72 rows of 32 heads under a longest context
+        // of 32 partitions would need 9.6M floats as rows times that; these need 0.5M.
+        lens.extend([16000]);
+        assert!(decode_split(&lens, 32));
+        // Past the scratch: whole mode.
+        assert!(!decode_split(&[100_000; 16], 32));
+        // A prefill of 4k tokens: 256 items of 16 tokens make 2,048 blocks.
+        let rule = SplitRule {
+            head_dim: 128,
+            heads: 32,
+            kv_heads: 8,
+            target_blocks: 528,
+        };
+        assert!(!rule.split(256, 8, 4096 * 4, false));
+        // Other head sizes take the general kernel, never split.
+        assert!(!SplitRule { head_dim: 36, ..rule }.split(1, 8, 8, true));
         assert!(matches!(
-            Plan::new(36, 4, 2, 1, 100, 0, 1, 528, false),
+            Plan::new(36, 4, 1, 100, 0, 1, 528, None),
             Plan::General { .. }
         ));
-        // 72 decode tokens, most short: whole, unless a long one would set the pace.
         assert_eq!(
-            plan(72, 8192, 72),
+            Plan::new(128, 32, 1, 16384, 0, 1, 528, Some(7)),
             Plan::Flash {
                 items: 0,
-                count: 72,
-                split: None
-            }
-        );
-        assert_eq!(
-            Plan::new(128, 32, 8, 72, 8192, 0, 72, 528, true),
-            Plan::Flash {
-                items: 0,
-                count: 72,
-                split: Some(16)
+                count: 1,
+                split: Some(Split { parts: 32, bases: 7 })
             }
         );
     }

@@ -50,8 +50,9 @@ pub struct Shape {
     pub parts: usize,
     /// Rows of logits.
     pub rows: usize,
-    /// Attention split by partitions however many sequences (`attention::long_rows_dominate`).
-    pub skewed: bool,
+    /// Attention split by partitions (`attention::SplitRule`'s choice for the step captured,
+    /// kept by every replay).
+    pub split: bool,
 }
 
 impl Shape {
@@ -78,9 +79,14 @@ pub fn ladder(max: usize) -> Vec<usize> {
 
 /// Where a step has few tokens per sequence, the shape that covers it: its sequences padded up
 /// `ladder`, its tokens per sequence to the most any has, its longest context up powers of two
-/// of partitions (at most `max_parts`), its rows to one a sequence or all. None where padding would add
-/// more work than the replay saves.
-pub fn shape_of(batch: &ForwardBatch, ladder: &[usize], max_parts: usize, skewed: bool) -> Option<Shape> {
+/// of partitions (at most `max_parts`), its rows to one a sequence or all; `split` decides its
+/// attention's split. None where padding would add more work than the replay saves.
+pub fn shape_of(
+    batch: &ForwardBatch,
+    ladder: &[usize],
+    max_parts: usize,
+    split: impl FnOnce(&Shape) -> bool,
+) -> Option<Shape> {
     let n = batch.num_seqs();
     let per_seq = batch.query_start.windows(2).map(|w| (w[1] - w[0]) as usize).max()?;
     if per_seq > MAX_PER_SEQ {
@@ -96,13 +102,18 @@ pub fn shape_of(batch: &ForwardBatch, ladder: &[usize], max_parts: usize, skewed
     // One row a sequence (decode, known tokens) or every row (checks): two shapes, not one for
     // each count of rows.
     let rows = if batch.logits_rows.len() <= seqs { seqs } else { tokens };
-    (parts <= max_parts).then_some(Shape {
+    if parts > max_parts {
+        return None;
+    }
+    let mut shape = Shape {
         seqs,
         per_seq,
         parts,
         rows,
-        skewed,
-    })
+        split: false,
+    };
+    shape.split = split(&shape);
+    Some(shape)
 }
 
 /// The batch a captured shape runs: each of `batch`'s sequences with its padding before its
@@ -193,8 +204,8 @@ impl Graphs {
 
     /// The shape `batch` replays as, unless it runs eagerly (no shape covers it, or its
     /// shape is refused).
-    pub fn shape_for(&self, batch: &ForwardBatch, skewed: bool) -> Option<Shape> {
-        shape_of(batch, &self.ladder, self.max_parts, skewed).filter(|&s| !self.refused(s))
+    pub fn shape_for(&self, batch: &ForwardBatch, split: impl FnOnce(&Shape) -> bool) -> Option<Shape> {
+        shape_of(batch, &self.ladder, self.max_parts, split).filter(|&s| !self.refused(s))
     }
 
     pub fn ready(&self, shape: Shape) -> bool {
@@ -308,13 +319,13 @@ mod tests {
     #[test]
     fn steps_of_few_tokens_a_sequence_get_a_shape_and_others_run_eagerly() {
         let l = ladder(64);
-        let shape = |lens: &[usize], q: &[usize]| shape_of(&step(lens, q), &l, 16, false);
+        let shape = |lens: &[usize], q: &[usize]| shape_of(&step(lens, q), &l, 16, |_| false);
         let decode = Shape {
             seqs: 4,
             per_seq: 1,
             parts: 2,
             rows: 4,
-            skewed: false,
+            split: false,
         };
         assert_eq!(shape(&[100, 700, 20], &[1, 1, 1]), Some(decode));
         // Speculative checks of 4 tokens each; a 1,100-token context takes 4 partitions.
@@ -323,7 +334,7 @@ mod tests {
             per_seq: 4,
             parts: 4,
             rows: 8,
-            skewed: false,
+            split: false,
         };
         assert_eq!(shape(&[1100, 30], &[4, 4]), Some(checks));
         // Checks of different lengths, or jump-forward's known tokens beside decode tokens.
@@ -332,7 +343,7 @@ mod tests {
             per_seq: 5,
             parts: 1,
             rows: 20,
-            skewed: false,
+            split: false,
         };
         assert_eq!(shape(&[100, 200, 300], &[1, 5, 2]), Some(mixed));
         // Only the last row of each wanted.
@@ -343,9 +354,9 @@ mod tests {
             per_seq: 3,
             parts: 1,
             rows: 2,
-            skewed: false,
+            split: false,
         };
-        assert_eq!(shape_of(&known, &l, 16, false), Some(last_rows));
+        assert_eq!(shape_of(&known, &l, 16, |_| false), Some(last_rows));
         // A prefill chunk, more tokens of padding than the step's own (past the free ones), more
         // sequences than the ladder holds, or a context past its partitions.
         assert_eq!(shape(&[100, 40], &[1, 40]), None);
@@ -354,7 +365,7 @@ mod tests {
             per_seq: 1,
             parts: 1,
             rows: 40,
-            skewed: false,
+            split: false,
         };
         assert_eq!(shape(&[300; 40], &[1; 40]), Some(forty));
         let mut lopsided = vec![1; 40];
@@ -368,7 +379,7 @@ mod tests {
     fn padding_goes_before_each_sequences_tokens_and_the_wanted_rows_come_first() {
         let mut b = step(&[40, 1000, 7], &[2, 1, 3]);
         b.logits_rows = vec![1, 2, 5];
-        let shape = shape_of(&b, &ladder(16), 8, false).unwrap();
+        let shape = shape_of(&b, &ladder(16), 8, |_| false).unwrap();
         assert_eq!(
             shape,
             Shape {
@@ -376,7 +387,7 @@ mod tests {
                 per_seq: 3,
                 parts: 2,
                 rows: 4,
-                skewed: false,
+                split: false,
             }
         );
         let p = padded(&b, shape, 999);

@@ -364,10 +364,10 @@ impl CudaBackend {
                 .div_ceil(attention::FLASH_PART)
                 .next_power_of_two();
             let tokens = seqs * graphs::MAX_PER_SEQ;
-            // Ids, positions, slots, sequences and picked rows, and the places and words of
-            // tokens the last draw decided; tables; flash items.
-            let items = seqs * (graphs::MAX_PER_SEQ * group).div_ceil(64);
-            let words = 7 * tokens + 8 + seqs * max_parts * (attention::FLASH_PART / BLOCK_SIZE) + 4 * items;
+            // Ids, positions, slots, sequences, picked rows and split attention's bases, and
+            // the places and words of tokens the last draw decided; tables; flash items.
+            let items = seqs * attention::items_of(graphs::MAX_PER_SEQ, group);
+            let words = 8 * tokens + 8 + seqs * max_parts * (attention::FLASH_PART / BLOCK_SIZE) + 4 * items;
             Some(Graphs::new(&stream, seqs, max_parts, words)?)
         } else {
             None
@@ -436,6 +436,27 @@ impl CudaBackend {
     /// engine sees.
     fn reserved_block(&self) -> u32 {
         self.layout.num_blocks as u32
+    }
+
+    /// What decides whether a step's attention is split.
+    fn split_rule(&self) -> attention::SplitRule {
+        attention::SplitRule {
+            head_dim: self.config.head_dim,
+            heads: self.config.num_heads,
+            kv_heads: self.config.num_kv_heads,
+            target_blocks: self.target_blocks,
+        }
+    }
+
+    /// Whether `batch` padded to `shape` splits its attention: its padding adds one item a
+    /// padded sequence's tokens and one partition a padded token (at position 0).
+    fn shape_splits(&self, batch: &ForwardBatch, shape: &Shape) -> bool {
+        let group = self.config.num_heads / self.config.num_kv_heads;
+        let items = shape.seqs * attention::items_of(shape.per_seq, group);
+        let padding = shape.seqs * shape.per_seq - batch.num_tokens();
+        let partitions = batch.positions.iter().map(|&p| attention::partitions(p)).sum::<usize>() + padding;
+        let skewed = attention::long_rows_dominate(&batch.context_lens, self.config.num_kv_heads, self.target_blocks);
+        self.split_rule().split(items, shape.parts, partitions, skewed)
     }
 
     /// A step over the backend's buffers with `meta`; `timed`: with `QUARRY_CUDA_TIMING`'s
@@ -523,6 +544,14 @@ impl CudaBackend {
         let picked = st.push(if rows > 0 { &batch.logits_rows } else { &[0] })?;
         let flash_items = attention::flash_items(batch, cfg.num_heads / cfg.num_kv_heads);
         let items = st.push(if flash_items.is_empty() { &[0] } else { &flash_items })?;
+        // Split attention's record bases: each token's partitions after those before it.
+        let mut partitions = 0usize;
+        let bases = st.push_with(t, |dst| {
+            for (base, &p) in dst.iter_mut().zip(&batch.positions) {
+                *base = partitions as u32;
+                partitions += attention::partitions(p);
+            }
+        })?;
         let fill_at = st.push(&fills.0)?;
         let fill_word = st.push(&fills.1)?;
         let base = match (shape, graphs) {
@@ -537,23 +566,28 @@ impl CudaBackend {
             self.uploaded[slot] = Some(done);
         }
         let addr = |offset: usize| Staging::addr(base, offset);
-        let (max_len, skewed) = match shape {
-            Some(s) => (s.max_len(), s.skewed),
-            None => (
-                batch.context_lens.iter().copied().max().unwrap_or(1) as usize,
-                attention::long_rows_dominate(&batch.context_lens, cfg.num_kv_heads, self.target_blocks),
-            ),
+        let (max_len, split) = match shape {
+            Some(s) => (s.max_len(), s.split),
+            None => {
+                let max_len = batch.context_lens.iter().copied().max().unwrap_or(1) as usize;
+                let skewed = attention::long_rows_dominate(&batch.context_lens, cfg.num_kv_heads, self.target_blocks);
+                let parts = max_len.div_ceil(attention::FLASH_PART);
+                (
+                    max_len,
+                    self.split_rule()
+                        .split(flash_items.len() / 4, parts, partitions, skewed),
+                )
+            }
         };
         let plan = attention::Plan::new(
             cfg.head_dim,
             cfg.num_heads,
-            cfg.num_kv_heads,
             t,
             max_len,
             addr(items),
             flash_items.len() / 4,
             self.target_blocks,
-            skewed,
+            split.then(|| addr(bases)),
         );
         self.fill = (!fills.0.is_empty()).then(|| Fill {
             ids: addr(ids),
@@ -684,7 +718,7 @@ impl CudaBackend {
                     per_seq: 1,
                     parts: p,
                     rows: seqs,
-                    skewed: false,
+                    split: false,
                 })
             })
             .collect();
@@ -800,8 +834,9 @@ impl Backend for CudaBackend {
         self.rows = 0;
         self.run_since_draw = true;
         let mut graphs = self.graphs.take();
-        let skewed = attention::long_rows_dominate(&batch.context_lens, self.config.num_kv_heads, self.target_blocks);
-        let shape = graphs.as_ref().and_then(|g| g.shape_for(batch, skewed));
+        let shape = graphs
+            .as_ref()
+            .and_then(|g| g.shape_for(batch, |s| self.shape_splits(batch, s)));
         let padded = shape.map(|s| graphs::padded(batch, s, self.reserved_block()));
         let step_batch = padded.as_ref().unwrap_or(batch);
         let (t, rows) = (step_batch.num_tokens(), step_batch.logits_rows.len());

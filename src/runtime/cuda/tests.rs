@@ -255,6 +255,9 @@ struct DeviceBatch {
     tables: CudaSlice<u32>,
     items: CudaSlice<u32>,
     item_count: usize,
+    /// Split attention's record bases, and the partitions the tokens reach in all.
+    bases: CudaSlice<u32>,
+    partitions: usize,
     max_blocks: usize,
     tokens: usize,
     max_len: usize,
@@ -273,12 +276,20 @@ impl DeviceBatch {
             ));
         }
         let items = attention::flash_items(batch, group);
+        let mut bases = Vec::new();
+        let mut partitions = 0;
+        for &p in &batch.positions {
+            bases.push(partitions as u32);
+            partitions += attention::partitions(p);
+        }
         DeviceBatch {
             seqs: g.u32s(&token_seq),
             positions: g.u32s(&batch.positions),
             tables: g.u32s(&flat),
             items: g.u32s(&items),
             item_count: items.len() / 4,
+            bases: g.u32s(&bases),
+            partitions,
             max_blocks,
             tokens: batch.num_tokens(),
             max_len: *batch.context_lens.iter().max().unwrap() as usize,
@@ -288,16 +299,23 @@ impl DeviceBatch {
     /// The backend's plan for this batch, `target_blocks` filling the GPU.
     fn plan(&self, g: &Gpu, head_dim: usize, heads: usize, kv_heads: usize, target_blocks: usize) -> attention::Plan {
         let (items, count) = (g.p(&self.items), self.item_count);
-        attention::Plan::new(
+        let rule = attention::SplitRule {
             head_dim,
             heads,
             kv_heads,
+            target_blocks,
+        };
+        let parts = self.max_len.div_ceil(attention::FLASH_PART);
+        let split = rule.split(count, parts, self.partitions, false);
+        attention::Plan::new(
+            head_dim,
+            heads,
             self.tokens,
             self.max_len,
             items,
             count,
             target_blocks,
-            false,
+            split.then(|| g.p(&self.bases)),
         )
     }
 
@@ -435,7 +453,10 @@ impl KvFixture {
             (Mode::Split, attention::Plan::Flash { items, count, .. }) => attention::Plan::Flash {
                 items,
                 count,
-                split: (parts > 1).then_some(parts),
+                split: (parts > 1).then(|| attention::Split {
+                    parts,
+                    bases: g.p(&d.bases),
+                }),
             },
             (Mode::Whole, attention::Plan::Flash { items, count, .. }) => attention::Plan::Flash {
                 items,
@@ -1149,7 +1170,7 @@ fn kernel_speeds() {
             attention::launch(&g.stream, &g.k, &args, plan, tokens, max_len, g.p(&partials)).unwrap()
         });
         let mode = match plan {
-            attention::Plan::Flash { split: Some(p), .. } => format!("split {p}"),
+            attention::Plan::Flash { split: Some(s), .. } => format!("split {}", s.parts),
             attention::Plan::Flash { .. } => "whole".into(),
             _ => "general".into(),
         };
