@@ -47,9 +47,9 @@ pub struct QualityArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
-    /// With --show, also print every sampled token with its log-probability and this many
-    /// alternatives (the model's own, before mask and biases): where a wrong value was a
-    /// near-tie and where the model was sure.
+    /// With --show (or in --json's rows), also give every sampled token with its
+    /// log-probability and this many alternatives (the model's own, before mask and biases):
+    /// where a wrong value was a near-tie and where the model was sure.
     #[arg(long)]
     logprobs: Option<usize>,
     /// Where the schema and the document sit in the prompt.
@@ -398,9 +398,14 @@ fn report(args: &QualityArgs, rows: &[Row]) {
         let cases: Vec<Value> = rows
             .iter()
             .map(|r| {
-                json!({"id": r.id, "outcome": r.outcome, "valid": r.valid, "exact": r.valid && r.fields.exact(),
-                       "fields_correct": r.fields.correct, "fields": r.fields.total, "tokens": r.tokens,
-                       "ms": r.ms, "text": r.text})
+                let mut row = json!({"id": r.id, "outcome": r.outcome, "valid": r.valid,
+                       "exact": r.valid && r.fields.exact(), "fields_correct": r.fields.correct,
+                       "fields": r.fields.total, "tokens": r.tokens, "ms": r.ms, "text": r.text});
+                // With --logprobs: where two runs' records part, and by what margin.
+                if !r.trace.is_empty() {
+                    row["trace"] = json!(r.trace);
+                }
+                row
             })
             .collect();
         let summary = json!({
