@@ -9,14 +9,21 @@
 //!
 //! Nothing orders a gather after the engine's own stream: the engine sends only blocks whose
 //! step it has read back (so they are written), and holds them until the transfer is done.
+//!
+//! The pair's communicators are nonblocking (nccl.rs's `pair`). A transfer that fails, or is
+//! not done in time (a peer that never queues its half), aborts both: the kernels waiting on
+//! it end, the port's stream drains, and only then are the blocks let go, so no scatter still
+//! queued writes a block handed out again. The link then refuses every later transfer and
+//! each engine computes its prompts itself.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr};
 
 use super::launcher::{self, Arg};
-use super::nccl::{Group, Nccl, RankComm};
+use super::nccl::{self, Nccl, PairEnd};
 use crate::runtime::error::{Result, RuntimeError};
 use crate::runtime::KvLinkEnd;
 
@@ -27,8 +34,11 @@ const STAGING_BYTES: usize = 128 << 20;
 const PIECE_BLOCKS: usize = 960;
 
 /// A transfer not done after this long is taken for a link that failed (a peer that never
-/// queued its half): its blocks are let go and the link refuses every later transfer.
-const TRANSFER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+/// queued its half); `QUARRY_KV_TIMEOUT` (seconds) sets another.
+const TRANSFER_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How long a failed link's stream may take to drain once its communicators are aborted.
+const DRAIN_DEADLINE: Duration = Duration::from_secs(10);
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -42,10 +52,9 @@ impl Arg for KvIds {
     }
 }
 
-/// One GPU's end of a link: its rank in a two-rank communicator.
+/// One GPU's end of a link: its rank in a pair of communicators.
 pub struct NcclEnd {
-    comm: RankComm,
-    rank: usize,
+    comm: PairEnd,
     device: usize,
 }
 
@@ -57,7 +66,6 @@ pub fn pair(from: usize, to: usize) -> Result<(KvLinkEnd, KvLinkEnd)> {
         )));
     }
     let nccl = Nccl::open()?;
-    let mut group = Group::local(nccl, &[from as i32, to as i32])?;
     let err = |what: &'static str| move |e: cudarc::driver::DriverError| RuntimeError::Device(format!("{what}: {e}"));
     let ctxs = [from, to].map(CudaContext::new);
     let [a, b] = ctxs;
@@ -68,20 +76,18 @@ pub fn pair(from: usize, to: usize) -> Result<(KvLinkEnd, KvLinkEnd)> {
     );
     let ba = sa.alloc_zeros::<u8>(256).map_err(err("KV link"))?;
     let bb = sb.alloc_zeros::<u8>(256).map_err(err("KV link"))?;
-    {
+    let ends = {
         let (pa, _ga) = ba.device_ptr(&sa);
         let (pb, _gb) = bb.device_ptr(&sb);
-        group.send_recv(0, 1, [pa, pb], [sa.cu_stream(), sb.cu_stream()], 256)?;
-    }
+        nccl::pair(nccl, [&a, &b], [pa, pb], [sa.cu_stream(), sb.cu_stream()], 256)?
+    };
     sa.synchronize().map_err(err("KV link's first transfer"))?;
     sb.synchronize().map_err(err("KV link's first transfer"))?;
-    let mut comms = group.into_ranks().into_iter();
-    let mut end = |rank: usize, device: usize| NcclEnd {
-        comm: comms.next().expect("two ranks"),
-        rank,
-        device,
-    };
-    Ok((KvLinkEnd::Nccl(end(0, from)), KvLinkEnd::Nccl(end(1, to))))
+    let [e0, e1] = ends;
+    Ok((
+        KvLinkEnd::Nccl(NcclEnd { comm: e0, device: from }),
+        KvLinkEnd::Nccl(NcclEnd { comm: e1, device: to }),
+    ))
 }
 
 /// A backend's side of a link.
@@ -97,9 +103,15 @@ pub struct KvPort {
     pools: CudaSlice<u64>,
     num_pools: usize,
     /// An event after each transfer not yet seen done, and when it was queued, oldest first.
-    pending: VecDeque<(CudaEvent, std::time::Instant)>,
+    pending: VecDeque<(CudaEvent, Instant)>,
     done: u64,
     failed: Option<String>,
+    /// After a failure: the stream was seen idle (the staging buffer may be freed).
+    drained: bool,
+    timeout: Duration,
+    /// `QUARRY_KV_FAULT=stall-send` (fault tests): sends gather but never send, a peer that
+    /// never queues its half.
+    stall_sends: bool,
 }
 
 impl KvPort {
@@ -153,6 +165,13 @@ impl KvPort {
             pending: VecDeque::new(),
             done: 0,
             failed: None,
+            drained: false,
+            timeout: std::env::var("QUARRY_KV_TIMEOUT")
+                .ok()
+                .and_then(|s| s.parse::<f64>().ok())
+                .filter(|s| *s > 0.0)
+                .map_or(TRANSFER_TIMEOUT, Duration::from_secs_f64),
+            stall_sends: std::env::var("QUARRY_KV_FAULT").is_ok_and(|f| f == "stall-send"),
         })
     }
 
@@ -180,14 +199,47 @@ impl KvPort {
         let result = ordered.and_then(|_| self.queue(kernel, blocks, sending));
         if let Err(e) = &result {
             // The two ends' pieces may no longer pair up: no later transfer can be trusted.
-            self.failed = Some(e.to_string());
+            self.fail(e.to_string());
         }
         result
     }
 
+    /// Ends the link: aborts the pair's communicators (the other end's transfers fail too),
+    /// then waits for this end's stream to drain, so that the caller may let the blocks of
+    /// every transfer go.
+    fn fail(&mut self, why: String) {
+        if self.failed.is_some() {
+            return;
+        }
+        eprintln!(
+            "quarry: the KV link on cuda:{} failed: {why}; aborting it, each engine computes its prompts itself from now on",
+            self.end.device
+        );
+        self.failed = Some(why);
+        self.end.comm.abort();
+        let drained = self.stream.record_event(None).ok().is_some_and(|event| {
+            let started = Instant::now();
+            loop {
+                match event.try_is_complete() {
+                    Ok(true) => return true,
+                    Ok(false) if started.elapsed() < DRAIN_DEADLINE => std::thread::sleep(Duration::from_millis(1)),
+                    _ => return false,
+                }
+            }
+        });
+        if !drained {
+            eprintln!(
+                "quarry: the KV link's stream on cuda:{} did not drain within {} s of the abort",
+                self.end.device,
+                DRAIN_DEADLINE.as_secs()
+            );
+        }
+        self.drained = drained;
+        self.pending.clear();
+    }
+
     fn queue(&mut self, kernel: &CudaFunction, blocks: &[u32], sending: bool) -> Result<u64> {
         let err = |e: cudarc::driver::DriverError| RuntimeError::Device(format!("KV transfer: {e}"));
-        let peer = 1 - self.end.rank;
         for piece in blocks.chunks(self.piece_blocks) {
             let mut ids = KvIds { id: [0; PIECE_BLOCKS] };
             ids.id[..piece.len()].copy_from_slice(piece);
@@ -199,44 +251,50 @@ impl KvPort {
             let grid = (piece.len() as u32, self.num_pools as u32);
             if sending {
                 launcher::launch(&self.stream, kernel, grid, launcher::THREADS, &args)?;
-                self.end.comm.send(staging, bytes, peer, &self.stream)?;
+                if !self.stall_sends {
+                    self.end.comm.send(staging, bytes, &self.stream)?;
+                }
             } else {
-                self.end.comm.recv(staging, bytes, peer, &self.stream)?;
+                self.end.comm.recv(staging, bytes, &self.stream)?;
                 launcher::launch(&self.stream, kernel, grid, launcher::THREADS, &args)?;
             }
         }
         let event = self.stream.record_event(None).map_err(err)?;
-        self.pending.push_back((event, std::time::Instant::now()));
+        self.pending.push_back((event, Instant::now()));
         Ok(self.done + self.pending.len() as u64 - 1)
     }
 
     /// Transfers done so far, in order.
     pub fn done(&mut self) -> Result<u64> {
         self.check()?;
-        while let Some((event, queued)) = self.pending.front() {
-            if queued.elapsed() > TRANSFER_TIMEOUT {
-                self.failed = Some(format!(
-                    "a transfer not done after {} s (the other end never queued its half?)",
-                    TRANSFER_TIMEOUT.as_secs()
-                ));
-                return self.check().map(|_| self.done);
-            }
+        let mut finished = 0;
+        for (event, queued) in &self.pending {
             match event.try_is_complete() {
-                Ok(true) => {
-                    self.pending.pop_front();
-                    self.done += 1;
+                Ok(true) => finished += 1,
+                Ok(false) if queued.elapsed() > self.timeout => {
+                    let why = format!(
+                        "a transfer not done after {:.0} s (the other end never queued its half?)",
+                        self.timeout.as_secs_f64()
+                    );
+                    self.fail(why);
+                    return self.check().map(|_| self.done);
                 }
                 Ok(false) => break,
                 Err(e) => {
-                    self.failed = Some(format!("KV transfer: {e}"));
+                    self.fail(format!("KV transfer: {e}"));
                     return self.check().map(|_| self.done);
                 }
             }
         }
-        if let Err(e) = self.end.comm.async_error() {
-            self.failed = Some(e.to_string());
+        // Asked after the events: a transfer ended by the other end's abort completes its event
+        // too, and the abort is seen here first.
+        if let Err(e) = self.end.comm.health() {
+            self.fail(e.to_string());
+            return self.check().map(|_| self.done);
         }
-        self.check().map(|_| self.done)
+        self.pending.drain(..finished);
+        self.done += finished as u64;
+        Ok(self.done)
     }
 
     fn check(&self) -> Result<()> {
@@ -250,8 +308,12 @@ impl KvPort {
 impl Drop for KvPort {
     fn drop(&mut self) {
         // Transfers in flight read or write the staging buffer freed with the port. After a
-        // failure one may wait for a peer that never comes: the memory is left to the process.
-        if self.failed.is_none() && self.stream.synchronize().is_ok() {
+        // failure whose stream did not drain, the memory is left to the process.
+        let idle = match self.failed {
+            None => self.stream.synchronize().is_ok(),
+            Some(_) => self.drained,
+        };
+        if idle {
             // SAFETY: dropped once, here, after the stream's last use of it.
             unsafe { std::mem::ManuallyDrop::drop(&mut self.staging) };
         }

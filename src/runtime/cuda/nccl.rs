@@ -7,18 +7,23 @@
 //! `ncclGetLastError`); missing or too old is an error that says what to do, never a panic.
 //!
 //! One process drives every local GPU (`Group::local`, `ncclCommInitAll`): a collective over
-//! the group is one NCCL group call with a rank per device.
+//! the group is one NCCL group call with a rank per device. A KV link's two GPUs get a pair of
+//! nonblocking communicators instead (`pair`, `ncclCommInitRankConfig`), which either end can
+//! abort when a transfer stalls.
 
 use std::ffi::{c_char, c_int, c_void, CStr};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::CUstream;
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaContext, CudaStream};
 
 use crate::runtime::RuntimeError;
 
 type NcclResult = c_int;
 const SUCCESS: NcclResult = 0;
+/// A nonblocking communicator's call still under way (`ncclInProgress`).
+const IN_PROGRESS: NcclResult = 7;
 /// `ncclDataType_t` values (nccl.h, stable across NCCL 2).
 pub const FLOAT32: c_int = 7;
 pub const BFLOAT16: c_int = 9;
@@ -28,6 +33,52 @@ const SUM: c_int = 0;
 /// minor * 100 + patch).
 const OLDEST: c_int = 21900;
 
+/// `ncclUniqueId`: what every rank of a new communicator is given.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct UniqueId {
+    internal: [c_char; 128],
+}
+
+/// NCCL's "not set" for a config's integers.
+const UNDEF_INT: c_int = c_int::MIN;
+
+/// `ncclConfig_t` as NCCL 2.19 lays it out. A later NCCL copies `size` bytes of it and, by
+/// `version`, takes its defaults for every field that version lacked (init.cc's
+/// `parseCommConfig`), so this struct serves every NCCL these bindings accept.
+#[repr(C)]
+struct Config {
+    size: usize,
+    magic: u32,
+    version: u32,
+    blocking: c_int,
+    cga_cluster_size: c_int,
+    min_ctas: c_int,
+    max_ctas: c_int,
+    net_name: *const c_char,
+    split_share: c_int,
+    _pad: c_int,
+}
+
+impl Config {
+    /// Nonblocking: calls return at once (`IN_PROGRESS`), and `ncclCommAbort` can end a
+    /// communicator whose kernel waits for a peer that never comes.
+    fn nonblocking() -> Config {
+        Config {
+            size: std::mem::size_of::<Config>(),
+            magic: 0xcafe_beef,
+            version: OLDEST as u32,
+            blocking: 0,
+            cga_cluster_size: UNDEF_INT,
+            min_ctas: UNDEF_INT,
+            max_ctas: UNDEF_INT,
+            net_name: std::ptr::null(),
+            split_share: UNDEF_INT,
+            _pad: 0,
+        }
+    }
+}
+
 #[repr(C)]
 pub struct CommOpaque {
     _private: [u8; 0],
@@ -36,6 +87,8 @@ type Comm = *mut CommOpaque;
 
 struct Fns {
     get_version: unsafe extern "C" fn(*mut c_int) -> NcclResult,
+    get_unique_id: unsafe extern "C" fn(*mut UniqueId) -> NcclResult,
+    comm_init_rank_config: unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int, *mut Config) -> NcclResult,
     error_string: unsafe extern "C" fn(NcclResult) -> *const c_char,
     last_error: unsafe extern "C" fn(Comm) -> *const c_char,
     comm_init_all: unsafe extern "C" fn(*mut Comm, c_int, *const c_int) -> NcclResult,
@@ -92,6 +145,8 @@ impl Nccl {
         let fns = unsafe {
             Fns {
                 get_version: symbol(&lib, path, "ncclGetVersion")?,
+                get_unique_id: symbol(&lib, path, "ncclGetUniqueId")?,
+                comm_init_rank_config: symbol(&lib, path, "ncclCommInitRankConfig")?,
                 error_string: symbol(&lib, path, "ncclGetErrorString")?,
                 last_error: symbol(&lib, path, "ncclGetLastError")?,
                 comm_init_all: symbol(&lib, path, "ncclCommInitAll")?,
@@ -247,56 +302,6 @@ impl Group {
         }
         Ok(())
     }
-
-    /// Sends `bytes` bytes from rank `from`'s buffer to rank `to`'s, each queued on its rank's
-    /// stream, in one group call: point-to-point connections are made by a pair's first
-    /// transfer, which needs both ranks at once, so a link makes it before its ranks go to
-    /// threads that send and receive apart.
-    pub fn send_recv(
-        &mut self,
-        from: usize,
-        to: usize,
-        buffers: [u64; 2],
-        streams: [CUstream; 2],
-        bytes: usize,
-    ) -> Result<(), RuntimeError> {
-        let f = &self.nccl.fns;
-        let (sender, receiver) = (self.comms[from], self.comms[to]);
-        // SAFETY: each buffer holds `bytes` bytes on its rank's device; the group call queues
-        // both halves before either waits on the other.
-        unsafe {
-            self.nccl.check((f.group_start)(), None, "ncclGroupStart")?;
-            let sent = (f.send)(
-                buffers[0] as *const c_void,
-                bytes,
-                UINT8,
-                to as c_int,
-                sender,
-                streams[0],
-            );
-            let received = (f.recv)(
-                buffers[1] as *mut c_void,
-                bytes,
-                UINT8,
-                from as c_int,
-                receiver,
-                streams[1],
-            );
-            let ended = self.nccl.check((f.group_end)(), None, "ncclGroupEnd");
-            self.nccl
-                .check(sent, Some(sender), "ncclSend")
-                .and(self.nccl.check(received, Some(receiver), "ncclRecv"))
-                .and(ended)
-        }
-    }
-
-    /// Ends every communicator at once, collectives in flight included (a failed group).
-    pub fn abort(mut self) {
-        for comm in std::mem::take(&mut self.comms) {
-            // SAFETY: each communicator is aborted once and not used again.
-            unsafe { (self.nccl.fns.comm_abort)(comm) };
-        }
-    }
 }
 
 impl Group {
@@ -345,39 +350,6 @@ impl RankComm {
         self.nccl.check(r, Some(self.comm), "ncclAllReduce")
     }
 
-    /// Queues sending `bytes` bytes at `buffer` (on this rank's device) to rank `peer`, which
-    /// receives them with `recv` in the same order.
-    pub fn send(&self, buffer: u64, bytes: usize, peer: usize, stream: &CudaStream) -> Result<(), RuntimeError> {
-        // SAFETY: the buffer holds `bytes` bytes on this rank's device until the stream passes.
-        let r = unsafe {
-            (self.nccl.fns.send)(
-                buffer as *const c_void,
-                bytes,
-                UINT8,
-                peer as c_int,
-                self.comm,
-                stream.cu_stream(),
-            )
-        };
-        self.nccl.check(r, Some(self.comm), "ncclSend")
-    }
-
-    /// Queues receiving `bytes` bytes from rank `peer` into `buffer`.
-    pub fn recv(&self, buffer: u64, bytes: usize, peer: usize, stream: &CudaStream) -> Result<(), RuntimeError> {
-        // SAFETY: the buffer has room for `bytes` bytes on this rank's device.
-        let r = unsafe {
-            (self.nccl.fns.recv)(
-                buffer as *mut c_void,
-                bytes,
-                UINT8,
-                peer as c_int,
-                self.comm,
-                stream.cu_stream(),
-            )
-        };
-        self.nccl.check(r, Some(self.comm), "ncclRecv")
-    }
-
     /// An error a collective of this rank's reported since (a peer that failed or stalled).
     pub fn async_error(&self) -> Result<(), RuntimeError> {
         let mut r: NcclResult = SUCCESS;
@@ -404,9 +376,227 @@ impl Drop for Group {
     }
 }
 
+/// How long a nonblocking call may stay under way: it only queues work (its kernels wait on the
+/// device, not here), so one that takes longer is taken for a failed communicator.
+const SETTLE_DEADLINE: Duration = Duration::from_secs(30);
+
+/// Two nonblocking communicators, one on each of two GPUs of this process, for transfers
+/// between them queued from two threads (a KV link's ends). Either end may abort both: the
+/// kernels of a transfer whose peer never comes then end and their streams move on.
+struct PairShared {
+    nccl: Arc<Nccl>,
+    /// Rank 0's and rank 1's; None once aborted. Held across each call, so that an abort
+    /// never frees a communicator another thread is calling.
+    comms: Mutex<Option<[Comm; 2]>>,
+}
+
+// SAFETY: the communicators are only reached under the mutex.
+unsafe impl Send for PairShared {}
+unsafe impl Sync for PairShared {}
+
+impl PairShared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<[Comm; 2]>> {
+        self.comms.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits until `comm`'s last call is no longer under way; its outcome.
+    fn settle(&self, comm: Comm, what: &str) -> Result<(), RuntimeError> {
+        let started = Instant::now();
+        loop {
+            let mut state: NcclResult = SUCCESS;
+            // SAFETY: writes one result; `comm` is live (the caller holds the lock).
+            let got = unsafe { (self.nccl.fns.async_error)(comm, &mut state) };
+            self.nccl.check(got, Some(comm), "ncclCommGetAsyncError")?;
+            if state != IN_PROGRESS {
+                return self.nccl.check(state, Some(comm), what);
+            }
+            if started.elapsed() > SETTLE_DEADLINE {
+                return Err(RuntimeError::Device(format!(
+                    "NCCL: {what}: still under way after {} s",
+                    SETTLE_DEADLINE.as_secs()
+                )));
+            }
+            std::thread::sleep(Duration::from_micros(20));
+        }
+    }
+
+    fn abort(&self) {
+        if let Some(comms) = self.lock().take() {
+            for comm in comms.into_iter().filter(|c| !c.is_null()) {
+                // SAFETY: taken out under the lock: aborted once and never reached again.
+                unsafe { (self.nccl.fns.comm_abort)(comm) };
+            }
+        }
+    }
+}
+
+impl Drop for PairShared {
+    fn drop(&mut self) {
+        if let Some(comms) = self.lock().take() {
+            for comm in comms.into_iter().filter(|c| !c.is_null()) {
+                // SAFETY: the last reference: destroyed once, after its last call.
+                unsafe { (self.nccl.fns.comm_destroy)(comm) };
+            }
+        }
+    }
+}
+
+/// One end of a pair (`pair`): rank 0 or 1.
+pub struct PairEnd {
+    shared: Arc<PairShared>,
+    rank: usize,
+}
+
+/// Nonblocking communicators over the GPUs of `ctxs` (rank 0, rank 1), with their first
+/// transfer made: `buffers` (`bytes` on each device) from rank 0 to rank 1 on `streams`, in one
+/// group call, since a pair's first transfer connects them and needs both at once. The caller
+/// waits for the streams.
+pub fn pair(
+    nccl: Arc<Nccl>,
+    ctxs: [&Arc<CudaContext>; 2],
+    buffers: [u64; 2],
+    streams: [CUstream; 2],
+    bytes: usize,
+) -> Result<[PairEnd; 2], RuntimeError> {
+    let f = &nccl.fns;
+    let mut id = UniqueId { internal: [0; 128] };
+    // SAFETY: writes one id.
+    nccl.check(unsafe { (f.get_unique_id)(&mut id) }, None, "ncclGetUniqueId")?;
+    let mut comms: [Comm; 2] = [std::ptr::null_mut(); 2];
+    let mut made = Ok(());
+    // SAFETY: each call writes one communicator; the group creates both at once.
+    unsafe {
+        nccl.check((f.group_start)(), None, "ncclGroupStart")?;
+        for (rank, ctx) in ctxs.iter().enumerate() {
+            // NCCL takes a rank's device from the one current when it is created.
+            let r = ctx
+                .bind_to_thread()
+                .map_err(|e| RuntimeError::Device(format!("NCCL: making cuda:{} current: {e}", ctx.ordinal())))
+                .and_then(|_| {
+                    let mut config = Config::nonblocking();
+                    let r = (f.comm_init_rank_config)(&mut comms[rank], 2, id, rank as c_int, &mut config);
+                    nccl.check(
+                        if r == IN_PROGRESS { SUCCESS } else { r },
+                        None,
+                        "ncclCommInitRankConfig",
+                    )
+                });
+            made = made.and(r);
+        }
+        let ended = (f.group_end)();
+        made = made.and(nccl.check(if ended == IN_PROGRESS { SUCCESS } else { ended }, None, "ncclGroupEnd"));
+    }
+    let shared = Arc::new(PairShared {
+        nccl,
+        comms: Mutex::new(Some(comms)),
+    });
+    let connected = made
+        .and_then(|_| {
+            comms
+                .iter()
+                .try_for_each(|&c| shared.settle(c, "creating a KV link's communicators"))
+        })
+        .and_then(|_| first_transfer(&shared, buffers, streams, bytes));
+    if let Err(e) = connected {
+        shared.abort();
+        return Err(e);
+    }
+    Ok([0, 1].map(|rank| PairEnd {
+        shared: shared.clone(),
+        rank,
+    }))
+}
+
+fn first_transfer(
+    shared: &PairShared,
+    buffers: [u64; 2],
+    streams: [CUstream; 2],
+    bytes: usize,
+) -> Result<(), RuntimeError> {
+    let guard = shared.lock();
+    let [sender, receiver] = guard.ok_or_else(aborted)?;
+    let (nccl, f) = (&shared.nccl, &shared.nccl.fns);
+    let ok = |r: NcclResult| if r == IN_PROGRESS { SUCCESS } else { r };
+    // SAFETY: each buffer holds `bytes` bytes on its rank's device; the group call queues both
+    // halves before either waits on the other.
+    unsafe {
+        nccl.check((f.group_start)(), None, "ncclGroupStart")?;
+        let sent = (f.send)(buffers[0] as *const c_void, bytes, UINT8, 1, sender, streams[0]);
+        let received = (f.recv)(buffers[1] as *mut c_void, bytes, UINT8, 0, receiver, streams[1]);
+        let ended = (f.group_end)();
+        nccl.check(ok(sent), Some(sender), "ncclSend")?;
+        nccl.check(ok(received), Some(receiver), "ncclRecv")?;
+        nccl.check(ok(ended), None, "ncclGroupEnd")?;
+    }
+    shared.settle(sender, "a KV link's first send")?;
+    shared.settle(receiver, "a KV link's first receive")
+}
+
+fn aborted() -> RuntimeError {
+    RuntimeError::Device("NCCL: the KV link's communicators were aborted".into())
+}
+
+impl PairEnd {
+    /// Calls `call` with this end's communicator, under the lock, and waits for it to settle.
+    fn call(&self, what: &str, call: impl FnOnce(&Fns, Comm) -> NcclResult) -> Result<(), RuntimeError> {
+        let guard = self.shared.lock();
+        let comm = guard.ok_or_else(aborted)?[self.rank];
+        let r = call(&self.shared.nccl.fns, comm);
+        if r != IN_PROGRESS {
+            self.shared.nccl.check(r, Some(comm), what)?;
+        }
+        self.shared.settle(comm, what)
+    }
+
+    /// Queues sending `bytes` bytes at `buffer` (on this end's device) to the other end, which
+    /// receives them with `recv` in the same order.
+    pub fn send(&self, buffer: u64, bytes: usize, stream: &CudaStream) -> Result<(), RuntimeError> {
+        let peer = (1 - self.rank) as c_int;
+        // SAFETY: the buffer holds `bytes` bytes on this end's device until the stream passes.
+        self.call("ncclSend", |f, comm| unsafe {
+            (f.send)(buffer as *const c_void, bytes, UINT8, peer, comm, stream.cu_stream())
+        })
+    }
+
+    /// Queues receiving `bytes` bytes from the other end into `buffer`.
+    pub fn recv(&self, buffer: u64, bytes: usize, stream: &CudaStream) -> Result<(), RuntimeError> {
+        let peer = (1 - self.rank) as c_int;
+        // SAFETY: the buffer has room for `bytes` bytes on this end's device.
+        self.call("ncclRecv", |f, comm| unsafe {
+            (f.recv)(buffer as *mut c_void, bytes, UINT8, peer, comm, stream.cu_stream())
+        })
+    }
+
+    /// An error this end's transfers reported since, or the pair's abort.
+    pub fn health(&self) -> Result<(), RuntimeError> {
+        let guard = self.shared.lock();
+        let comm = guard.ok_or_else(aborted)?[self.rank];
+        self.shared.settle(comm, "a KV transfer")
+    }
+
+    /// Ends both ends' communicators, transfers in flight included: their kernels return and
+    /// the streams move on (what they moved is undefined). Every later call fails.
+    pub fn abort(&self) {
+        self.shared.abort();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// NCCL 2.19's `ncclConfig_t` on a 64-bit target: what a newer NCCL copies by `size`.
+    #[test]
+    fn the_config_is_laid_out_as_nccl_2_19s() {
+        assert_eq!(std::mem::size_of::<Config>(), 48);
+        assert_eq!(std::mem::offset_of!(Config, blocking), 16);
+        assert_eq!(std::mem::offset_of!(Config, net_name), 32);
+        assert_eq!(std::mem::offset_of!(Config, split_share), 40);
+        let c = Config::nonblocking();
+        // Versions before 2.14 ignore `blocking`; from 2.25 on the struct is longer.
+        assert!((21400..22500).contains(&c.version) && c.blocking == 0 && c.magic == 0xcafe_beef);
+        assert_eq!(std::mem::size_of::<UniqueId>(), 128);
+    }
 
     #[test]
     fn versions_read_as_nccl_encodes_them() {
