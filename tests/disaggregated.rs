@@ -11,9 +11,8 @@
 
 mod common;
 
-use quarry::engine::{EngineClient, EngineConfig, EngineCore, EngineRequest, EngineStats, FinishReason};
+use quarry::engine::{EngineClient, EngineConfig, EngineCore, FinishReason};
 use quarry::runtime::{Backend, HostLink};
-use quarry::sampling::SamplingParams;
 use quarry::tokenizer::Tokenizer;
 use std::sync::Arc;
 
@@ -52,19 +51,6 @@ fn prompts(tok: &Tokenizer) -> Vec<Vec<u32>> {
     .collect()
 }
 
-fn request(prompt: &[u32], max_tokens: usize) -> EngineRequest {
-    EngineRequest {
-        id: 0,
-        prompt: prompt.to_vec(),
-        params: SamplingParams {
-            ignore_eos: true,
-            ..SamplingParams::greedy(max_tokens)
-        },
-        priority: 0,
-        constraint: None,
-    }
-}
-
 fn engine(backend: Box<dyn Backend>, tok: &Arc<Tokenizer>) -> EngineCore {
     let mut config = EngineConfig::default();
     // Small chunks: prompts go in several steps, as long documents do.
@@ -86,42 +72,7 @@ fn disaggregated(tokens: usize) -> Option<(EngineClient, HostLink, Arc<Tokenizer
 }
 
 fn run_all(client: &EngineClient, prompts: &[Vec<u32>], max_tokens: usize) -> Vec<(Vec<u32>, FinishReason)> {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    runtime.block_on(async {
-        let mut tasks = Vec::new();
-        for p in prompts {
-            let stream = client.submit(request(p, max_tokens)).await.unwrap();
-            tasks.push(tokio::spawn(stream.collect()));
-        }
-        let mut out = Vec::new();
-        for t in tasks {
-            let c = t.await.unwrap().expect("the request finished");
-            out.push((c.tokens, c.finish));
-        }
-        out
-    })
-}
-
-/// Every block of an engine's pool is free once its requests are done (cached ones count).
-fn assert_no_leak(stats: &EngineStats, side: &str) {
-    assert_eq!(stats.kv_blocks_free, stats.kv_blocks_total, "{side}: blocks leaked");
-    assert_eq!((stats.running, stats.waiting), (0, 0), "{side}: requests left");
-}
-
-/// Both engines' stats once idle (stats refresh as an engine's loop turns).
-fn settled(client: &EngineClient) -> (EngineStats, EngineStats) {
-    for _ in 0..1000 {
-        let (p, d) = (client.prefill_stats().unwrap(), client.stats());
-        if p.kv_blocks_free == p.kv_blocks_total && d.kv_blocks_free == d.kv_blocks_total {
-            return (p, d);
-        }
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
-    (client.prefill_stats().unwrap(), client.stats())
+    common::run_prompts(client, prompts, max_tokens, true)
 }
 
 #[test]
@@ -153,9 +104,9 @@ fn disaggregated_outputs_equal_one_engines() {
     };
     let got = run_all(&client, &all, 12);
     assert_eq!(got, reference);
-    let (p, d) = settled(&client);
-    assert_no_leak(&p, "prefill");
-    assert_no_leak(&d, "decode");
+    let (p, d) = common::settled(&client);
+    common::assert_no_leak(&p, "prefill");
+    common::assert_no_leak(&d, "decode");
     assert!(p.kv_blocks_sent > 0);
     assert_eq!(d.kv_blocks_received, p.kv_blocks_sent);
     // The decode engine took from its cache all but each prompt's last partial block.
@@ -167,7 +118,7 @@ fn disaggregated_outputs_equal_one_engines() {
     // Again: the decode engine caches these prompts now, so nothing is sent.
     let again = run_all(&client, &all[..2], 12);
     assert_eq!(again, reference[..2]);
-    let (p2, d2) = settled(&client);
+    let (p2, d2) = common::settled(&client);
     assert_eq!(
         (p2.kv_blocks_sent, d2.kv_blocks_received),
         (p.kv_blocks_sent, d.kv_blocks_received)
@@ -189,11 +140,11 @@ fn a_failed_transfer_leaks_nothing_and_the_request_computes_its_prompt() {
     };
     // One request at a time, the second one's send failing.
     let mut got = run_all(&client, &all[..1], 8);
-    let sent_before = settled(&client).0.kv_blocks_sent;
+    let sent_before = common::settled(&client).0.kv_blocks_sent;
     assert!(sent_before > 0);
     link.fail_send(1);
     got.extend(run_all(&client, &all[1..2], 8));
-    let (p, _) = settled(&client);
+    let (p, _) = common::settled(&client);
     assert_eq!(
         (p.kv_transfer_failures, p.kv_blocks_sent),
         (1, sent_before),
@@ -201,11 +152,11 @@ fn a_failed_transfer_leaks_nothing_and_the_request_computes_its_prompt() {
     );
     got.extend(run_all(&client, &all[2..3], 8));
     assert_eq!(got, reference);
-    let (p, d) = settled(&client);
+    let (p, d) = common::settled(&client);
     assert_eq!(p.kv_transfer_failures, 1);
     assert!(p.kv_blocks_sent > sent_before, "the third send went");
-    assert_no_leak(&p, "prefill");
-    assert_no_leak(&d, "decode");
+    common::assert_no_leak(&p, "prefill");
+    common::assert_no_leak(&d, "decode");
     // The failed request's prompt was computed by the decode engine: fewer tokens were cached.
     let cacheable: usize = all.iter().map(|p| (p.len() - 1) / bs * bs).sum();
     assert!((d.prefix_cache.hit_tokens as usize) < cacheable);
@@ -225,7 +176,7 @@ fn a_client_gone_mid_handoff_leaks_nothing() {
     runtime.block_on(async {
         let mut kept = Vec::new();
         for (i, p) in all.iter().enumerate() {
-            let stream = client.submit(request(p, 6)).await.unwrap();
+            let stream = client.submit(common::greedy_request(p, 6)).await.unwrap();
             // Every other client goes away at once, its prompt still on the prefill engine.
             if i % 2 == 0 {
                 drop(stream);
@@ -238,7 +189,7 @@ fn a_client_gone_mid_handoff_leaks_nothing() {
             assert_eq!((c.tokens.len(), c.finish), (6, FinishReason::Length));
         }
     });
-    let (p, d) = settled(&client);
-    assert_no_leak(&p, "prefill");
-    assert_no_leak(&d, "decode");
+    let (p, d) = common::settled(&client);
+    common::assert_no_leak(&p, "prefill");
+    common::assert_no_leak(&d, "decode");
 }

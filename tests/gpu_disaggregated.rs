@@ -17,9 +17,8 @@ mod hf_reference;
 
 use std::sync::Arc;
 
-use quarry::engine::{EngineClient, EngineConfig, EngineCore, EngineRequest, FinishReason};
+use quarry::engine::{EngineClient, EngineConfig, EngineCore, FinishReason};
 use quarry::runtime::{Backend, DeviceChoice, LoadOptions};
-use quarry::sampling::SamplingParams;
 
 fn model() -> std::path::PathBuf {
     hf_reference::reference_dirs().expect("QUARRY_HF_REFERENCE on a machine of several GPUs")[0].clone()
@@ -73,41 +72,12 @@ fn requests_served_across_two_gpus_finish_and_leak_nothing() {
     )
     .unwrap();
     let prompts: Vec<Vec<u32>> = (0..12).map(|v| prompt(v, 100 + 37 * v)).collect();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    runtime.block_on(async {
-        let mut tasks = Vec::new();
-        for p in &prompts {
-            let request = EngineRequest {
-                id: 0,
-                prompt: p.clone(),
-                params: SamplingParams {
-                    ignore_eos: true,
-                    ..SamplingParams::greedy(16)
-                },
-                priority: 0,
-                constraint: None,
-            };
-            tasks.push(tokio::spawn(client.submit(request).await.unwrap().collect()));
-        }
-        for t in tasks {
-            let c = t.await.unwrap().expect("finished");
-            assert_eq!((c.tokens.len(), c.finish), (16, FinishReason::Length));
-        }
-    });
-    let mut settled = None;
-    for _ in 0..500 {
-        let (p, d) = (client.prefill_stats().unwrap(), client.stats());
-        if p.kv_blocks_free == p.kv_blocks_total && d.kv_blocks_free == d.kv_blocks_total {
-            settled = Some((p, d));
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(10));
+    for (tokens, finish) in common::run_prompts(&client, &prompts, 16, true) {
+        assert_eq!((tokens.len(), finish), (16, FinishReason::Length));
     }
-    let (p, d) = settled.expect("every block free on both GPUs");
+    let (p, d) = common::settled(&client);
+    common::assert_no_leak(&p, "prefill");
+    common::assert_no_leak(&d, "decode");
     let cacheable: usize = prompts.iter().map(|p| (p.len() - 1) / bs * bs).sum();
     println!(
         "blocks sent {}, received {}; decode cache hits {} of {} tokens",
@@ -116,34 +86,6 @@ fn requests_served_across_two_gpus_finish_and_leak_nothing() {
     assert_eq!((p.kv_transfer_failures, d.kv_transfer_failures), (0, 0));
     assert_eq!(d.kv_blocks_received, p.kv_blocks_sent);
     assert_eq!(d.prefix_cache.hit_tokens as usize, cacheable);
-}
-
-/// Each prompt's greedy tokens, the requests run one after another.
-fn run_one_by_one(client: &EngineClient, prompts: &[Vec<u32>], tokens: usize) -> Vec<Vec<u32>> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    prompts
-        .iter()
-        .map(|p| {
-            let request = EngineRequest {
-                id: 0,
-                prompt: p.clone(),
-                params: SamplingParams {
-                    ignore_eos: true,
-                    ..SamplingParams::greedy(tokens)
-                },
-                priority: 0,
-                constraint: None,
-            };
-            let c = runtime
-                .block_on(async { client.submit(request).await.unwrap().collect().await })
-                .expect("finished");
-            assert_eq!((c.tokens.len(), c.finish), (tokens, FinishReason::Length));
-            c.tokens
-        })
-        .collect()
 }
 
 /// A prefill GPU that gathers its blocks but never sends them (`QUARRY_KV_FAULT=stall-send`):
@@ -163,7 +105,7 @@ fn a_stalled_transfer_is_aborted_and_its_requests_still_finish() {
     let config = EngineConfig::default();
     let prompts: Vec<Vec<u32>> = (0..3).map(|v| prompt(v, 150 + 61 * v)).collect();
     let alone = EngineClient::start(EngineCore::new(load(1), tokenizer.clone(), config));
-    let want = run_one_by_one(&alone, &prompts, 12);
+    let want = common::run_prompts(&alone, &prompts, 12, false);
     alone.shutdown();
     let client = EngineClient::start_disaggregated(
         EngineCore::new(a, tokenizer.clone(), config),
@@ -171,19 +113,13 @@ fn a_stalled_transfer_is_aborted_and_its_requests_still_finish() {
     )
     .unwrap();
     let started = std::time::Instant::now();
-    let got = run_one_by_one(&client, &prompts, 12);
+    let got = common::run_prompts(&client, &prompts, 12, false);
     let took = started.elapsed();
+    assert!(got.iter().all(|(t, f)| (t.len(), *f) == (12, FinishReason::Length)));
     assert_eq!(got, want, "the records of a link that failed differ from one engine's");
-    let mut settled = None;
-    for _ in 0..1000 {
-        let (p, d) = (client.prefill_stats().unwrap(), client.stats());
-        if p.kv_blocks_free == p.kv_blocks_total && d.kv_blocks_free == d.kv_blocks_total {
-            settled = Some((p, d));
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
-    let (p, d) = settled.expect("every block free on both GPUs");
+    let (p, d) = common::settled(&client);
+    common::assert_no_leak(&p, "prefill");
+    common::assert_no_leak(&d, "decode");
     println!(
         "3 requests in {:.1} s; transfer failures: prefill {}, decode {}; blocks received {}",
         took.as_secs_f64(),

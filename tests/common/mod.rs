@@ -237,3 +237,68 @@ pub fn check_transfer(
     let got = b.forward(&last(&table_b)).unwrap();
     assert_eq!(got.data, expected.data, "logits from the received blocks");
 }
+
+/// A greedy request for `max_tokens` tokens that ignores EOS (its length is known).
+pub fn greedy_request(prompt: &[u32], max_tokens: usize) -> quarry::engine::EngineRequest {
+    quarry::engine::EngineRequest {
+        id: 0,
+        prompt: prompt.to_vec(),
+        params: quarry::sampling::SamplingParams {
+            ignore_eos: true,
+            ..quarry::sampling::SamplingParams::greedy(max_tokens)
+        },
+        priority: 0,
+        constraint: None,
+    }
+}
+
+/// Each prompt's tokens and finish, the requests all submitted at once (`together`) or one
+/// after another.
+pub fn run_prompts(
+    client: &quarry::engine::EngineClient,
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+    together: bool,
+) -> Vec<(Vec<u32>, quarry::engine::FinishReason)> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let mut out = Vec::new();
+        let mut tasks = Vec::new();
+        for p in prompts {
+            let stream = client.submit(greedy_request(p, max_tokens)).await.unwrap();
+            tasks.push(tokio::spawn(stream.collect()));
+            if !together {
+                let c = tasks.pop().unwrap().await.unwrap().expect("the request finished");
+                out.push((c.tokens, c.finish));
+            }
+        }
+        for t in tasks {
+            let c = t.await.unwrap().expect("the request finished");
+            out.push((c.tokens, c.finish));
+        }
+        out
+    })
+}
+
+/// A disaggregated client's prefill and decode engines' stats once both pools are free
+/// (stats refresh as an engine's loop turns), or as they are after 10 s.
+pub fn settled(client: &quarry::engine::EngineClient) -> (quarry::engine::EngineStats, quarry::engine::EngineStats) {
+    for _ in 0..1000 {
+        let (p, d) = (client.prefill_stats().unwrap(), client.stats());
+        if p.kv_blocks_free == p.kv_blocks_total && d.kv_blocks_free == d.kv_blocks_total {
+            return (p, d);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    (client.prefill_stats().unwrap(), client.stats())
+}
+
+/// Every block of an engine's pool is free once its requests are done (cached ones count).
+pub fn assert_no_leak(stats: &quarry::engine::EngineStats, side: &str) {
+    assert_eq!(stats.kv_blocks_free, stats.kv_blocks_total, "{side}: blocks leaked");
+    assert_eq!((stats.running, stats.waiting), (0, 0), "{side}: requests left");
+}

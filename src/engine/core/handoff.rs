@@ -25,6 +25,7 @@ pub(super) struct Handoffs {
     reserved: HashMap<RequestId, Reserved>,
     /// Queued transfers, in ticket order (sends and receives share the backend's count).
     queued: VecDeque<Queued>,
+    /// Blocks whose transfer is done.
     pub blocks_sent: u64,
     pub blocks_received: u64,
     pub failures: u64,
@@ -39,6 +40,8 @@ struct Reserved {
 struct Queued {
     ticket: u64,
     blocks: Vec<BlockId>,
+    /// Blocks the transfer moves (counted in the stats once it is done).
+    moved: usize,
     /// A receive: the request to let go, the chain and how many blocks it fills.
     receive: Option<(RequestId, Vec<BlockHash>, usize)>,
 }
@@ -53,11 +56,11 @@ impl EngineCore {
         }
         match self.backend.send_kv_blocks(&blocks) {
             Ok(ticket) => {
-                self.handoffs.blocks_sent += blocks.len() as u64;
                 let n = blocks.len();
                 self.handoffs.queued.push_back(Queued {
                     ticket,
                     blocks,
+                    moved: n,
                     receive: None,
                 });
                 Ok(n)
@@ -103,10 +106,10 @@ impl EngineCore {
         if count > 0 {
             match self.backend.recv_kv_blocks(&r.blocks[r.cached..filled]) {
                 Ok(ticket) => {
-                    self.handoffs.blocks_received += count as u64;
                     self.handoffs.queued.push_back(Queued {
                         ticket,
                         blocks: r.blocks,
+                        moved: count,
                         receive: Some((id, r.hashes, filled)),
                     });
                     self.poll_transfers();
@@ -143,6 +146,13 @@ impl EngineCore {
         let failed = done == u64::MAX;
         while self.handoffs.queued.front().is_some_and(|q| q.ticket < done) {
             let q = self.handoffs.queued.pop_front().expect("checked");
+            if !failed {
+                let moved = q.moved as u64;
+                match q.receive {
+                    Some(_) => self.handoffs.blocks_received += moved,
+                    None => self.handoffs.blocks_sent += moved,
+                }
+            }
             match q.receive {
                 Some((id, hashes, filled)) => {
                     let filled = if failed { 0 } else { filled };
