@@ -134,6 +134,30 @@ fn pipelined_steps_give_the_tokens_of_steps_read_one_by_one() {
     println!("over 2 GPUs, 4 sequences x 24 greedy tokens: the same pipelined as step by step");
 }
 
+/// A pass longer than the group's fixed buffers hold is refused before any rank queues it,
+/// and the group goes on: the next passes give the tokens they gave before.
+#[test]
+fn a_pass_too_long_for_the_group_is_refused_and_the_group_goes_on() {
+    let Some(gpus) = gpus() else { return };
+    assert!(gpus >= 2, "QUARRY_TEST_GPUS={gpus}: a split needs 2 GPUs");
+    let dirs = hf_reference::reference_dirs().expect("QUARRY_HF_REFERENCE on a machine of several GPUs");
+    let prompts: Vec<Vec<u32>> = (0..2u32).map(|s| (1..=9).map(|t| t * 89 + s).collect()).collect();
+    let mut backend = split(&dirs[0], 2, 4096);
+    let before = greedy_tokens(backend.as_mut(), &prompts, 8, false);
+    // Twice the budget of 1024 tokens `split` loads with, and one more.
+    let block = backend.kv_layout().block_size as u32;
+    let mut long = ForwardBatch::default();
+    let tokens: Vec<u32> = (0..2049u32).map(|t| 100 + t % 5000).collect();
+    let table: Vec<u32> = (0..2049u32.div_ceil(block)).collect();
+    long.push_sequence(&tokens, 0, &table, block as usize);
+    long.logits_rows.push(2048);
+    let e = backend.run(&long).expect_err("refused").to_string();
+    assert!(e.contains("2049 tokens in one pass"), "{e}");
+    assert!(backend.broken().is_none(), "a refused pass stopped the group");
+    let after = greedy_tokens(backend.as_mut(), &prompts, 8, false);
+    assert_eq!(after, before, "the group's tokens changed after a refused pass");
+}
+
 #[test]
 fn a_model_that_does_not_split_evenly_is_refused_with_a_reason() {
     if gpus().is_none() {

@@ -97,6 +97,8 @@ pub struct TensorParallel {
     /// How long rank 0 waits for another rank to queue its part of a pass before the group
     /// is given up (`QUARRY_TP_TIMEOUT`, seconds).
     timeout: std::time::Duration,
+    /// The most tokens a pass may have (`RankLink::capacity`).
+    capacity: usize,
 }
 
 /// `QUARRY_TP_TIMEOUT`'s default: a pass is queued in milliseconds, and loading or capturing
@@ -167,7 +169,10 @@ impl TensorParallel {
             .iter()
             .map(|&o| CudaContext::new(o).map_err(device("creating a context")))
             .collect::<Result<Vec<_>>>()?;
-        let capacity = options.max_num_batched_tokens.max(options.max_num_seqs * MAX_PER_SEQ);
+        // A step may pass the scheduler's budget by a shadow prompt (context-aware decoding's
+        // twin runs its prompt with its request's sampling step, unchunked): room for twice
+        // the budget covers twins' prompts up to the budget's length.
+        let capacity = (2 * options.max_num_batched_tokens).max(options.max_num_seqs * MAX_PER_SEQ);
         let floats = capacity * config.hidden_size;
         let partials = contexts
             .iter()
@@ -266,6 +271,7 @@ impl TensorParallel {
             host: std::env::var_os("QUARRY_CUDA_TIMING").map(|_| HostTimes::default()),
             failed: None,
             timeout: std::time::Duration::from_secs_f64(timeout),
+            capacity,
         })
     }
 }
@@ -409,6 +415,13 @@ impl Backend for TensorParallel {
             .map(|(_, words)| words.iter().map(Option::is_some).collect())
             .unwrap_or_default();
         batch.validate_drawing(self.layout, c.vocab_size, c.context_length, &drawn)?;
+        if batch.num_tokens() > self.capacity {
+            return Err(RuntimeError::InvalidBatch(format!(
+                "{} tokens in one pass; a tensor-parallel group takes at most {}",
+                batch.num_tokens(),
+                self.capacity
+            )));
+        }
         let t0 = std::time::Instant::now();
         let shared = Arc::new(batch.clone());
         let draws = match batch.token_ids.iter().any(|t| t & FROM_LAST_DRAW != 0) {
