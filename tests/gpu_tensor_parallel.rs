@@ -144,15 +144,19 @@ fn a_pass_too_long_for_the_group_is_refused_and_the_group_goes_on() {
     let prompts: Vec<Vec<u32>> = (0..2u32).map(|s| (1..=9).map(|t| t * 89 + s).collect()).collect();
     let mut backend = split(&dirs[0], 2, 4096);
     let before = greedy_tokens(backend.as_mut(), &prompts, 8, false);
-    // Twice the budget of 1024 tokens `split` loads with, and one more.
+    // Twice the budget of 1024 tokens `split` loads with, and two more, in two sequences (each
+    // within the model's context).
     let block = backend.kv_layout().block_size as u32;
     let mut long = ForwardBatch::default();
-    let tokens: Vec<u32> = (0..2049u32).map(|t| 100 + t % 5000).collect();
-    let table: Vec<u32> = (0..2049u32.div_ceil(block)).collect();
-    long.push_sequence(&tokens, 0, &table, block as usize);
-    long.logits_rows.push(2048);
+    let tokens: Vec<u32> = (0..1025u32).map(|t| 100 + t % 5000).collect();
+    let blocks = 1025u32.div_ceil(block);
+    for s in 0..2 {
+        let table: Vec<u32> = (s * blocks..(s + 1) * blocks).collect();
+        long.push_sequence(&tokens, 0, &table, block as usize);
+        long.logits_rows.push(long.num_tokens() as u32 - 1);
+    }
     let e = backend.run(&long).expect_err("refused").to_string();
-    assert!(e.contains("2049 tokens in one pass"), "{e}");
+    assert!(e.contains("2050 tokens in one pass"), "{e}");
     assert!(backend.broken().is_none(), "a refused pass stopped the group");
     let after = greedy_tokens(backend.as_mut(), &prompts, 8, false);
     assert_eq!(after, before, "the group's tokens changed after a refused pass");
