@@ -168,12 +168,7 @@ fn a_client_gone_mid_handoff_leaks_nothing() {
         return;
     };
     let all = prompts(&tok);
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    runtime.block_on(async {
+    common::runtime().block_on(async {
         let mut kept = Vec::new();
         for (i, p) in all.iter().enumerate() {
             let stream = client.submit(common::greedy_request(p, 6)).await.unwrap();

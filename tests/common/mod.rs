@@ -238,6 +238,15 @@ pub fn check_transfer(
     assert_eq!(got.data, expected.data, "logits from the received blocks");
 }
 
+/// A runtime of two workers for a test's requests.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
 /// A greedy request for `max_tokens` tokens that ignores EOS (its length is known).
 pub fn greedy_request(prompt: &[u32], max_tokens: usize) -> quarry::engine::EngineRequest {
     quarry::engine::EngineRequest {
@@ -260,12 +269,7 @@ pub fn run_prompts(
     max_tokens: usize,
     together: bool,
 ) -> Vec<(Vec<u32>, quarry::engine::FinishReason)> {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    runtime.block_on(async {
+    runtime().block_on(async {
         let mut out = Vec::new();
         let mut tasks = Vec::new();
         for p in prompts {
