@@ -106,7 +106,9 @@ pub struct KvPort {
     pending: VecDeque<(CudaEvent, Instant)>,
     done: u64,
     failed: Option<String>,
-    /// After a failure: the stream was seen idle (the staging buffer may be freed).
+    /// After a failure: an event after the abort, and whether the stream was seen past it
+    /// (until then no transfer is reported, so their blocks stay held).
+    drain: Option<CudaEvent>,
     drained: bool,
     timeout: Duration,
     /// `QUARRY_KV_FAULT=stall-send` (fault tests): sends gather but never send, a peer that
@@ -165,6 +167,7 @@ impl KvPort {
             pending: VecDeque::new(),
             done: 0,
             failed: None,
+            drain: None,
             drained: false,
             timeout: std::env::var("QUARRY_KV_TIMEOUT")
                 .ok()
@@ -196,12 +199,17 @@ impl KvPort {
             .record_event(None)
             .and_then(|e| self.stream.wait(&e))
             .map_err(|e| RuntimeError::Device(format!("KV transfer: {e}")));
-        let result = ordered.and_then(|_| self.queue(kernel, blocks, sending));
-        if let Err(e) = &result {
-            // The two ends' pieces may no longer pair up: no later transfer can be trusted.
-            self.fail(e.to_string());
+        let ticket = self.done + self.pending.len() as u64;
+        match ordered.and_then(|_| self.queue(kernel, blocks, sending)) {
+            Ok(ticket) => Ok(ticket),
+            Err(e) => {
+                // The two ends' pieces may no longer pair up: no later transfer can be trusted.
+                // Pieces of this one may be queued already: its blocks stay held as a
+                // transfer's, until `done` reports the failure once the stream has drained.
+                self.fail(e.to_string());
+                Ok(ticket)
+            }
         }
-        result
     }
 
     /// Ends the link: aborts the pair's communicators (the other end's transfers fail too),
@@ -217,25 +225,38 @@ impl KvPort {
         );
         self.failed = Some(why);
         self.end.comm.abort();
-        let drained = self.stream.record_event(None).ok().is_some_and(|event| {
-            let started = Instant::now();
-            loop {
-                match event.try_is_complete() {
-                    Ok(true) => return true,
-                    Ok(false) if started.elapsed() < DRAIN_DEADLINE => std::thread::sleep(Duration::from_millis(1)),
-                    _ => return false,
-                }
-            }
-        });
-        if !drained {
+        self.drain = self.stream.record_event(None).ok();
+        let started = Instant::now();
+        while !self.poll_drain() && started.elapsed() < DRAIN_DEADLINE {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if !self.drained {
             eprintln!(
-                "quarry: the KV link's stream on cuda:{} did not drain within {} s of the abort",
+                "quarry: the KV link's stream on cuda:{} did not drain within {} s of the abort; its transfers' blocks stay held until it does",
                 self.end.device,
                 DRAIN_DEADLINE.as_secs()
             );
         }
-        self.drained = drained;
-        self.pending.clear();
+    }
+
+    /// Whether the stream has passed the abort (no kernel of a transfer still to run).
+    fn poll_drain(&mut self) -> bool {
+        if !self.drained {
+            self.drained = self
+                .drain
+                .as_ref()
+                .is_some_and(|e| e.try_is_complete().unwrap_or(false));
+        }
+        self.drained
+    }
+
+    /// After a failure, the error, once the stream has drained: until then no transfer is
+    /// done (a scatter still queued would write blocks let go).
+    fn after_failure(&mut self) -> Result<u64> {
+        match self.poll_drain() {
+            true => self.check().map(|_| self.done),
+            false => Ok(self.done),
+        }
     }
 
     fn queue(&mut self, kernel: &CudaFunction, blocks: &[u32], sending: bool) -> Result<u64> {
@@ -266,7 +287,9 @@ impl KvPort {
 
     /// Transfers done so far, in order.
     pub fn done(&mut self) -> Result<u64> {
-        self.check()?;
+        if self.failed.is_some() {
+            return self.after_failure();
+        }
         let mut finished = 0;
         for (event, queued) in &self.pending {
             match event.try_is_complete() {
@@ -277,12 +300,12 @@ impl KvPort {
                         self.timeout.as_secs_f64()
                     );
                     self.fail(why);
-                    return self.check().map(|_| self.done);
+                    return self.after_failure();
                 }
                 Ok(false) => break,
                 Err(e) => {
                     self.fail(format!("KV transfer: {e}"));
-                    return self.check().map(|_| self.done);
+                    return self.after_failure();
                 }
             }
         }
@@ -290,7 +313,7 @@ impl KvPort {
         // too, and the abort is seen here first.
         if let Err(e) = self.end.comm.health() {
             self.fail(e.to_string());
-            return self.check().map(|_| self.done);
+            return self.after_failure();
         }
         self.pending.drain(..finished);
         self.done += finished as u64;
@@ -307,11 +330,24 @@ impl KvPort {
 
 impl Drop for KvPort {
     fn drop(&mut self) {
-        // Transfers in flight read or write the staging buffer freed with the port. After a
-        // failure whose stream did not drain, the memory is left to the process.
+        // Transfers in flight read or write the staging buffer freed with the port. One whose
+        // other end is gone would hold the stream forever: they get as long as a transfer may
+        // take, then the link is aborted. After a failure whose stream did not drain, the
+        // memory is left to the process.
+        if self.failed.is_none() {
+            let started = Instant::now();
+            let last_done =
+                |p: &VecDeque<(CudaEvent, Instant)>| p.back().is_none_or(|(e, _)| e.try_is_complete().unwrap_or(true));
+            while !last_done(&self.pending) && started.elapsed() < self.timeout {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            if !last_done(&self.pending) {
+                self.fail("transfers still under way as the link closes".into());
+            }
+        }
         let idle = match self.failed {
             None => self.stream.synchronize().is_ok(),
-            Some(_) => self.drained,
+            Some(_) => self.poll_drain(),
         };
         if idle {
             // SAFETY: dropped once, here, after the stream's last use of it.

@@ -709,6 +709,10 @@ impl CudaBackend {
             return Ok(());
         };
         let started = std::time::Instant::now();
+        // The split a decode step of that shape takes where no long row sets the pace (the
+        // rule's records counted for every row reaching the shape's partitions, an upper
+        // bound): what `shape_splits` gives the common decode batch.
+        let (rule, group) = (self.split_rule(), self.config.num_heads / self.config.num_kv_heads);
         let shapes: Vec<Shape> = parts
             .iter()
             .filter(|&&p| p <= graphs.max_parts)
@@ -718,7 +722,7 @@ impl CudaBackend {
                     per_seq: 1,
                     parts: p,
                     rows: seqs,
-                    split: false,
+                    split: rule.split(seqs * attention::items_of(1, group), p, seqs * p, false),
                 })
             })
             .collect();
