@@ -123,6 +123,18 @@ pub fn partitions(position: u32) -> usize {
     position as usize / FLASH_PART + 1
 }
 
+/// Split attention's record bases for query tokens at `positions`, written to `bases` (one
+/// word a token): each token's partitions numbered after those of the tokens before it. The
+/// partitions of all of them.
+pub fn part_bases(positions: &[u32], bases: &mut [u32]) -> usize {
+    let mut total = 0;
+    for (base, &p) in bases.iter_mut().zip(positions) {
+        *base = total as u32;
+        total += partitions(p);
+    }
+    total
+}
+
 /// Whether a batch's longest contexts would set the pace of its attention: the kernel's
 /// blocks walk their sequences' partitions, and where one sequence has many times the
 /// partitions that the whole batch's share out over the GPU, its blocks run long after the

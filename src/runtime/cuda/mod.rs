@@ -544,14 +544,8 @@ impl CudaBackend {
         let picked = st.push(if rows > 0 { &batch.logits_rows } else { &[0] })?;
         let flash_items = attention::flash_items(batch, cfg.num_heads / cfg.num_kv_heads);
         let items = st.push(if flash_items.is_empty() { &[0] } else { &flash_items })?;
-        // Split attention's record bases: each token's partitions after those before it.
-        let mut partitions = 0usize;
-        let bases = st.push_with(t, |dst| {
-            for (base, &p) in dst.iter_mut().zip(&batch.positions) {
-                *base = partitions as u32;
-                partitions += attention::partitions(p);
-            }
-        })?;
+        let mut partitions = 0;
+        let bases = st.push_with(t, |dst| partitions = attention::part_bases(&batch.positions, dst))?;
         let fill_at = st.push(&fills.0)?;
         let fill_word = st.push(&fills.1)?;
         let base = match (shape, graphs) {

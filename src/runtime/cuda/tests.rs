@@ -276,12 +276,8 @@ impl DeviceBatch {
             ));
         }
         let items = attention::flash_items(batch, group);
-        let mut bases = Vec::new();
-        let mut partitions = 0;
-        for &p in &batch.positions {
-            bases.push(partitions as u32);
-            partitions += attention::partitions(p);
-        }
+        let mut bases = vec![0; batch.positions.len()];
+        let partitions = attention::part_bases(&batch.positions, &mut bases);
         DeviceBatch {
             seqs: g.u32s(&token_seq),
             positions: g.u32s(&batch.positions),
