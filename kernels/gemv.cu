@@ -83,8 +83,11 @@ extern "C" __global__ void gemv_bf16(const bf16* __restrict__ x, const bf16* __r
 // the same order whatever the number of rows.
 #define GEMV_MMA_COLS 16
 #define GEMV_MMA_MAX_WARPS 16
-#ifndef GEMV_MMA_UNROLL  // a variant may set it (scripts/flash-bench/gemv_bench.cu)
+#ifndef GEMV_MMA_UNROLL  // a variant may set these (scripts/flash-bench/gemv_bench.cu)
 #define GEMV_MMA_UNROLL 4
+#endif
+#ifndef GEMV_MMA_MIN_BLOCKS  // the launch bounds' blocks an SM (1: no cap on registers)
+#define GEMV_MMA_MIN_BLOCKS 1
 #endif
 
 __device__ __forceinline__ void mma_m16n8k16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
@@ -163,7 +166,7 @@ __device__ __forceinline__ bool gemv_mma_pair(const bf16* __restrict__ x, const 
     return true;
 }
 
-extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32)
+extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, GEMV_MMA_MIN_BLOCKS)
     gemv_mma(const bf16* __restrict__ x, const bf16* __restrict__ w, float* __restrict__ y, int rows, int n, int k) {
     int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int ca = blockIdx.x * GEMV_MMA_COLS + g, cb = ca + 8;
@@ -180,7 +183,7 @@ extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32)
 // The gate|up product with SiLU(gate) * up applied to its sums: a lane group's two columns are
 // gate j and up j (w is [gate; up], inter rows each), and the block writes the down projection's
 // bf16 input, as gemv_mma then silu_mul would, without the [gate | up] round trip or a launch.
-extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32)
+extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, GEMV_MMA_MIN_BLOCKS)
     gemv_mma_silu(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ out, int rows,
                   int inter, int k) {
     int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -199,7 +202,7 @@ extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32)
 // lane group's two columns are a rotary pair of a q or k head (adjacent or half a head apart, as
 // `halves` says), or two neighbouring columns of v; pairs are numbered q and k heads first, then
 // v. Arguments after k are rope_and_cache's.
-extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32)
+extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, GEMV_MMA_MIN_BLOCKS)
     gemv_mma_rope(const bf16* __restrict__ x, const bf16* __restrict__ w, int rows, int k, const float* bias,
                   const u32* positions, const float* cos_t, const float* sin_t, int heads, int kv_heads,
                   int head_dim, int halves, const u32* slots, bf16* q_out, bf16* k_cache, bf16* v_cache) {

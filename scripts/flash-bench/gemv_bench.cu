@@ -5,7 +5,8 @@
 // bandwidth (bytes read plus written) measured here, and writes each product for bit checks.
 // BEHIND_US=N: each product follows a kernel of 16 blocks that runs N us without touching memory
 // (as a short decode's attention does before the o projection); the time printed is then the
-// product's exposed time, the pair's less that kernel's alone.
+// product's exposed time, the pair's less that kernel's alone. MIDDLE=1|2 puts a short kernel
+// between them (as flash_merge); GATE=1 queues each timing's launches behind a 200 us kernel.
 //   nvcc -O3 -arch=sm_90 -std=c++17 -DGEMV_SRC='"../../kernels/gemv.cu"' gemv_bench.cu
 #include <cstdio>
 #include <cstdlib>
@@ -26,6 +27,14 @@ __global__ void spin(long long ns) {
     do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while ((long long)(t - t0) < ns);
 }
 
+// A short kernel between the spin and the product (MIDDLE=1 or 2), as flash_merge sits between
+// attention and the output projection: 2 lets the product start before it waits.
+__global__ void middle(int early) {
+    if (early) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    if (!early) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
 static float median_ms(std::vector<float> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; }
 
 int main(int argc, char** argv) {
@@ -40,13 +49,22 @@ int main(int argc, char** argv) {
     for (int r = 0; r < 7; r++) { cudaEventRecord(a); CK(cudaMemcpy(s1, s0, cb, cudaMemcpyDeviceToDevice)); cudaEventRecord(b); cudaEventSynchronize(b); float ms; cudaEventElapsedTime(&ms, a, b); ct.push_back(ms); }
     double bw = 2.0 * cb / median_ms(ct) / 1e6;
     CK(cudaFree(s0)); CK(cudaFree(s1));
-    printf("copy %.0f GB/s, %d warps a block\n", bw, warps);
+    int sms; CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    // GATE=1: the timed launches queue behind a kernel of 200 us, so that the first of them
+    // waits on the GPU, not on the host's launch (as in a captured graph).
+    bool gate = getenv("GATE") && atoi(getenv("GATE"));
+    printf("copy %.0f GB/s, %d warps a block, %d SMs%s\n", bw, warps, sms, gate ? ", launches queued behind a gate" : "");
     long long behind_ns = getenv("BEHIND_US") ? (long long)(atof(getenv("BEHIND_US")) * 1000) : 0;
     auto spin_launch = [&]() {
         cudaLaunchConfig_t cfg = {}; cudaLaunchAttribute at[1];
         at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization; at[0].val.programmaticStreamSerializationAllowed = 1;
         cfg.attrs = at; cfg.numAttrs = 1; cfg.stream = stream; cfg.gridDim = dim3(16); cfg.blockDim = dim3(128);
         CK(cudaLaunchKernelEx(&cfg, spin, behind_ns));
+        int mid = getenv("MIDDLE") ? atoi(getenv("MIDDLE")) : 0;
+        if (mid) {
+            cfg.gridDim = dim3(32);
+            CK(cudaLaunchKernelEx(&cfg, middle, mid == 2 ? 1 : 0));
+        }
     };
     float spin_ms = 0;
     if (behind_ns) {
@@ -83,6 +101,7 @@ int main(int argc, char** argv) {
             CK(cudaStreamSynchronize(stream));
             std::vector<float> ts;
             for (int r = 0; r < 15; r++) {
+                if (gate) spin<<<1, 32, 0, stream>>>(200000);
                 cudaEventRecord(a, stream);
                 for (int c = 0; c < 10; c++) { if (behind_ns) spin_launch(); launch(c); }
                 cudaEventRecord(b, stream); cudaEventSynchronize(b);
