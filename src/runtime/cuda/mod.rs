@@ -451,11 +451,17 @@ impl CudaBackend {
     /// Whether `batch` padded to `shape` splits its attention: its padding adds one item a
     /// padded sequence's tokens and one partition a padded token (at position 0).
     fn shape_splits(&self, batch: &ForwardBatch, shape: &Shape) -> bool {
-        let group = self.config.num_heads / self.config.num_kv_heads;
-        let items = shape.seqs * attention::items_of(shape.per_seq, group);
         let padding = shape.seqs * shape.per_seq - batch.num_tokens();
         let partitions = batch.positions.iter().map(|&p| attention::partitions(p)).sum::<usize>() + padding;
         let skewed = attention::long_rows_dominate(&batch.context_lens, self.config.num_kv_heads, self.target_blocks);
+        self.splits(shape, partitions, skewed)
+    }
+
+    /// The split rule's choice for a step of `shape` whose query tokens reach `partitions`
+    /// partitions in all.
+    fn splits(&self, shape: &Shape, partitions: usize, skewed: bool) -> bool {
+        let group = self.config.num_heads / self.config.num_kv_heads;
+        let items = shape.seqs * attention::items_of(shape.per_seq, group);
         self.split_rule().split(items, shape.parts, partitions, skewed)
     }
 
@@ -706,17 +712,23 @@ impl CudaBackend {
         // The split a decode step of that shape takes where no long row sets the pace (the
         // rule's records counted for every row reaching the shape's partitions, an upper
         // bound): what `shape_splits` gives the common decode batch.
-        let (rule, group) = (self.split_rule(), self.config.num_heads / self.config.num_kv_heads);
+        let this = &*self;
         let shapes: Vec<Shape> = parts
             .iter()
             .filter(|&&p| p <= graphs.max_parts)
             .flat_map(|&p| {
-                graphs.ladder.iter().map(move |&seqs| Shape {
-                    seqs,
-                    per_seq: 1,
-                    parts: p,
-                    rows: seqs,
-                    split: rule.split(seqs * attention::items_of(1, group), p, seqs * p, false),
+                graphs.ladder.iter().map(move |&seqs| {
+                    let shape = Shape {
+                        seqs,
+                        per_seq: 1,
+                        parts: p,
+                        rows: seqs,
+                        split: false,
+                    };
+                    Shape {
+                        split: this.splits(&shape, seqs * p, false),
+                        ..shape
+                    }
                 })
             })
             .collect();
