@@ -48,9 +48,16 @@ int main(int argc, char** argv) {
     size_t kvn = (size_t)blocks * 16 * kvh * D, qn = (size_t)tokens * heads * D;
     std::vector<unsigned short> hk(kvn), hv(kvn), hq(qn);
     for (auto& x : hk) x = rbf(); for (auto& x : hv) x = rbf(); for (auto& x : hq) x = rbf();
-    bf16 *k, *v, *q, *o; u32 *tab, *pos, *it; float* part;
+    // Split mode's record bases: each token's partitions numbered after those of the tokens
+    // before it (attention.rs's part_bases).
+    std::vector<u32> bases;
+    u32 total_parts = 0;
+    for (u32 p : positions) { bases.push_back(total_parts); total_parts += p / FA_PART + 1; }
+    bf16 *k, *v, *q, *o; u32 *tab, *pos, *it, *bas; float* part;
     CK(cudaMalloc(&k, kvn * 2)); CK(cudaMalloc(&v, kvn * 2)); CK(cudaMalloc(&q, qn * 2)); CK(cudaMalloc(&o, qn * 2));
     CK(cudaMalloc(&tab, tables.size() * 4)); CK(cudaMalloc(&pos, positions.size() * 4)); CK(cudaMalloc(&it, items.size() * 4));
+    CK(cudaMalloc(&bas, bases.size() * 4));
+    CK(cudaMemcpy(bas, bases.data(), bases.size() * 4, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(k, hk.data(), kvn * 2, cudaMemcpyHostToDevice)); CK(cudaMemcpy(v, hv.data(), kvn * 2, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(q, hq.data(), qn * 2, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(tab, tables.data(), tables.size() * 4, cudaMemcpyHostToDevice));
@@ -65,8 +72,8 @@ int main(int argc, char** argv) {
     float scale = 1.0f / sqrtf((float)D) * 1.4426950408889634f;
     auto run = [&]() {
         dim3 grid(count, kvh, split ? parts : 1);
-        FA_ENTRY<<<grid, FA_THREADS, smem>>>(q, o, k, v, it, pos, tab, maxblocks, heads, kvh, scale, split ? part : nullptr, split ? parts : 1);
-        if (split && !getenv("NOMERGE")) flash_merge<<<dim3(tokens, heads), D>>>(part, pos, o, heads, D, parts);
+        FA_ENTRY<<<grid, FA_THREADS, smem>>>(q, o, k, v, it, pos, tab, maxblocks, heads, kvh, scale, split ? part : nullptr, split ? bas : nullptr);
+        if (split && !getenv("NOMERGE")) flash_merge<<<dim3(tokens, heads), D>>>(part, pos, bas, o, heads, D);
     };
     run(); CK(cudaDeviceSynchronize());
     cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
