@@ -55,9 +55,16 @@ __device__ __forceinline__ float load_cg(const float* p) {
     return v;
 }
 
+// A value as bf16 would carry it (round to nearest even), for `bf16` below.
+__device__ __forceinline__ float as_bf16(float v) {
+    return bf16_to_f32(f32_to_bf16(v));
+}
+
 // out = the sum over ranks of in[r] + offset, n floats (16-byte aligned buffers), in rank order.
+// bf16: every rank's input is rounded to bf16 before the sum, as if the ranks sent bf16 (a
+// measurement of what that would cost in accuracy: QUARRY_TP_REDUCE=bf16).
 extern "C" __global__ void peer_all_reduce(PeerPtrs p, long long offset, float* out, int n, int rank, int ranks,
-                                           u32* epochs, int guard) {
+                                           u32* epochs, int guard, int bf16) {
     after_previous_kernel();
     // Every thread reads the count before thread 0 moves it on, after the last barrier.
     u32 epoch = epochs[blockIdx.x] + 1;
@@ -67,8 +74,10 @@ extern "C" __global__ void peer_all_reduce(PeerPtrs p, long long offset, float* 
     int n4 = n >> 2;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += stride) {
         float4 s = load_cg4(p.in[0] + 4 * i);
+        if (bf16) s = make_float4(as_bf16(s.x), as_bf16(s.y), as_bf16(s.z), as_bf16(s.w));
         for (int r = 1; r < ranks; r++) {
             float4 v = load_cg4(p.in[r] + 4 * i);
+            if (bf16) v = make_float4(as_bf16(v.x), as_bf16(v.y), as_bf16(v.z), as_bf16(v.w));
             s.x += v.x;
             s.y += v.y;
             s.z += v.z;
@@ -78,7 +87,11 @@ extern "C" __global__ void peer_all_reduce(PeerPtrs p, long long offset, float* 
     }
     for (int i = 4 * n4 + blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         float s = load_cg(p.in[0] + i);
-        for (int r = 1; r < ranks; r++) s += load_cg(p.in[r] + i);
+        if (bf16) s = as_bf16(s);
+        for (int r = 1; r < ranks; r++) {
+            float v = load_cg(p.in[r] + i);
+            s += bf16 ? as_bf16(v) : v;
+        }
         out[i] = s;
     }
     if (guard) peer_barrier(p, rank, ranks, 2 * epoch + 1);

@@ -34,6 +34,14 @@ impl Arg for PeerPtrs {
 }
 
 /// A group of GPUs that reach each other's memory, rank i on `contexts[i]`.
+/// `QUARRY_TP_REDUCE=bf16`: every rank's partial sums are rounded to bf16 before they are
+/// summed, as if the ranks sent bf16: what halving the all-reduce's bytes would cost in
+/// accuracy (measured by `scripts/bench-multi-gpu run tp-extract`), not yet its speed.
+fn bf16_inputs() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("QUARRY_TP_REDUCE").is_ok_and(|v| v == "bf16"))
+}
+
 pub struct PeerReduce {
     contexts: Vec<Arc<CudaContext>>,
     kernels: Vec<CudaFunction>,
@@ -200,14 +208,14 @@ impl PeerReduce {
         // barriers wait on each other across the GPUs).
         let blocks = (n.div_ceil(4) as u32).div_ceil(THREADS).clamp(1, MAX_BLOCKS as u32);
         let (count, rank_i, ranks_i) = (n as i32, rank as i32, self.ranks() as i32);
-        let (offset, guard) = (offset as i64, guard as i32);
+        let (offset, guard, bf16) = (offset as i64, guard as i32, bf16_inputs() as i32);
         let epochs = self.epochs[rank].device_ptr(stream).0;
         launch(
             stream,
             &self.kernels[rank],
             (blocks, 1),
             THREADS,
-            &[ptrs, &offset, &out, &count, &rank_i, &ranks_i, &epochs, &guard],
+            &[ptrs, &offset, &out, &count, &rank_i, &ranks_i, &epochs, &guard, &bf16],
         )
     }
 
