@@ -33,15 +33,16 @@ impl Arg for PeerPtrs {
     }
 }
 
-/// A group of GPUs that reach each other's memory, rank i on `contexts[i]`.
 /// `QUARRY_TP_REDUCE=bf16`: every rank's partial sums are rounded to bf16 before they are
 /// summed, as if the ranks sent bf16: what halving the all-reduce's bytes would cost in
-/// accuracy (measured by `scripts/bench-multi-gpu run tp-extract`), not yet its speed.
+/// accuracy (measured by `scripts/bench-multi-gpu run tp-extract`), not yet its speed. Only
+/// this kernel reads it: NCCL, where the GPUs do not reach each other, sums f32 as ever.
 fn bf16_inputs() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("QUARRY_TP_REDUCE").is_ok_and(|v| v == "bf16"))
 }
 
+/// A group of GPUs that reach each other's memory, rank i on `contexts[i]`.
 pub struct PeerReduce {
     contexts: Vec<Arc<CudaContext>>,
     kernels: Vec<CudaFunction>,
