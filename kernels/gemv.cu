@@ -75,12 +75,14 @@ extern "C" __global__ void gemv_bf16(const bf16* __restrict__ x, const bf16* __r
 
 // The same product on the tensor cores, for k a multiple of 32: a block takes 16 output columns
 // (the M side of mma.m16n8k16), the rows of x are its N side (up to 8; missing rows are zeros),
-// and its W warps (the host's choice, never by the number of rows) take the k-blocks of
-// 32 in turn (warp w: blocks w, w + W, ...), summed in warp order at the end. A lane reads 16 bytes of each of its two columns and 16 bytes of its row of
-// x per k-block: the 32 k of a block are permuted alike on both sides (lane t holds k 8t..8t+7,
-// which the mma sees as its k 2t, 2t+1, 2t+8, 2t+9 of two steps), which leaves the product
-// unchanged. Four k-blocks of loads are in flight per warp. Every row's sum over k is taken in
-// the same order whatever the number of rows.
+// and its W warps (the host's choice, never by the number of rows) take one segment of
+// consecutive k-blocks of 32 each (`segment_begin`), whose sums are added in warp order at the
+// end. A lane reads 16 bytes of each of its two columns and 16 bytes of its row of x per
+// k-block: the 32 k of a block are permuted alike on both sides (lane t holds k 8t..8t+7, which
+// the mma sees as its k 2t, 2t+1, 2t+8, 2t+9 of two steps), which leaves the product unchanged.
+// Four k-blocks of loads are in flight per warp. Every row's sum over k is taken in the same
+// order whatever the number of rows, and gemm_mma below takes it in that order too, for any
+// number of rows: a segment's chain of mma from zero, the segments' sums added in order.
 #define GEMV_MMA_COLS 16
 #define GEMV_MMA_MAX_WARPS 16
 #ifndef GEMV_MMA_UNROLL  // a variant may set these (scripts/flash-bench/gemv_bench.cu)
@@ -96,6 +98,11 @@ __device__ __forceinline__ void mma_m16n8k16(float* c, u32 a0, u32 a1, u32 a2, u
         "{%0, %1, %2, %3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The first k-block of segment s of `segments` over `blocks` k-blocks: a split fixed by k alone.
+__device__ __forceinline__ int segment_begin(int s, int segments, int blocks) {
+    return s * blocks / segments;
 }
 
 // One k-block of 32: two mma steps over the lane's 8 k.
@@ -121,25 +128,25 @@ __device__ __forceinline__ bool gemv_mma_pair(const bf16* __restrict__ x, const 
     uint4 zero = make_uint4(0, 0, 0, 0);
     int blocks = k >> 5;
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    int b = warp;
+    int b = segment_begin(warp, warps, blocks), end = segment_begin(warp + 1, warps, blocks);
     uint4 va[GEMV_MMA_UNROLL], vb[GEMV_MMA_UNROLL];
     // The weights are no earlier kernel's output: the first round of them is asked for before
     // waiting on the kernel that writes x, so a short product's reads overlap that kernel's end.
-    bool loaded = b + (GEMV_MMA_UNROLL - 1) * warps < blocks;
+    bool loaded = b + GEMV_MMA_UNROLL <= end;
     if (loaded) {
 #pragma unroll
         for (int u = 0; u < GEMV_MMA_UNROLL; u++) {
-            int chunk = (b + u * warps) * 4;
+            int chunk = (b + u) * 4;
             va[u] = load_streaming(wa + chunk);
             vb[u] = load_streaming(wb + chunk);
         }
     }
     after_previous_kernel();
-    for (; b + (GEMV_MMA_UNROLL - 1) * warps < blocks; b += GEMV_MMA_UNROLL * warps) {
+    for (; b + GEMV_MMA_UNROLL <= end; b += GEMV_MMA_UNROLL) {
         uint4 vx[GEMV_MMA_UNROLL];
 #pragma unroll
         for (int u = 0; u < GEMV_MMA_UNROLL; u++) {
-            int chunk = (b + u * warps) * 4;
+            int chunk = (b + u) * 4;
             if (!loaded) {
                 va[u] = load_streaming(wa + chunk);
                 vb[u] = load_streaming(wb + chunk);
@@ -150,7 +157,7 @@ __device__ __forceinline__ bool gemv_mma_pair(const bf16* __restrict__ x, const 
 #pragma unroll
         for (int u = 0; u < GEMV_MMA_UNROLL; u++) gemv_mma_block(c, va[u], vb[u], vx[u]);
     }
-    for (; b < blocks; b += warps) {
+    for (; b < end; b++) {
         int chunk = b * 4;
         gemv_mma_block(c, load_streaming(wa + chunk), load_streaming(wb + chunk), has_row ? xr[chunk] : zero);
     }
@@ -246,4 +253,158 @@ extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, GEMV_MMA_M
             dst[1] = f32_to_bf16(x1);
         }
     }
+}
+
+// y[r, n] = sum_k x[r, k] * w[n, k] for any number of rows, with gemv_mma's bits: the batch-
+// invariant product (`--batch-invariant`), where a row's result must not depend on whether its
+// batch took the GEMV (up to 8 rows) or this kernel. A block computes 128 columns (rows of w)
+// for ROWS rows of x, two k-blocks of 32 a stage copied into shared memory by cp.async, STAGES
+// deep; each warp holds 64 columns x 32 rows. The sum over k is taken exactly as gemv_mma takes
+// it: each of the `segments` segments of k-blocks (gemv_mma's warps) is a chain of mma from
+// zero, over the same permutation of k within a block, and the segments' sums are added in
+// order. Any other split of k rounds differently; the tiling of rows and columns does not
+// matter, so the host may choose it by shape.
+#define GEMM_COLS 128
+#define GEMM_KB 2
+// 16-byte pieces of one row (of w or x) in a stage.
+#define GEMM_ROW_PIECES (GEMM_KB * 4)
+
+__device__ __forceinline__ void gemm_copy16(uint4* dst, const void* src) {
+    u32 d = (u32)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
+}
+
+// Where piece p of a stage's row r lies: odd rows swap their halves, so that the 8 lanes of a
+// quarter-warp, reading two rows' same 64 bytes, hit 32 different banks.
+__device__ __forceinline__ int gemm_piece(int r, int p) {
+    return r * GEMM_ROW_PIECES + (p ^ ((r & 1) << 2));
+}
+
+template <int ROWS, int STAGES>
+__device__ __forceinline__ void gemm_mma_tile(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                              float* __restrict__ y, int rows, int n, int k, int segments) {
+    constexpr int THREADS = ROWS * 2;  // 2 x ROWS / 32 warps of 64 x 32
+    constexpr int STAGE_PIECES = (GEMM_COLS + ROWS) * GEMM_ROW_PIECES;
+    extern __shared__ uint4 gemm_smem[];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    int row0 = blockIdx.x * ROWS, col0 = blockIdx.y * GEMM_COLS;
+    int wc = (warp & 1) * 64, wr = (warp >> 1) * 32;
+    int blocks = k >> 5, stages = (blocks + GEMM_KB - 1) / GEMM_KB;
+    after_previous_kernel();
+    // A thread copies the same 16-byte piece (p) of PER_THREAD rows of each stage, 8 rows apart
+    // in its block's threads: their addresses are taken once. Rows past the ends copy the last
+    // ones: their sums are never written, and an mma's output element depends on its own row
+    // and column only.
+    constexpr int PER_THREAD = STAGE_PIECES / THREADS, ROW_STEP = THREADS / GEMM_ROW_PIECES;
+    int p = threadIdx.x % GEMM_ROW_PIECES, r0 = threadIdx.x / GEMM_ROW_PIECES;
+    const bf16* src[PER_THREAD];
+    int dst[PER_THREAD];
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; i++) {
+        int r = r0 + i * ROW_STEP;
+        src[i] = (r < GEMM_COLS ? w + (size_t)min(col0 + r, n - 1) * k
+                                : x + (size_t)min(row0 + r - GEMM_COLS, rows - 1) * k) +
+                 (p / 4) * 32 + (p % 4) * 8;
+        dst[i] = gemm_piece(r, p);
+    }
+    auto load = [&](int st, int slot) {
+        if (st * GEMM_KB + p / 4 >= blocks) return;
+        uint4* stage = gemm_smem + slot * STAGE_PIECES;
+#pragma unroll
+        for (int i = 0; i < PER_THREAD; i++) gemm_copy16(stage + dst[i], src[i] + (size_t)st * GEMM_KB * 32);
+    };
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; st++) {
+        if (st < stages) load(st, st);
+        asm volatile("cp.async.commit_group;\n" ::);
+    }
+    float acc[4][4][4], tot[4][4][4];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[i][j][e] = tot[i][j][e] = 0.0f;
+    // The segment being summed and its end; segments ending at 0 (k shorter than `segments`
+    // k-blocks) add their zero first, as gemv_mma's idle warps do.
+    int seg = 0, seg_end = segment_begin(1, segments, blocks);
+    auto close_segments = [&](int done) {
+        while (seg < segments && seg_end <= done) {
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        tot[i][j][e] += acc[i][j][e];
+                        acc[i][j][e] = 0.0f;
+                    }
+            seg++;
+            seg_end = segment_begin(seg + 1, segments, blocks);
+        }
+    };
+    close_segments(0);
+    // The slot of shared memory stage st is in, and the one stage st + STAGES - 1 goes to.
+    int slot = 0, next = STAGES - 1;
+    for (int st = 0; st < stages; st++) {
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2));
+        __syncthreads();
+        if (st + STAGES - 1 < stages) load(st + STAGES - 1, next);
+        asm volatile("cp.async.commit_group;\n" ::);
+        next = next + 1 == STAGES ? 0 : next + 1;
+        const uint4* s = gemm_smem + slot * STAGE_PIECES;
+        slot = slot + 1 == STAGES ? 0 : slot + 1;
+#pragma unroll
+        for (int kl = 0; kl < GEMM_KB; kl++) {
+            int kb = st * GEMM_KB + kl;
+            if (kb >= blocks) break;
+            int piece = kl * 4 + t;
+            uint4 wa[4], wb[4], xv[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                wa[i] = s[gemm_piece(wc + 16 * i + g, piece)];
+                wb[i] = s[gemm_piece(wc + 16 * i + g + 8, piece)];
+            }
+#pragma unroll
+            for (int j = 0; j < 4; j++) xv[j] = s[gemm_piece(GEMM_COLS + wr + 8 * j + g, piece)];
+            // gemv_mma_block's two steps, each over all 16 tiles: the same operations on each
+            // accumulator in the same order, but 16 independent mma between dependent ones.
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    mma_m16n8k16(acc[i][j], wa[i].x, wb[i].x, wa[i].y, wb[i].y, xv[j].x, xv[j].y);
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    mma_m16n8k16(acc[i][j], wa[i].z, wb[i].z, wa[i].w, wb[i].w, xv[j].z, xv[j].w);
+            if (kb + 1 >= seg_end) close_segments(kb + 1);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int col = col0 + wc + 16 * i + g + (e < 2 ? 0 : 8), row = row0 + wr + 8 * j + 2 * t + (e & 1);
+                if (row < rows && col < n) y[(size_t)row * n + col] = tot[i][j][e];
+            }
+}
+
+// 128 columns x 64 rows a block (4 warps), four stages: shared memory 96 KB, so two blocks fit
+// an SM (their registers too).
+extern "C" __global__ void __launch_bounds__(128)
+    gemm_mma(const bf16* __restrict__ x, const bf16* __restrict__ w, float* __restrict__ y, int rows, int n, int k,
+             int segments) {
+    gemm_mma_tile<64, 4>(x, w, y, rows, n, k, segments);
+}
+
+// 128 x 128 a block (8 warps), five stages (160 KB): one block an SM, each of its bytes copied
+// from L2 used for twice the products of gemm_mma's, for batches of many rows.
+extern "C" __global__ void __launch_bounds__(256)
+    gemm_mma_wide(const bf16* __restrict__ x, const bf16* __restrict__ w, float* __restrict__ y, int rows, int n,
+                  int k, int segments) {
+    gemm_mma_tile<128, 5>(x, w, y, rows, n, k, segments);
 }

@@ -6,7 +6,8 @@
 //!
 //! With `QUARRY_TEST_DEVICE=cuda` (scripts/gpu-check) the same runs go to the GPU, where a
 //! batch's shape may change a GEMM's summation order: there outputs must agree up to the first
-//! near-tie, which the requests' top log-probabilities show.
+//! near-tie, which the requests' top log-probabilities show; with `QUARRY_TEST_BATCH_INVARIANT=1`
+//! as well (the backend loaded batch-invariant), exactly.
 
 mod common;
 
@@ -92,9 +93,10 @@ fn jobs(tok: &Tokenizer) -> Vec<Job> {
     jobs
 }
 
-/// Exact comparisons on the CPU; on the GPU, top log-probabilities to judge near-ties by.
+/// Exact comparisons on the CPU and on a batch-invariant GPU; on the GPU otherwise, top
+/// log-probabilities to judge near-ties by.
 fn exact() -> bool {
-    common::test_device() == quarry::runtime::DeviceChoice::Cpu
+    common::test_device() == quarry::runtime::DeviceChoice::Cpu || common::batch_invariant_asked()
 }
 
 /// Two greedy runs of one request part only where the first run's choice and the second's were

@@ -184,6 +184,9 @@ fn extract_over_http_with_typed_errors() {
     let (status, health) = http(port, "GET", "/health", None, b"");
     assert_eq!(status, 200);
     assert!(health["kv_blocks_total"].as_u64().unwrap() > 0, "{health}");
+    // The CPU's rows never depend on the batch; a GPU's do unless --batch-invariant.
+    let on_cpu = health["device"].as_str().unwrap().starts_with("cpu");
+    assert_eq!(health["batch_invariant"], on_cpu, "{health}");
 
     // A ready-made schema by id: the record validates, with usage and timings.
     let schema: Value =

@@ -113,6 +113,12 @@ pub struct ModelArgs {
     /// for speculative checks as they come).
     #[arg(long)]
     enforce_eager: bool,
+    /// Make a request's output the same whatever else runs beside it (batch size, order,
+    /// chunking, preemption, speculation): on the GPU every matrix product sums a row in one
+    /// fixed order for any number of rows, instead of cuBLAS's choice per shape. Costs speed
+    /// on large batches (docs/gpu-kernels.md); the CPU is batch-invariant anyway.
+    #[arg(long)]
+    batch_invariant: bool,
     /// Split the model over this many GPUs (tensor parallelism), from --device's on: each
     /// holds a share of the heads and of the MLP, and the GPUs sum their parts after each
     /// attention and MLP.
@@ -310,6 +316,7 @@ impl ModelArgs {
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_num_seqs: self.max_num_seqs,
             enforce_eager: self.enforce_eager,
+            batch_invariant: self.batch_invariant,
             tensor_parallel_size: self.tensor_parallel_size.into(),
         };
         let backend = crate::runtime::load(device, &path, options)?;

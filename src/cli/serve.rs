@@ -120,7 +120,11 @@ fn app_state(
         true => "steps pipelined (--no-async-scheduling turns it off)",
         false => "steps not pipelined",
     };
-    tracing::info!("quarry: model {model} on {device}; {steps}");
+    let invariant = match client.batch_invariant() {
+        true => "batch-invariant",
+        false => "not batch-invariant (--batch-invariant makes it so)",
+    };
+    tracing::info!("quarry: model {model} on {device}; {steps}; {invariant}");
     let extractor = Arc::new(Extractor::new(client, tokenizer));
     Ok(Arc::new(AppState {
         service: Arc::new(Service::new(model, device, extractor, schemas, max_pending)),

@@ -103,6 +103,8 @@ pub struct EngineClient {
     router: Option<Arc<Router>>,
     /// `EngineCore::pipelining` of the engine.
     pipelining: bool,
+    /// `Backend::batch_invariant` of the engine's backend (of both, disaggregated).
+    batch_invariant: bool,
 }
 
 /// The outputs of one request, in order; the last one has `finished` set.
@@ -172,6 +174,7 @@ impl EngineClient {
         let (tx, rx) = mpsc::channel();
         let stats = Arc::new(Mutex::new(core.stats()));
         let pipelining = core.pipelining();
+        let batch_invariant = core.backend().batch_invariant();
         let shared = stats.clone();
         let thread = std::thread::Builder::new()
             .name("quarry-engine".into())
@@ -184,6 +187,7 @@ impl EngineClient {
             thread: Mutex::new(Some(thread)),
             router: None,
             pipelining,
+            batch_invariant,
         }
     }
 
@@ -199,7 +203,9 @@ impl EngineClient {
                 decode.kv().block_size()
             ));
         }
+        let prefill_invariant = prefill.backend().batch_invariant();
         let mut client = EngineClient::start(decode);
+        client.batch_invariant &= prefill_invariant;
         client.router = Some(Arc::new(Router::new(EngineClient::start(prefill), hasher)));
         Ok(client)
     }
@@ -260,6 +266,12 @@ impl EngineClient {
     /// Whether the (decode) engine pipelines its steps (`EngineCore::pipelining`).
     pub fn pipelining(&self) -> bool {
         self.pipelining
+    }
+
+    /// Whether a request's output is the same whatever else runs beside it
+    /// (`Backend::batch_invariant`).
+    pub fn batch_invariant(&self) -> bool {
+        self.batch_invariant
     }
 
     pub fn stats(&self) -> EngineStats {

@@ -87,6 +87,12 @@ pub trait Backend: Send {
     /// A short human-readable name of the device, for logs and benchmarks.
     fn device_name(&self) -> String;
 
+    /// Whether a row's logits are the same bits whatever else is in its batch (its position in
+    /// it, the number of rows, other requests' lengths).
+    fn batch_invariant(&self) -> bool {
+        false
+    }
+
     /// Full rows of logits copied from the device to the host so far (rows the engine drew
     /// itself); 0 where the logits are on the host anyway.
     fn logits_rows_copied(&self) -> u64 {
@@ -343,6 +349,9 @@ pub struct LoadOptions {
     pub max_num_seqs: usize,
     /// The GPU runs every step eagerly, without CUDA graphs (vLLM's --enforce-eager).
     pub enforce_eager: bool,
+    /// A request's output the same whatever else is in its batch (`--batch-invariant`): on the
+    /// GPU, products summed in one order for any number of rows; the CPU's always are.
+    pub batch_invariant: bool,
     /// GPUs the model is split over (tensor parallelism), from the device's ordinal on; 0 and
     /// 1: one.
     pub tensor_parallel_size: usize,
@@ -386,6 +395,7 @@ pub fn load(device: DeviceChoice, model: &Path, options: LoadOptions) -> Result<
                 max_num_batched_tokens: options.max_num_batched_tokens.max(1),
                 max_num_seqs: options.max_num_seqs.max(1),
                 graphs: !options.enforce_eager,
+                batch_invariant: options.batch_invariant,
             };
             let source = match (options.load_format, options.model_config) {
                 (LoadFormat::Dummy, Some(config)) => cuda::WeightSource::Dummy(config),

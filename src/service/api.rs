@@ -247,6 +247,9 @@ pub struct Health {
     pub model: String,
     /// Where the model runs, e.g. `cpu (16 threads)` or `cuda:0 (NVIDIA H100 80GB HBM3)`.
     pub device: String,
+    /// A request's record is the same whatever else runs beside it (`--batch-invariant` on the
+    /// GPU; always on the CPU).
+    pub batch_invariant: bool,
     pub waiting: usize,
     pub running: usize,
     pub kv_blocks_free: usize,

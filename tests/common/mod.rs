@@ -35,6 +35,12 @@ pub fn test_device() -> quarry::runtime::DeviceChoice {
         .unwrap_or(quarry::runtime::DeviceChoice::Cpu)
 }
 
+/// `QUARRY_TEST_BATCH_INVARIANT=1` (scripts/gpu-check's second run of the engine's tests): the
+/// GPU backend is loaded batch-invariant, and its outputs must equal exactly where the CPU's do.
+pub fn batch_invariant_asked() -> bool {
+    std::env::var("QUARRY_TEST_BATCH_INVARIANT").is_ok_and(|v| v == "1")
+}
+
 /// The default model on the test device, or `None` (with a message) where the model or the
 /// GPU asked for is missing. `QUARRY_TEST_TENSOR_PARALLEL=N` splits it over N GPUs (scripts/
 /// bench-multi-gpu's tp-check runs the engine's tests so).
@@ -54,6 +60,7 @@ pub fn load_backend(kv_cache_tokens: usize) -> Option<(Box<dyn quarry::runtime::
             .ok()
             .and_then(|n| n.parse().ok())
             .unwrap_or(1),
+        batch_invariant: batch_invariant_asked(),
         ..Default::default()
     };
     let backend = quarry::runtime::load(device, &path, options).expect("load model");

@@ -171,6 +171,11 @@ impl Backend for CpuBackend {
         format!("cpu ({} threads)", pool::num_threads())
     }
 
+    /// Each row is computed on its own, in the same order, whatever the batch.
+    fn batch_invariant(&self) -> bool {
+        true
+    }
+
     fn attach_kv_link(&mut self, end: KvLinkEnd) -> Result<()> {
         match end {
             KvLinkEnd::Host(link) => {

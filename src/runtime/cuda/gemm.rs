@@ -3,7 +3,9 @@
 //! bound by reading the weights once and kernels/gemv.cu computes it (`gemv_mma` on the tensor
 //! cores where k is a multiple of 32, else `gemv_bf16`), with one order of summation over k
 //! whatever the number of rows; cuBLASLt takes larger batches, with its algorithm chosen once per
-//! shape (`test-quarry kernel_speeds --ignored`, scripts/bench-gpu, compares them).
+//! shape (`test-quarry kernel_speeds --ignored`, scripts/bench-gpu, compares them). Batch-
+//! invariant (`--batch-invariant`), larger batches take `gemm_mma` instead, which sums over k in
+//! the GEMV's order, so that a row's product has the same bits in a batch of any size.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -26,6 +28,13 @@ pub struct Gemm {
     gemv_mma: CudaFunction,
     gemv_mma_silu: CudaFunction,
     gemv_mma_rope: CudaFunction,
+    gemm_mma: CudaFunction,
+    gemm_mma_wide: CudaFunction,
+    /// The device's SMs, which `gemm_mma`'s choice of tile fills.
+    sms: usize,
+    /// Products of more than `GEMV_MAX_ROWS` rows sum in the GEMV's order (`gemm_mma`) instead
+    /// of cuBLAS's.
+    invariant: bool,
     /// cuBLAS's scratch space: Hopper kernels want one (NVIDIA suggests 32 MiB), and without
     /// it cuBLAS may choose slower ones.
     workspace: CudaSlice<u8>,
@@ -184,6 +193,35 @@ const GEMV_MMA_COLS: usize = 16;
 /// gate|up 95% -> 96%); sixteen k-blocks in flight lose (57-68%).
 const GEMV_MMA_WARPS: usize = 16;
 
+/// kernels/gemv.cu's GEMM_COLS: the columns (rows of w) of a `gemm_mma` block.
+const GEMM_COLS: usize = 128;
+
+/// The blocks of the batch-invariant product (kernels/gemv.cu's `gemm_mma` and `gemm_mma_wide`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmTile {
+    /// 128 columns x 64 rows, four stages.
+    Narrow,
+    /// 128 x 128, five stages.
+    Wide,
+}
+
+/// Shared memory of a `gemm_mma` block: `stages` stages of (128 + `rows`) rows of 64 k.
+const fn gemm_smem(rows: usize, stages: usize) -> u32 {
+    (stages * (GEMM_COLS + rows) * 64 * 2) as u32
+}
+
+/// Lets the batch-invariant products take the shared memory they need (over the 48 KB default).
+pub fn prepare(k: &Kernels) -> Result<()> {
+    for (f, smem) in [(&k.gemm_mma, gemm_smem(64, 4)), (&k.gemm_mma_wide, gemm_smem(128, 5))] {
+        f.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .map_err(|e| RuntimeError::Device(format!("shared memory for the batch-invariant product: {e}")))?;
+    }
+    Ok(())
+}
+
 /// What the fused q|k|v product does after the product (kernels/cache.cu's `rope_and_cache`
 /// takes the same): device addresses, 0 for no bias.
 pub struct RopeArgs {
@@ -229,8 +267,13 @@ pub enum OutType {
 }
 
 impl Gemm {
-    pub fn new(stream: Arc<CudaStream>, kernels: &Kernels) -> Result<Self> {
+    /// `invariant`: every product sums a row in one order whatever the batch (`gemm_mma`).
+    pub fn new(stream: Arc<CudaStream>, kernels: &Kernels, invariant: bool) -> Result<Self> {
         let handle = lt::create_handle().map_err(|e| RuntimeError::Device(format!("starting cuBLASLt: {e}")))?;
+        let sms = stream
+            .context()
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| RuntimeError::Device(format!("reading the number of SMs: {e}")))? as usize;
         let workspace = stream
             .alloc_zeros::<u8>(WORKSPACE_BYTES)
             .map_err(|e| RuntimeError::Device(format!("cuBLAS workspace: {e}")))?;
@@ -241,6 +284,10 @@ impl Gemm {
             gemv_mma: kernels.gemv_mma.clone(),
             gemv_mma_silu: kernels.gemv_mma_silu.clone(),
             gemv_mma_rope: kernels.gemv_mma_rope.clone(),
+            gemm_mma: kernels.gemm_mma.clone(),
+            gemm_mma_wide: kernels.gemm_mma_wide.clone(),
+            sms,
+            invariant,
             workspace,
             plans: Mutex::new(HashMap::new()),
         })
@@ -255,10 +302,74 @@ impl Gemm {
         }
         // The GEMV kernels read rows 16 bytes at a time.
         let aligned = (x | w).is_multiple_of(16);
+        if self.invariant {
+            return self.invariant_product(x, w, y, rows, n, k, aligned);
+        }
         if rows <= GEMV_MAX_ROWS && n * k <= GEMV_MAX_WEIGHTS && k.is_multiple_of(8) && aligned {
             return self.gemv(x, w, y, rows, n, k);
         }
         self.cublas(x, w, y, out, rows, n, k)
+    }
+
+    /// A batch-invariant product that the tensor-core GEMV does not take: `gemm_mma` (the
+    /// GEMV's sums for any number of rows) where k is a multiple of 32, else the CUDA-core GEMV
+    /// 8 rows at a time (each of its rows is a sum of its own, whatever the others).
+    #[allow(clippy::too_many_arguments)]
+    fn invariant_product(&self, x: u64, w: u64, y: u64, rows: usize, n: usize, k: usize, aligned: bool) -> Result<()> {
+        if !aligned || !k.is_multiple_of(8) {
+            return Err(RuntimeError::Backend(format!(
+                "--batch-invariant: no fixed-order product of [{rows}x{k}] x [{n}x{k}]^T (k not a multiple of 8, or rows not 16-byte aligned)"
+            )));
+        }
+        if k.is_multiple_of(32) {
+            return self.gemm_mma(x, w, y, rows, n, k);
+        }
+        for first in (0..rows).step_by(GEMV_MAX_ROWS) {
+            let (xs, ys) = (x + (first * k * 2) as u64, y + (first * n * 4) as u64);
+            self.gemv(xs, w, ys, GEMV_MAX_ROWS.min(rows - first), n, k)?;
+        }
+        Ok(())
+    }
+
+    /// `matmul` for any number of rows with the bits of `gemv_mma` (`k` a multiple of 32, rows
+    /// 16-byte aligned): the batch-invariant product. The tile is chosen by shape (the bits do
+    /// not depend on it): blocks of 128 rows for prefills of a thousand rows or more where they
+    /// alone fill the GPU, else of 64 (faster up to 256 rows on an H200, `kernel_speeds`).
+    pub fn gemm_mma(&self, x: u64, w: u64, y: u64, rows: usize, n: usize, k: usize) -> Result<()> {
+        let tile = match rows >= 1024 && rows.div_ceil(128) * n.div_ceil(GEMM_COLS) >= self.sms {
+            true => GemmTile::Wide,
+            false => GemmTile::Narrow,
+        };
+        self.gemm_mma_tiled(tile, x, w, y, rows, n, k)
+    }
+
+    /// `gemm_mma` in blocks of `tile`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_mma_tiled(
+        &self,
+        tile: GemmTile,
+        x: u64,
+        w: u64,
+        y: u64,
+        rows: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<()> {
+        let (f, block_rows, smem) = match tile {
+            GemmTile::Narrow => (&self.gemm_mma, 64, gemm_smem(64, 4)),
+            GemmTile::Wide => (&self.gemm_mma_wide, 128, gemm_smem(128, 5)),
+        };
+        let grid = (rows.div_ceil(block_rows) as u32, n.div_ceil(GEMM_COLS) as u32, 1);
+        let (r, n32, k32, segments) = (rows as i32, n as i32, k as i32, GEMV_MMA_WARPS as i32);
+        let threads = 2 * block_rows as u32;
+        super::launch_smem(
+            &self.stream,
+            f,
+            grid,
+            threads,
+            smem,
+            &[&x, &w, &y, &r, &n32, &k32, &segments],
+        )
     }
 
     /// `matmul` through the GEMV kernel (`rows <= GEMV_MAX_ROWS`, `k` a multiple of 8).
@@ -376,6 +487,11 @@ impl Gemm {
             )
         }
         .map_err(lt_err("product", &shape))
+    }
+
+    /// Whether products of any number of rows sum in the GEMV's order.
+    pub fn invariant(&self) -> bool {
+        self.invariant
     }
 
     /// How many shapes have a chosen algorithm.

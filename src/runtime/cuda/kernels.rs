@@ -39,7 +39,14 @@ const SOURCES: &[(&str, &str, &[&str])] = &[
     (
         "gemv.cu",
         include_str!("../../../kernels/gemv.cu"),
-        &["gemv_bf16", "gemv_mma", "gemv_mma_silu", "gemv_mma_rope"],
+        &[
+            "gemv_bf16",
+            "gemv_mma",
+            "gemv_mma_silu",
+            "gemv_mma_rope",
+            "gemm_mma",
+            "gemm_mma_wide",
+        ],
     ),
     (
         "activation.cu",
@@ -86,6 +93,8 @@ pub struct Kernels {
     pub gemv_mma: CudaFunction,
     pub gemv_mma_silu: CudaFunction,
     pub gemv_mma_rope: CudaFunction,
+    pub gemm_mma: CudaFunction,
+    pub gemm_mma_wide: CudaFunction,
     pub silu_mul: CudaFunction,
     pub silu_mul4: CudaFunction,
     pub take_drawn_tokens: CudaFunction,
@@ -190,6 +199,8 @@ impl Kernels {
             gemv_mma: take("gemv_mma"),
             gemv_mma_silu: take("gemv_mma_silu"),
             gemv_mma_rope: take("gemv_mma_rope"),
+            gemm_mma: take("gemm_mma"),
+            gemm_mma_wide: take("gemm_mma_wide"),
             silu_mul: take("silu_mul"),
             silu_mul4: take("silu_mul4"),
             take_drawn_tokens: take("take_drawn_tokens"),
@@ -207,6 +218,7 @@ impl Kernels {
             fill_uniform_bf16: take("fill_uniform_bf16"),
         };
         super::attention::prepare(&kernels)?;
+        super::gemm::prepare(&kernels)?;
         Ok(kernels)
     }
 }

@@ -57,6 +57,8 @@ pub struct CudaOptions {
     pub max_num_seqs: usize,
     /// Replay regular steps from CUDA graphs (graphs.rs); off: `--enforce-eager`.
     pub graphs: bool,
+    /// Every product sums a row in the GEMV's order whatever the batch (`--batch-invariant`).
+    pub batch_invariant: bool,
 }
 
 impl Default for CudaOptions {
@@ -69,6 +71,7 @@ impl Default for CudaOptions {
             max_num_batched_tokens: 2048,
             max_num_seqs: 128,
             graphs: true,
+            batch_invariant: false,
         }
     }
 }
@@ -287,7 +290,7 @@ impl CudaBackend {
             options.max_num_seqs.max(1),
             target_blocks,
         )?;
-        let gemm = Gemm::new(stream.clone(), &kernels)?;
+        let gemm = Gemm::new(stream.clone(), &kernels, options.batch_invariant)?;
         stream.synchronize().map_err(device_err("loading the weights"))?;
 
         // The KV cache takes what is left of the memory budget.
@@ -345,6 +348,9 @@ impl CudaBackend {
                 kv_bytes >> 20,
                 layout.num_blocks
             );
+        }
+        if options.batch_invariant && shard.leads() {
+            eprintln!("quarry: {name}: batch-invariant: every product sums a row in one order for any number of rows");
         }
         let timing = Timing::from_env(&ctx);
         let run_staging = [
@@ -798,6 +804,10 @@ impl Backend for CudaBackend {
 
     fn device_name(&self) -> String {
         self.name.clone()
+    }
+
+    fn batch_invariant(&self) -> bool {
+        self.gemm.invariant()
     }
 
     fn attach_kv_link(&mut self, end: crate::runtime::KvLinkEnd) -> Result<()> {

@@ -206,6 +206,11 @@ impl TensorParallel {
                     .collect()
             }
         };
+        if options.batch_invariant && matches!(reduces[0], Reduce::Nccl(_)) {
+            return Err(RuntimeError::Device(
+                "--batch-invariant with tensor parallelism needs GPUs that reach each other's memory (NCCL's all-reduce picks its order by message size)".into(),
+            ));
+        }
         let how = match reduces[0] {
             Reduce::Peer(_) => "the one-shot all-reduce through peer memory",
             Reduce::Nccl(_) => "NCCL (the GPUs do not reach each other's memory)",
@@ -512,6 +517,10 @@ impl Backend for TensorParallel {
 
     fn device_name(&self) -> String {
         self.name.clone()
+    }
+
+    fn batch_invariant(&self) -> bool {
+        self.lead.batch_invariant()
     }
 
     fn logits_rows_copied(&self) -> u64 {

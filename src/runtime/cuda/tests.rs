@@ -5,7 +5,7 @@
 
 use half::bf16;
 
-use super::gemm::OutType;
+use super::gemm::{GemmTile, OutType};
 use super::*;
 use cudarc::driver::CudaFunction;
 
@@ -23,7 +23,7 @@ fn gpu() -> Option<Gpu> {
     unsafe { ctx.disable_event_tracking() };
     let stream = ctx.default_stream();
     let k = Kernels::load(&ctx).expect("kernels compile");
-    let gemm = Gemm::new(stream.clone(), &k).expect("cublas");
+    let gemm = Gemm::new(stream.clone(), &k, false).expect("cublas");
     Some(Gpu {
         _ctx: ctx,
         stream,
@@ -788,6 +788,86 @@ fn gemv_rows_are_bitwise_the_same_for_one_to_eight_rows() {
     }
 }
 
+/// The batch-invariant product: every row of `gemm_mma` (any number of rows, cut into tiles of
+/// 64 or 128 rows and 128 columns) has the bits that row gets from the tensor-core GEMV alone, for k
+/// split evenly and unevenly into the GEMV's 16 segments (4096: 8 k-blocks each; 576: 18
+/// k-blocks; 64: two, most segments empty); a Gemm built invariant takes it for more than 8
+/// rows, and the CUDA-core GEMV 8 rows at a time where k is not a multiple of 32. The products
+/// are checked against an f64 reference too, so that two equally wrong kernels cannot pass.
+#[test]
+fn batch_invariant_products_give_every_row_the_bits_it_gets_alone() {
+    let Some(g) = gpu() else { return };
+    let invariant = Gemm::new(g.stream.clone(), &g.k, true).expect("gemm");
+    let bits = |y: &CudaSlice<f32>| -> Vec<u32> { g.read_f32(y).iter().map(|v| v.to_bits()).collect() };
+    for (n, k, rows) in [
+        (6144usize, 4096usize, 300usize),
+        (960, 576, 131),
+        (200, 64, 70),
+        (130, 14336, 17),
+        (49155, 576, 9),
+        (300, 584, 20),
+    ] {
+        let (x, w) = (rounded(&values(rows * k, 51)), rounded(&values(n * k, 52)));
+        let (xd, wd) = (g.bf16s(&x), g.bf16s(&w));
+        let mma = k % 32 == 0;
+        // Each row alone: the GEMV of one row, reading x from that row on.
+        let alone: Vec<u32> = (0..rows)
+            .flat_map(|r| {
+                let y = g.zeros_f32(n);
+                let xr = g.p(&xd) + (r * k * 2) as u64;
+                match mma {
+                    true => g.gemm.gemv_mma(xr, g.p(&wd), g.p(&y), 1, n, k).unwrap(),
+                    false => g.gemm.gemv(xr, g.p(&wd), g.p(&y), 1, n, k).unwrap(),
+                }
+                bits(&y)
+            })
+            .collect();
+        let what = format!("{rows}x{n}x{k}");
+        for some in [rows, rows - 1, 9, 8, 3] {
+            let y = g.zeros_f32(some * n);
+            invariant
+                .matmul(g.p(&xd), g.p(&wd), g.p(&y), OutType::F32, some, n, k)
+                .unwrap();
+            let got = bits(&y);
+            if let Some(i) = (0..some * n).find(|&i| got[i] != alone[i]) {
+                panic!(
+                    "{what}: row {} column {} of {some} rows differs from the row alone: {} vs {}",
+                    i / n,
+                    i % n,
+                    f32::from_bits(got[i]),
+                    f32::from_bits(alone[i])
+                );
+            }
+        }
+        if mma {
+            for tile in [GemmTile::Narrow, GemmTile::Wide] {
+                let y = g.zeros_f32(rows * n);
+                g.gemm
+                    .gemm_mma_tiled(tile, g.p(&xd), g.p(&wd), g.p(&y), rows, n, k)
+                    .unwrap();
+                assert!(
+                    bits(&y) == alone,
+                    "{what}: gemm_mma in {tile:?} blocks differs from the rows alone"
+                );
+            }
+        }
+        let checked = rows.min(12);
+        let want: Vec<f64> = (0..checked)
+            .flat_map(|r| {
+                let (x, w) = (&x, &w);
+                (0..n).map(move |c| (0..k).map(|i| x[r * k + i] as f64 * w[c * k + i] as f64).sum::<f64>())
+            })
+            .collect();
+        let got: Vec<f32> = alone[..checked * n].iter().map(|&b| f32::from_bits(b)).collect();
+        assert_close(
+            &format!("invariant product {what}"),
+            &got,
+            &want,
+            1e-4 * (k as f64).sqrt(),
+        );
+    }
+}
+
 /// The GEMV with its epilogue fused (SiLU on gate|up; bias, rope and the cache write on q|k|v)
 /// gives the bits of the product followed by the separate kernels, for 1 to 8 rows, both rope
 /// styles, with and without a bias; the rope outputs are checked against the CPU reference by
@@ -1243,6 +1323,38 @@ fn kernel_speeds() {
                     format!("{path} 8B {name} {n}x{k}, {rows} rows"),
                     format!("{gbs:.0} GB/s"),
                     pct(gbs, bw)
+                );
+            }
+        }
+    }
+
+    // Products of many rows: cuBLAS against the batch-invariant product in both tiles.
+    let invariant = Gemm::new(g.stream.clone(), &g.k, true).expect("gemm");
+    for (name, n, k) in &shapes[..4] {
+        let (n, k) = (*n, *k);
+        let w = random_bf16(&g, n * k, 10);
+        for rows in [16usize, 64, 256, 2048] {
+            let x = random_bf16(&g, rows * k, 4);
+            let y = g.zeros_f32(rows * n);
+            let (xp, wp, yp) = (g.p(&x), g.p(&w), g.p(&y));
+            let flops = 2.0 * (rows * n * k) as f64;
+            for path in ["cublas", "gemm_mma narrow", "gemm_mma wide", "gemm_mma chosen"] {
+                let ms = median_ms(&g, 10, &|_| match path {
+                    "cublas" => g.gemm.cublas(xp, wp, yp, OutType::F32, rows, n, k).unwrap(),
+                    "gemm_mma narrow" => invariant
+                        .gemm_mma_tiled(GemmTile::Narrow, xp, wp, yp, rows, n, k)
+                        .unwrap(),
+                    "gemm_mma wide" => invariant
+                        .gemm_mma_tiled(GemmTile::Wide, xp, wp, yp, rows, n, k)
+                        .unwrap(),
+                    _ => invariant.gemm_mma(xp, wp, yp, rows, n, k).unwrap(),
+                });
+                let tfs = flops / ms / 1e9;
+                println!(
+                    "{:<44}{ms:>10.4}{:>12}{:>10}",
+                    format!("{path} 8B {name}, {rows} rows"),
+                    format!("{tfs:.0} TF/s"),
+                    pct(tfs, mm)
                 );
             }
         }
