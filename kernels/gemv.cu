@@ -291,8 +291,8 @@ __device__ __forceinline__ void gemm_mma_tile(const bf16* __restrict__ x, const 
     int wc = (warp & 1) * 64, wr = (warp >> 1) * 32;
     int blocks = k >> 5, stages = (blocks + GEMM_KB - 1) / GEMM_KB;
     after_previous_kernel();
-    // A thread copies the same 16-byte piece (p) of PER_THREAD rows of each stage, 8 rows apart
-    // in its block's threads: their addresses are taken once. Rows past the ends copy the last
+    // A thread copies the same 16-byte piece (p) of PER_THREAD rows of each stage, ROW_STEP rows
+    // apart: their addresses are taken once. Rows past the ends copy the last
     // ones: their sums are never written, and an mma's output element depends on its own row
     // and column only.
     constexpr int PER_THREAD = STAGE_PIECES / THREADS, ROW_STEP = THREADS / GEMM_ROW_PIECES;

@@ -128,18 +128,6 @@ fn extract(
     (texts, core)
 }
 
-fn engine(
-    backend: Box<dyn Backend>,
-    tok: &Arc<Tokenizer>,
-    config: EngineConfig,
-    pool: Option<BlockPool>,
-) -> EngineCore {
-    match pool {
-        Some(p) => EngineCore::with_pool(backend, tok.clone(), config, p),
-        None => EngineCore::new(backend, tok.clone(), config),
-    }
-}
-
 #[test]
 fn records_are_byte_identical_alone_and_in_any_batch() {
     let Some(cases) = cases() else { return };
@@ -157,7 +145,7 @@ fn records_are_byte_identical_alone_and_in_any_batch() {
     let block_size = backend.kv_layout().block_size;
 
     let every: Vec<usize> = (0..cases.len()).collect();
-    let (alone, mut core) = extract(engine(backend, &tok, config, None), &tok, &cases, &every, false);
+    let (alone, mut core) = extract(common::engine(backend, &tok, config, None), &tok, &cases, &every, false);
     let mut chunked = config;
     chunked.scheduler.max_num_batched_tokens = 64;
     let speculating = EngineConfig {
@@ -169,8 +157,8 @@ fn records_are_byte_identical_alone_and_in_any_batch() {
         ..config
     };
     // Room for the longest request with its twin and not much more on the CPU, for four on the
-    // GPU (a generous count of tokens: a token is more than 2 characters): requests wait and
-    // are preempted.
+    // GPU (a generous count of tokens: a token is more than 2 characters), each prompt computed
+    // for itself (no prefix cache): requests wait and are preempted.
     let longest = cases
         .iter()
         .map(|(_, s, d)| (d.len() + s.to_string().len()) / 2 + 1024)
@@ -178,17 +166,24 @@ fn records_are_byte_identical_alone_and_in_any_batch() {
         .unwrap();
     let room = if on_gpu() { 4 } else { 1 };
     let small = || BlockPool::new(room * longest.div_ceil(block_size));
-    let runs: [(&str, EngineConfig, bool); 4] = [
+    // Repeated cases find their prompts cached; without the cache every prompt is computed in
+    // the batch.
+    let uncached = EngineConfig {
+        prefix_caching: false,
+        ..config
+    };
+    let runs: [(&str, EngineConfig, bool); 5] = [
         ("together", config, false),
+        ("together, no prefix cache", uncached, false),
         ("prompts in chunks of 64 tokens", chunked, false),
-        ("a pool that preempts", config, true),
+        ("a pool that preempts", uncached, true),
         ("speculating", speculating, false),
     ];
     for (seed, (what, config, preempting)) in runs.into_iter().enumerate() {
         let order = shuffled(cases.len(), batch, seed as u64 + 1);
         let pool = preempting.then(small);
         let (texts, done) = extract(
-            engine(core.into_backend(), &tok, config, pool),
+            common::engine(core.into_backend(), &tok, config, pool),
             &tok,
             &cases,
             &order,
@@ -221,13 +216,22 @@ fn records_are_byte_identical_alone_and_in_any_batch() {
 #[test]
 fn greedy_completions_are_the_same_alone_and_in_any_batch() {
     let Some((backend, tok)) = load() else { return };
+    assert!(
+        backend.batch_invariant(),
+        "{} was asked to be batch-invariant",
+        backend.device_name()
+    );
     let tok = Arc::new(tok);
     let golden = common::golden();
     let prompts: Vec<Vec<u32>> = golden.prompts.iter().map(|p| p.prompt_tokens.clone()).collect();
     let batch = if on_gpu() { GPU_BATCH } else { CPU_BATCH };
-    let mut config = EngineConfig::default();
+    // Without the prefix cache, the batch computes every prompt again, beside the others.
+    let mut config = EngineConfig {
+        prefix_caching: false,
+        ..EngineConfig::default()
+    };
     config.scheduler.max_num_seqs = batch;
-    let client = EngineClient::start(engine(backend, &tok, config, None));
+    let client = EngineClient::start(common::engine(backend, &tok, config, None));
     let alone = common::run_prompts(&client, &prompts, golden.gen_tokens, false);
     let order = shuffled(prompts.len(), batch, 7);
     let filled: Vec<Vec<u32>> = order.iter().map(|&i| prompts[i].clone()).collect();

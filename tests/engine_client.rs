@@ -17,7 +17,6 @@ use quarry::engine::{
     AsyncScheduling, BlockPool, Constraint, EngineClient, EngineConfig, EngineCore, EngineRequest, FinishReason,
     SpeculativeConfig, StructuredOutputs,
 };
-use quarry::runtime::Backend;
 use quarry::sampling::{ContrastParams, SamplingParams};
 use quarry::tokenizer::Tokenizer;
 use quarry_grammar::json::Whitespace;
@@ -277,18 +276,6 @@ fn run_drawn(
     (results.into_iter().map(|(s, _)| s).collect(), preemptions, core)
 }
 
-fn engine(
-    backend: Box<dyn Backend>,
-    tok: &Arc<Tokenizer>,
-    config: EngineConfig,
-    pool: Option<BlockPool>,
-) -> EngineCore {
-    match pool {
-        Some(p) => EngineCore::with_pool(backend, tok.clone(), config, p),
-        None => EngineCore::new(backend, tok.clone(), config),
-    }
-}
-
 #[test]
 fn thirty_two_concurrent_requests_match_each_alone() {
     let Some((backend, tok)) = common::load_backend(8192) else {
@@ -301,7 +288,7 @@ fn thirty_two_concurrent_requests_match_each_alone() {
     let block_size = backend.kv_layout().block_size;
     eprintln!("device: {}", backend.device_name());
 
-    let (alone, _, core) = run(engine(backend, &tok, config, None), &jobs, &structured, false);
+    let (alone, _, core) = run(common::engine(backend, &tok, config, None), &jobs, &structured, false);
     for (j, a) in jobs.iter().zip(&alone) {
         match &j.schema {
             None => assert_eq!(a.tokens.len(), j.max_tokens),
@@ -321,7 +308,7 @@ fn thirty_two_concurrent_requests_match_each_alone() {
     let mut chunked = config;
     chunked.scheduler.max_num_batched_tokens = 4;
     let (out, _, core) = run(
-        engine(core.into_backend(), &tok, chunked, None),
+        common::engine(core.into_backend(), &tok, chunked, None),
         &jobs,
         &structured,
         true,
@@ -332,7 +319,7 @@ fn thirty_two_concurrent_requests_match_each_alone() {
     let longest = jobs.iter().map(|j| j.prompt.len() + j.max_tokens).max().unwrap();
     let pool = BlockPool::new(4 * longest.div_ceil(block_size));
     let (out, preemptions, _) = run(
-        engine(core.into_backend(), &tok, config, Some(pool)),
+        common::engine(core.into_backend(), &tok, config, Some(pool)),
         &jobs,
         &structured,
         true,
@@ -367,13 +354,18 @@ fn speculation_changes_no_output() {
         ..base
     };
 
-    let (alone, _, mut core) = run(engine(backend, &tok, config, None), &jobs, &structured, false);
+    let (alone, _, mut core) = run(common::engine(backend, &tok, config, None), &jobs, &structured, false);
     for (what, ngram, grammar) in [
         ("prompt lookup", true, false),
         ("prompt lookup and grammar", true, true),
     ] {
         let c = speculating(ngram, grammar, config);
-        let (out, _, done) = run(engine(core.into_backend(), &tok, c, None), &jobs, &structured, true);
+        let (out, _, done) = run(
+            common::engine(core.into_backend(), &tok, c, None),
+            &jobs,
+            &structured,
+            true,
+        );
         same_up_to_near_ties(&out, &alone, what);
         let d = done.stats().drafts;
         eprintln!("{what}: {} of {} drafts kept ({d:?})", d.accepted(), d.proposed());
@@ -385,7 +377,7 @@ fn speculation_changes_no_output() {
     let mut chunked = speculating(true, true, config);
     chunked.scheduler.max_num_batched_tokens = 4;
     let (out, _, done) = run(
-        engine(core.into_backend(), &tok, chunked, None),
+        common::engine(core.into_backend(), &tok, chunked, None),
         &jobs,
         &structured,
         true,
@@ -397,7 +389,7 @@ fn speculation_changes_no_output() {
     let pool = BlockPool::new(4 * longest.div_ceil(block_size));
     let c = speculating(true, true, config);
     let (out, preemptions, done) = run(
-        engine(done.into_backend(), &tok, c, Some(pool)),
+        common::engine(done.into_backend(), &tok, c, Some(pool)),
         &jobs,
         &structured,
         true,
@@ -412,13 +404,18 @@ fn speculation_changes_no_output() {
     };
     // Alone: on the GPU the reference needs its log-probabilities to judge near-ties by.
     let (reference, _, core) = run(
-        engine(done.into_backend(), &tok, plain, None),
+        common::engine(done.into_backend(), &tok, plain, None),
         &jobs,
         &structured,
         false,
     );
     let c = speculating(false, true, plain);
-    let (out, _, done) = run(engine(core.into_backend(), &tok, c, None), &jobs, &structured, true);
+    let (out, _, done) = run(
+        common::engine(core.into_backend(), &tok, c, None),
+        &jobs,
+        &structured,
+        true,
+    );
     same_up_to_near_ties(&out, &reference, "forced tokens as drafts, jump-forward off");
     let d = done.stats().drafts;
     assert!(d.grammar_accepted > 20 && d.ngram_proposed == 0, "{d:?}");
@@ -427,7 +424,7 @@ fn speculation_changes_no_output() {
     // mask is the model's own choice (these requests have no penalties), so nearly every
     // guess is kept; the outputs are those without it.
     let (draft, _) = common::load_backend(8192).expect("loaded once already");
-    let mut with_model = engine(done.into_backend(), &tok, speculating(false, true, config), None);
+    let mut with_model = common::engine(done.into_backend(), &tok, speculating(false, true, config), None);
     with_model.set_draft_model(draft);
     let (out, _, done) = run(with_model, &jobs, &structured, true);
     same_up_to_near_ties(&out, &alone, "a draft model");
@@ -440,14 +437,14 @@ fn speculation_changes_no_output() {
     if exact() {
         let c = speculating(true, true, config);
         let (reference, _, core) = run_drawn(
-            engine(done.into_backend(), &tok, config, None),
+            common::engine(done.into_backend(), &tok, config, None),
             &jobs,
             &structured,
             true,
             Draw::Seeded,
         );
         let (out, _, done) = run_drawn(
-            engine(core.into_backend(), &tok, c, None),
+            common::engine(core.into_backend(), &tok, c, None),
             &jobs,
             &structured,
             true,
@@ -476,7 +473,7 @@ fn the_same_under_load(
     let config = EngineConfig::default();
     let block_size = core.backend().kv_layout().block_size;
     let (out, _, core) = run_drawn(
-        engine(core.into_backend(), tok, config, None),
+        common::engine(core.into_backend(), tok, config, None),
         jobs,
         structured,
         true,
@@ -495,7 +492,7 @@ fn the_same_under_load(
     };
     chunked.scheduler.max_num_batched_tokens = 4;
     let (out, _, core) = run_drawn(
-        engine(core.into_backend(), tok, chunked, None),
+        common::engine(core.into_backend(), tok, chunked, None),
         jobs,
         structured,
         true,
@@ -507,7 +504,7 @@ fn the_same_under_load(
     let longest = jobs.iter().map(|j| j.prompt.len() + j.max_tokens).max().unwrap();
     let pool = BlockPool::new(4 * longest.div_ceil(block_size));
     let (out, preemptions, core) = run_drawn(
-        engine(core.into_backend(), tok, config, Some(pool)),
+        common::engine(core.into_backend(), tok, config, Some(pool)),
         jobs,
         structured,
         true,
@@ -530,7 +527,7 @@ fn a_twin_with_the_requests_own_prompt_changes_no_output() {
     let structured = StructuredOutputs::new(&tok);
     let jobs = jobs(&tok);
     let (alone, _, core) = run(
-        engine(backend, &tok, EngineConfig::default(), None),
+        common::engine(backend, &tok, EngineConfig::default(), None),
         &jobs,
         &structured,
         false,
@@ -559,9 +556,9 @@ fn a_contrasted_record_is_the_same_under_kv_pressure() {
     let structured = StructuredOutputs::new(&tok);
     let jobs = jobs(&tok);
     let config = EngineConfig::default();
-    let (plain, _, core) = run(engine(backend, &tok, config, None), &jobs, &structured, false);
+    let (plain, _, core) = run(common::engine(backend, &tok, config, None), &jobs, &structured, false);
     let (alone, _, core) = run_drawn(
-        engine(core.into_backend(), &tok, config, None),
+        common::engine(core.into_backend(), &tok, config, None),
         &jobs,
         &structured,
         false,
@@ -596,7 +593,7 @@ fn pipelined_steps_change_no_output() {
     };
     let block_size = backend.kv_layout().block_size;
     let longest = jobs.iter().map(|j| j.prompt.len() + j.max_tokens).max().unwrap();
-    let mut core = engine(backend, &tok, plain, None);
+    let mut core = common::engine(backend, &tok, plain, None);
     // A seeded draw parts wherever the batch moves a logit, not only at near-ties: compared
     // where rows do not depend on the batch (the CPU).
     let draws = match exact() {
@@ -606,7 +603,7 @@ fn pipelined_steps_change_no_output() {
     for draw in draws {
         let (alone, _, done) = run_drawn(core, &jobs, &structured, false, draw);
         let (out, _, done) = run_drawn(
-            engine(done.into_backend(), &tok, pipelined, None),
+            common::engine(done.into_backend(), &tok, pipelined, None),
             &jobs,
             &structured,
             true,
@@ -621,7 +618,7 @@ fn pipelined_steps_change_no_output() {
         let mut chunked = pipelined;
         chunked.scheduler.max_num_batched_tokens = 4;
         let (out, _, done) = run_drawn(
-            engine(done.into_backend(), &tok, chunked, None),
+            common::engine(done.into_backend(), &tok, chunked, None),
             &jobs,
             &structured,
             true,
@@ -630,7 +627,7 @@ fn pipelined_steps_change_no_output() {
         same_up_to_near_ties(&out, &alone, &format!("{what}, prompts in chunks of 4"));
         let pool = BlockPool::new(4 * longest.div_ceil(block_size));
         let (out, preemptions, done) = run_drawn(
-            engine(done.into_backend(), &tok, pipelined, Some(pool)),
+            common::engine(done.into_backend(), &tok, pipelined, Some(pool)),
             &jobs,
             &structured,
             true,
@@ -646,7 +643,7 @@ fn pipelined_steps_change_no_output() {
         assert!(stats.pipelined_steps * 2 > stats.steps, "{what}: {stats:?}");
         // Requests that finished, and jump-forward's tokens after a sampled one.
         assert!(stats.pipelined_rows_dropped > 0, "{what}: {stats:?}");
-        core = engine(done.into_backend(), &tok, plain, None);
+        core = common::engine(done.into_backend(), &tok, plain, None);
     }
 }
 

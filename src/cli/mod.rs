@@ -116,7 +116,7 @@ pub struct ModelArgs {
     /// Make a request's output the same whatever else runs beside it (batch size, order,
     /// chunking, preemption, speculation): on the GPU every matrix product sums a row in one
     /// fixed order for any number of rows, instead of cuBLAS's choice per shape. Costs speed
-    /// on large batches (docs/gpu-kernels.md); the CPU is batch-invariant anyway.
+    /// on large batches (docs/batch-invariance.md); the CPU is batch-invariant anyway.
     #[arg(long)]
     batch_invariant: bool,
     /// Split the model over this many GPUs (tensor parallelism), from --device's on: each

@@ -107,6 +107,16 @@ pub struct EngineClient {
     batch_invariant: bool,
 }
 
+/// What computes on a device, from `Backend::device_name`: `cpu` or the GPU's model, without its
+/// ordinal or thread count.
+fn device_kind(name: &str) -> &str {
+    match name.split_once(' ') {
+        Some((head, rest)) if head.starts_with("cuda") => rest,
+        Some((head, _)) => head,
+        None => name,
+    }
+}
+
 /// The outputs of one request, in order; the last one has `finished` set.
 pub struct RequestStream {
     id: RequestId,
@@ -203,7 +213,12 @@ impl EngineClient {
                 decode.kv().block_size()
             ));
         }
-        let prefill_invariant = prefill.backend().batch_invariant();
+        // A prompt's blocks come from either engine (computed by the prefill engine, or by the
+        // decode engine where it has them cached or the handoff fails): the same bits only
+        // where both compute alike, on devices of one kind.
+        let (p, d) = (prefill.backend(), decode.backend());
+        let alike = device_kind(&p.device_name()) == device_kind(&d.device_name());
+        let prefill_invariant = p.batch_invariant() && alike;
         let mut client = EngineClient::start(decode);
         client.batch_invariant &= prefill_invariant;
         client.router = Some(Arc::new(Router::new(EngineClient::start(prefill), hasher)));
@@ -416,5 +431,21 @@ impl DecodeSide {
         self.commands
             .send(Command::Handoff(step))
             .map_err(|_| SubmitError::Stopped)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::device_kind;
+
+    #[test]
+    fn device_kinds_leave_out_ordinals_and_thread_counts() {
+        assert_eq!(device_kind("cuda:0 (NVIDIA H200)"), device_kind("cuda:1 (NVIDIA H200)"));
+        assert_eq!(device_kind("cpu (16 threads)"), device_kind("cpu (2 threads)"));
+        assert_ne!(device_kind("cpu (16 threads)"), device_kind("cuda:0 (NVIDIA H200)"));
+        assert_ne!(
+            device_kind("cuda:0 (NVIDIA H100 80GB HBM3)"),
+            device_kind("cuda:1 (NVIDIA H200)")
+        );
     }
 }

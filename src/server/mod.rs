@@ -296,7 +296,7 @@ async fn health(State(state): State<Arc<AppState>>) -> Json<Health> {
         status: "ok".into(),
         model: state.service.model.clone(),
         device: state.service.device.clone(),
-        batch_invariant: state.service.extractor.client.batch_invariant(),
+        batch_invariant: state.service.batch_invariant(),
         waiting: s.waiting,
         running: s.running,
         kv_blocks_free: s.kv_blocks_free,

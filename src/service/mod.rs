@@ -92,6 +92,12 @@ impl Service {
         self.extractor.client.stats()
     }
 
+    /// Whether a request's record is the same whatever else runs beside it
+    /// (`EngineClient::batch_invariant`).
+    pub fn batch_invariant(&self) -> bool {
+        self.extractor.client.batch_invariant()
+    }
+
     /// The model's tokenizer (for what responses show of tokens: log-probabilities).
     pub fn tokenizer(&self) -> &Tokenizer {
         &self.extractor.tokenizer

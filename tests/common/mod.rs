@@ -245,6 +245,20 @@ pub fn check_transfer(
     assert_eq!(got.data, expected.data, "logits from the received blocks");
 }
 
+/// An engine over `backend` with `config`, its KV blocks from `pool` where given (a small pool
+/// makes requests wait and be preempted).
+pub fn engine(
+    backend: Box<dyn quarry::runtime::Backend>,
+    tok: &std::sync::Arc<Tokenizer>,
+    config: quarry::engine::EngineConfig,
+    pool: Option<quarry::engine::BlockPool>,
+) -> quarry::engine::EngineCore {
+    match pool {
+        Some(p) => quarry::engine::EngineCore::with_pool(backend, tok.clone(), config, p),
+        None => quarry::engine::EngineCore::new(backend, tok.clone(), config),
+    }
+}
+
 /// A runtime of two workers for a test's requests.
 pub fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()

@@ -275,6 +275,14 @@ impl CudaBackend {
                 ),
             });
         }
+        // Other heads take the general attention kernel, whose split of the keys follows the
+        // batch.
+        if options.batch_invariant && !attention::flash_head(config.head_dim) {
+            return Err(RuntimeError::Device(format!(
+                "--batch-invariant needs attention heads of 64 or 128 values (the flash kernel's fixed partitions of the keys); this model's have {}",
+                config.head_dim
+            )));
+        }
         let (cos, sin) = super::cpu::rope_tables(config.head_dim, config.rope_theta, config.context_length);
         let rope_cos = stream.clone_htod(&cos).map_err(device_err("rope tables"))?;
         let rope_sin = stream.clone_htod(&sin).map_err(device_err("rope tables"))?;

@@ -791,7 +791,8 @@ fn gemv_rows_are_bitwise_the_same_for_one_to_eight_rows() {
 /// The batch-invariant product: every row of `gemm_mma` (any number of rows, cut into tiles of
 /// 64 or 128 rows and 128 columns) has the bits that row gets from the tensor-core GEMV alone, for k
 /// split evenly and unevenly into the GEMV's 16 segments (4096: 8 k-blocks each; 576: 18
-/// k-blocks; 64: two, most segments empty); a Gemm built invariant takes it for more than 8
+/// k-blocks; 64 and 96: two and three, most segments empty; 800: 25, an odd count that leaves
+/// the last stage half full); a Gemm built invariant takes it for more than 8
 /// rows, and the CUDA-core GEMV 8 rows at a time where k is not a multiple of 32. The products
 /// are checked against an f64 reference too, so that two equally wrong kernels cannot pass.
 #[test]
@@ -803,6 +804,8 @@ fn batch_invariant_products_give_every_row_the_bits_it_gets_alone() {
         (6144usize, 4096usize, 300usize),
         (960, 576, 131),
         (200, 64, 70),
+        (100, 96, 70),
+        (130, 800, 17),
         (130, 14336, 17),
         (49155, 576, 9),
         (300, 584, 20),
