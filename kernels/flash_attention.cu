@@ -31,10 +31,6 @@
 #define FA_KEYS 64
 #define FA_PART 512
 
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    return (u32)__cvta_generic_to_shared(p);
-}
-
 // 16 bytes global -> shared; bytes = 0 writes zeros and reads nothing.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes));
@@ -116,13 +112,14 @@ __device__ __forceinline__ float fold_value(FoldWeights w, float total, float pa
     return w.first ? part : __fmaf_rn(total, w.old_w, __fmul_rn(part, w.part_w));
 }
 
-// Hopper (sm_90a, which the host asks NVRTC for on compute capability 9.0) multiplies on
-// wgmma; other cards on mma.sync (below).
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define FA_WGMMA 1
-#else
-#define FA_WGMMA 0
-#endif
+// Hopper (sm_90a) multiplies on wgmma (the prelude's helpers); other cards on mma.sync (below).
+// On wgmma, the scores and the values' product read B from shared memory by descriptor, A is
+// this warp's 16 rows as the mma.sync A fragment and d is in the mma.sync C layout, so the
+// fragments of every other step are those of the mma.sync path; and the sums come out the same
+// bits as that path's chains of m16n8k16 (scripts/flash-bench compares them), so a row does not
+// depend on which path computed it either. The block's 4 warps are one warpgroup of 64 rows,
+// FA_ROWS.
+#define FA_WGMMA HAS_WGMMA
 
 // Where key r's 16-byte piece c of the head lies in a tile (in elements). For mma.sync, rows
 // padded by 8 elements, so the 8 rows of an ldmatrix fall in distinct banks. For wgmma, its
@@ -164,88 +161,6 @@ __device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const bf16* k_cach
         cp_async16(vs + tile_offset<D>(r, c), v_cache + off, in ? 16 : 0);
     }
 }
-
-// Hopper (sm_90a, which the host asks NVRTC for on compute capability 9.0): the scores and the
-// values' product on wgmma, the warpgroup-wide asynchronous mma, B read from shared memory by
-// descriptor. A is this warp's 16 rows as the mma.sync A fragment and d is in the mma.sync C
-// layout, so the fragments of every other step are those of the mma.sync path; and the sums come
-// out the same bits as that path's chains of m16n8k16 (scripts/flash-bench compares them), so a
-// row does not depend on which path computed it either. The block's 4 warps are one warpgroup of
-// 64 rows, FA_ROWS.
-#if FA_WGMMA
-__device__ __forceinline__ void wgmma_fence() {
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void wgmma_commit_and_wait() {
-    asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-}
-
-// Keeps the compiler from moving reads or writes of accumulators across an asynchronous mma.
-template <int N>
-__device__ __forceinline__ void wgmma_pin(float (&d)[N][4]) {
-#pragma unroll
-    for (int j = 0; j < N; j++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) asm volatile("" : "+f"(d[j][e])::"memory");
-}
-
-// A matrix in shared memory in the 128-byte swizzle: 8-row groups sbo bytes apart, panels of
-// 128-byte rows lbo bytes apart (where the layout has more than one along the operand's width).
-__device__ __forceinline__ u64 smem_desc_sw128(const void* p, u32 lbo, u32 sbo) {
-    return (u64)((smem_u32(p) & 0x3FFFFu) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) | (1ull << 62);
-}
-
-// d += a * b for 64 rows and N columns of 16 k; TNSP_B: b is stored N-major (k rows of N).
-template <int TNSP_B>
-__device__ __forceinline__ void wgmma_n64(float (&d)[8][4], const u32* a, u64 desc) {
-    asm volatile(
-        "{\n .reg .pred acc;\n setp.ne.b32 acc, %37, 0;\n"
-        " wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-        "}, {%32, %33, %34, %35}, %36, acc, 1, 1, %38;\n}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-          "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1), "n"(TNSP_B));
-}
-
-template <int TNSP_B>
-__device__ __forceinline__ void wgmma_n128(float (&d)[16][4], const u32* a, u64 desc) {
-    asm volatile(
-        "{\n .reg .pred acc;\n setp.ne.b32 acc, %69, 0;\n"
-        " wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-        "}, {%64, %65, %66, %67}, %68, acc, 1, 1, %70;\n}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-          "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
-          "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
-          "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
-          "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
-          "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
-          "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
-          "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
-          "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
-          "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1), "n"(TNSP_B));
-}
-
-#endif
 
 // The maximum (MAX) or sum of this thread's 16 values of row rr in a tile of scores, as a
 // tree: dependent chains of 4 operations, not 16.

@@ -408,3 +408,170 @@ extern "C" __global__ void __launch_bounds__(256)
                   int k, int segments) {
     gemm_mma_tile<128, 5>(x, w, y, rows, n, k, segments);
 }
+
+#define GW_COLS 128
+#define GW_THREADS 256
+
+#if HAS_WGMMA
+// gemm_mma on Hopper's wgmma: the same sums (each segment's chain of m16n8k16 steps from zero,
+// the segments added in order), so the same bits, at the rate of the asynchronous warpgroup mma.
+// A block is two warpgroups, each 64 columns (rows of w) by ROWS rows of x; a stage holds two
+// k-blocks of 32. The w tile is read into registers as the GEMV reads it from memory (lane t's 16
+// bytes of a row, k 8t..8t+7 of the block), so its fragments are the GEMV's. wgmma reads x from
+// shared memory by descriptor, in the order of k the mma sees (word o = 8m + j of a block, j < 8,
+// is step m's k pair j, which the GEMV's lanes fill with the block's word gemv_word(o)): x is
+// copied into place 4 bytes at a time, in the 128-byte swizzle.
+
+// The block's 4-byte word (pair of k) that the GEMV's mma sees as word o of a k-block.
+__device__ __forceinline__ int gemv_word(int o) {
+    int m = o >> 3, j = o & 7;
+    return 4 * (j & 3) + 2 * m + (j >> 2);
+}
+
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_u32(dst)), "l"(src));
+}
+
+template <int ROWS>
+__device__ __forceinline__ void wgmma_rows(float (&d)[ROWS / 8][4], const u32* a, u64 desc) {
+    if constexpr (ROWS == 128)
+        wgmma_n128<0>(d, a, desc);
+    else
+        wgmma_n64<0>(d, a, desc);
+}
+
+template <int ROWS, int STAGES>
+__device__ __forceinline__ void gemm_wgmma_tile(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                                float* __restrict__ y, int rows, int n, int k, int segments) {
+    constexpr int W_BYTES = GW_COLS * 128, STAGE_BYTES = W_BYTES + ROWS * 128;
+    // Stage st + AHEAD is copied while st is multiplied, into the slot of st - 2: a warpgroup
+    // leaves at most the last stage's mma (a group per k-block) running into the next.
+    constexpr int AHEAD = STAGES - 2;
+    constexpr int X_PER_THREAD = ROWS * 32 / GW_THREADS;
+    extern __shared__ __align__(1024) unsigned char gw_smem[];
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    int row0 = blockIdx.x * ROWS, col0 = blockIdx.y * GW_COLS;
+    int blocks = k >> 5, stages = (blocks + 1) / 2;
+    // A thread copies 16-byte piece wp of w rows wr0 + 32i and word xo of x rows xr0 + 8i, every
+    // stage: their offsets are taken once (32-bit: the host keeps operands under 2^32 elements).
+    // Rows past the ends copy the last ones; their sums are never written.
+    int wp = tid & 7, wr0 = tid >> 3, xo = tid & 31, xr0 = tid >> 5;
+    u32 wsrc[4], xsrc[X_PER_THREAD];
+#pragma unroll
+    for (int i = 0; i < 4; i++) wsrc[i] = (u32)min(col0 + wr0 + 32 * i, n - 1) * k + (wp >> 2) * 32 + (wp & 3) * 8;
+#pragma unroll
+    for (int i = 0; i < X_PER_THREAD; i++)
+        xsrc[i] = (u32)min(row0 + xr0 + 8 * i, rows - 1) * k + (xo >> 4) * 32 + gemv_word(xo & 15) * 2;
+    int wdst = wr0 * 128 + ((wp ^ ((wr0 & 1) << 2)) << 4);
+    int xdst = W_BYTES + xr0 * 128 + (((xo >> 2) ^ (xr0 & 7)) << 4) + (xo & 3) * 4;
+    auto load_w = [&](int st) {
+        unsigned char* s = gw_smem + (st % STAGES) * STAGE_BYTES;
+        if (2 * st + (wp >> 2) < blocks) {
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                gemm_copy16(reinterpret_cast<uint4*>(s + wdst + i * 32 * 128), w + wsrc[i] + (u32)st * 64);
+        }
+    };
+    auto load_x = [&](int st) {
+        unsigned char* s = gw_smem + (st % STAGES) * STAGE_BYTES;
+        if (2 * st + (xo >> 4) < blocks) {
+#pragma unroll
+            for (int i = 0; i < X_PER_THREAD; i++) cp_async4(s + xdst + i * 8 * 128, x + xsrc[i] + (u32)st * 64);
+        }
+    };
+    // The weights are no earlier kernel's output: the first stages of them are asked for before
+    // waiting on the kernel that writes x (they join the first stage's group of copies).
+#pragma unroll
+    for (int st = 0; st < AHEAD; st++)
+        if (st < stages) load_w(st);
+    after_previous_kernel();
+#pragma unroll
+    for (int st = 0; st < AHEAD; st++) {
+        if (st < stages) load_x(st);
+        asm volatile("cp.async.commit_group;\n" ::);
+    }
+    // This warp's 16 columns of the warpgroup's 64: rows fr and fr + 8 of the w tile.
+    int fr = (warp >> 2) * 64 + (warp & 3) * 16 + g;
+    int wa_at = fr * 128, wb_at = (fr + 8) * 128, swap = (g & 1) << 2;
+    float acc[ROWS / 8][4], tot[ROWS / 8][4];
+#pragma unroll
+    for (int j = 0; j < ROWS / 8; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[j][e] = tot[j][e] = 0.0f;
+    int seg = 0, seg_end = segment_begin(1, segments, blocks);
+    auto close_segments = [&](int done) {
+        while (seg < segments && seg_end <= done) {
+#pragma unroll
+            for (int j = 0; j < ROWS / 8; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    tot[j][e] += acc[j][e];
+                    acc[j][e] = 0.0f;
+                }
+            seg++;
+            seg_end = segment_begin(seg + 1, segments, blocks);
+        }
+    };
+    close_segments(0);
+    for (int st = 0; st < stages; st++) {
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(AHEAD - 1));
+        // cp.async writes through the generic proxy; wgmma reads through the async one.
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        if (st + AHEAD < stages) {
+            load_w(st + AHEAD);
+            load_x(st + AHEAD);
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+        const unsigned char* s = gw_smem + (st % STAGES) * STAGE_BYTES;
+#pragma unroll
+        for (int kl = 0; kl < 2; kl++) {
+            int kb = 2 * st + kl;
+            if (kb >= blocks) break;
+            uint4 wa = *reinterpret_cast<const uint4*>(s + wa_at + (((kl * 4 + t) ^ swap) << 4));
+            uint4 wb = *reinterpret_cast<const uint4*>(s + wb_at + (((kl * 4 + t) ^ swap) << 4));
+            u32 a0[4] = {wa.x, wb.x, wa.y, wb.y}, a1[4] = {wa.z, wb.z, wa.w, wb.w};
+            wgmma_pin(acc);
+            wgmma_fence();
+            wgmma_rows<ROWS>(acc, a0, smem_desc_sw128(s + W_BYTES + kl * 64, 16, 1024));
+            wgmma_rows<ROWS>(acc, a1, smem_desc_sw128(s + W_BYTES + kl * 64 + 32, 16, 1024));
+            wgmma_commit();
+            wgmma_pin(acc);
+            if (kb + 1 >= seg_end) {
+                wgmma_wait<0>();
+                wgmma_pin(acc);
+                close_segments(kb + 1);
+            }
+        }
+        wgmma_wait<2>();
+    }
+    wgmma_wait<0>();
+    wgmma_pin(acc);
+    int c = col0 + fr;
+#pragma unroll
+    for (int j = 0; j < ROWS / 8; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int col = c + (e < 2 ? 0 : 8), row = row0 + 8 * j + 2 * t + (e & 1);
+            if (row < rows && col < n) y[(size_t)row * n + col] = tot[j][e];
+        }
+}
+#endif
+
+// 128 columns x 64 rows a block, four stages of 24 KB: two blocks an SM.
+extern "C" __global__ void __launch_bounds__(GW_THREADS, 2)
+    gemm_wgmma(const bf16* __restrict__ x, const bf16* __restrict__ w, float* __restrict__ y, int rows, int n, int k,
+               int segments) {
+#if HAS_WGMMA
+    gemm_wgmma_tile<64, 4>(x, w, y, rows, n, k, segments);
+#endif
+}
+
+// 128 x 128 a block, six stages of 32 KB: one block an SM.
+extern "C" __global__ void __launch_bounds__(GW_THREADS, 1)
+    gemm_wgmma_wide(const bf16* __restrict__ x, const bf16* __restrict__ w, float* __restrict__ y, int rows, int n,
+                    int k, int segments) {
+#if HAS_WGMMA
+    gemm_wgmma_tile<128, 6>(x, w, y, rows, n, k, segments);
+#endif
+}

@@ -4,8 +4,9 @@
 //! cores where k is a multiple of 32, else `gemv_bf16`), with one order of summation over k
 //! whatever the number of rows; cuBLASLt takes larger batches, with its algorithm chosen once per
 //! shape (`test-quarry kernel_speeds --ignored`, scripts/bench-gpu, compares them). Batch-
-//! invariant (`--batch-invariant`), larger batches take `gemm_mma` instead, which sums over k in
-//! the GEMV's order, so that a row's product has the same bits in a batch of any size.
+//! invariant (`--batch-invariant`), larger batches take `gemm_mma` instead (on Hopper its wgmma
+//! form), which sums over k in the GEMV's order, so that a row's product has the same bits in a
+//! batch of any size.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -28,8 +29,10 @@ pub struct Gemm {
     gemv_mma: CudaFunction,
     gemv_mma_silu: CudaFunction,
     gemv_mma_rope: CudaFunction,
-    gemm_mma: CudaFunction,
-    gemm_mma_wide: CudaFunction,
+    /// The batch-invariant products' kernels, one per `GemmTile`.
+    tiles: [CudaFunction; 4],
+    /// Whether the wgmma tiles run here.
+    wgmma: bool,
     /// The device's SMs, which `gemm_mma`'s choice of tile fills.
     sms: usize,
     /// Products of more than `GEMV_MAX_ROWS` rows sum in the GEMV's order (`gemm_mma`) instead
@@ -193,31 +196,76 @@ const GEMV_MMA_COLS: usize = 16;
 /// gate|up 95% -> 96%); sixteen k-blocks in flight lose (57-68%).
 const GEMV_MMA_WARPS: usize = 16;
 
-/// kernels/gemv.cu's GEMM_COLS: the columns (rows of w) of a `gemm_mma` block.
+/// kernels/gemv.cu's GEMM_COLS and GW_COLS: the columns (rows of w) of a batch-invariant block.
 const GEMM_COLS: usize = 128;
 
-/// The blocks of the batch-invariant product (kernels/gemv.cu's `gemm_mma` and `gemm_mma_wide`).
+/// The blocks of the batch-invariant product (kernels/gemv.cu). Every tile gives the same bits;
+/// they differ in speed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GemmTile {
-    /// 128 columns x 64 rows, four stages.
+    /// `gemm_mma`: 128 columns x 64 rows, four stages, mma.sync.
     Narrow,
-    /// 128 x 128, five stages.
+    /// `gemm_mma_wide`: 128 x 128, five stages.
     Wide,
+    /// `gemm_wgmma` (Hopper): 128 x 64, two warpgroups, four stages.
+    Wgmma,
+    /// `gemm_wgmma_wide` (Hopper): 128 x 128, six stages.
+    WgmmaWide,
 }
 
-/// Shared memory of a `gemm_mma` block: `stages` stages of (128 + `rows`) rows of 64 k.
-const fn gemm_smem(rows: usize, stages: usize) -> u32 {
-    (stages * (GEMM_COLS + rows) * 64 * 2) as u32
+impl GemmTile {
+    /// Rows of x a block takes.
+    const fn rows(self) -> usize {
+        match self {
+            GemmTile::Narrow | GemmTile::Wgmma => 64,
+            GemmTile::Wide | GemmTile::WgmmaWide => 128,
+        }
+    }
+
+    const fn threads(self) -> u32 {
+        match self {
+            GemmTile::Narrow | GemmTile::Wide => 2 * self.rows() as u32,
+            GemmTile::Wgmma | GemmTile::WgmmaWide => 256,
+        }
+    }
+
+    /// Shared memory of a block: its stages of (128 + rows) rows of 64 k.
+    const fn smem(self) -> u32 {
+        let stage = (GEMM_COLS + self.rows()) * 64 * 2;
+        (match self {
+            GemmTile::Narrow | GemmTile::Wgmma => 4 * stage,
+            GemmTile::Wide => 5 * stage,
+            GemmTile::WgmmaWide => 6 * stage,
+        }) as u32
+    }
+
+    fn function(self, k: &Kernels) -> &CudaFunction {
+        match self {
+            GemmTile::Narrow => &k.gemm_mma,
+            GemmTile::Wide => &k.gemm_mma_wide,
+            GemmTile::Wgmma => &k.gemm_wgmma,
+            GemmTile::WgmmaWide => &k.gemm_wgmma_wide,
+        }
+    }
+
+    /// The tiles the device runs: the wgmma ones only where the kernels have wgmma.
+    pub fn available(k: &Kernels) -> &'static [GemmTile] {
+        match k.wgmma {
+            true => &[GemmTile::Narrow, GemmTile::Wide, GemmTile::Wgmma, GemmTile::WgmmaWide],
+            false => &[GemmTile::Narrow, GemmTile::Wide],
+        }
+    }
 }
 
 /// Lets the batch-invariant products take the shared memory they need (over the 48 KB default).
 pub fn prepare(k: &Kernels) -> Result<()> {
-    for (f, smem) in [(&k.gemm_mma, gemm_smem(64, 4)), (&k.gemm_mma_wide, gemm_smem(128, 5))] {
-        f.set_attribute(
-            cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )
-        .map_err(|e| RuntimeError::Device(format!("shared memory for the batch-invariant product: {e}")))?;
+    for &tile in GemmTile::available(k) {
+        tile.function(k)
+            .set_attribute(
+                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                tile.smem() as i32,
+            )
+            .map_err(|e| RuntimeError::Device(format!("shared memory for the batch-invariant product: {e}")))?;
     }
     Ok(())
 }
@@ -284,8 +332,9 @@ impl Gemm {
             gemv_mma: kernels.gemv_mma.clone(),
             gemv_mma_silu: kernels.gemv_mma_silu.clone(),
             gemv_mma_rope: kernels.gemv_mma_rope.clone(),
-            gemm_mma: kernels.gemm_mma.clone(),
-            gemm_mma_wide: kernels.gemm_mma_wide.clone(),
+            tiles: [GemmTile::Narrow, GemmTile::Wide, GemmTile::Wgmma, GemmTile::WgmmaWide]
+                .map(|t| t.function(kernels).clone()),
+            wgmma: kernels.wgmma,
             sms,
             invariant,
             workspace,
@@ -333,17 +382,21 @@ impl Gemm {
 
     /// `matmul` for any number of rows with the bits of `gemv_mma` (`k` a multiple of 32, rows
     /// 16-byte aligned): the batch-invariant product. The tile is chosen by shape (the bits do
-    /// not depend on it): blocks of 128 rows for prefills of a thousand rows or more where they
-    /// alone fill the GPU, else of 64 (faster up to 256 rows on an H200, `kernel_speeds`).
+    /// not depend on it): on Hopper the wgmma tiles, of 128 rows for prefills of 512 rows or more
+    /// that fill the GPU, else of 64; elsewhere the mma.sync ones, of 128 rows for prefills of a thousand rows or
+    /// more that fill the GPU, else of 64 (`kernel_speeds` on an H200).
     pub fn gemm_mma(&self, x: u64, w: u64, y: u64, rows: usize, n: usize, k: usize) -> Result<()> {
-        let tile = match rows >= 1024 && rows.div_ceil(128) * n.div_ceil(GEMM_COLS) >= self.sms {
-            true => GemmTile::Wide,
+        let fills = |tile_rows: usize| rows.div_ceil(tile_rows) * n.div_ceil(GEMM_COLS) >= self.sms;
+        let tile = match self.wgmma && Self::wgmma_reaches(rows, n, k) {
+            true if rows >= 512 && fills(128) => GemmTile::WgmmaWide,
+            true => GemmTile::Wgmma,
+            false if rows >= 1024 && fills(128) => GemmTile::Wide,
             false => GemmTile::Narrow,
         };
         self.gemm_mma_tiled(tile, x, w, y, rows, n, k)
     }
 
-    /// `gemm_mma` in blocks of `tile`.
+    /// `gemm_mma` in blocks of `tile` (one of `GemmTile::available`).
     #[allow(clippy::too_many_arguments)]
     pub fn gemm_mma_tiled(
         &self,
@@ -355,21 +408,27 @@ impl Gemm {
         n: usize,
         k: usize,
     ) -> Result<()> {
-        let (f, block_rows, smem) = match tile {
-            GemmTile::Narrow => (&self.gemm_mma, 64, gemm_smem(64, 4)),
-            GemmTile::Wide => (&self.gemm_mma_wide, 128, gemm_smem(128, 5)),
-        };
-        let grid = (rows.div_ceil(block_rows) as u32, n.div_ceil(GEMM_COLS) as u32, 1);
+        if matches!(tile, GemmTile::Wgmma | GemmTile::WgmmaWide) && !Self::wgmma_reaches(rows, n, k) {
+            return Err(RuntimeError::Backend(format!(
+                "the wgmma product addresses its operands in 32 bits: [{rows}x{k}] x [{n}x{k}]^T is too large"
+            )));
+        }
+        let f = &self.tiles[tile as usize];
+        let grid = (rows.div_ceil(tile.rows()) as u32, n.div_ceil(GEMM_COLS) as u32, 1);
         let (r, n32, k32, segments) = (rows as i32, n as i32, k as i32, GEMV_MMA_WARPS as i32);
-        let threads = 2 * block_rows as u32;
         super::launch_smem(
             &self.stream,
             f,
             grid,
-            threads,
-            smem,
+            tile.threads(),
+            tile.smem(),
             &[&x, &w, &y, &r, &n32, &k32, &segments],
         )
+    }
+
+    /// Whether the wgmma tiles' 32-bit element offsets reach every element of both operands.
+    fn wgmma_reaches(rows: usize, n: usize, k: usize) -> bool {
+        rows.max(n) * k <= u32::MAX as usize
     }
 
     /// `matmul` through the GEMV kernel (`rows <= GEMV_MAX_ROWS`, `k` a multiple of 8).

@@ -46,6 +46,8 @@ const SOURCES: &[(&str, &str, &[&str])] = &[
             "gemv_mma_rope",
             "gemm_mma",
             "gemm_mma_wide",
+            "gemm_wgmma",
+            "gemm_wgmma_wide",
         ],
     ),
     (
@@ -95,6 +97,11 @@ pub struct Kernels {
     pub gemv_mma_rope: CudaFunction,
     pub gemm_mma: CudaFunction,
     pub gemm_mma_wide: CudaFunction,
+    pub gemm_wgmma: CudaFunction,
+    pub gemm_wgmma_wide: CudaFunction,
+    /// Whether the kernels were compiled for sm_90a, with wgmma (the prelude's `HAS_WGMMA`);
+    /// elsewhere the wgmma kernels are empty.
+    pub wgmma: bool,
     pub silu_mul: CudaFunction,
     pub silu_mul4: CudaFunction,
     pub take_drawn_tokens: CudaFunction,
@@ -201,6 +208,9 @@ impl Kernels {
             gemv_mma_rope: take("gemv_mma_rope"),
             gemm_mma: take("gemm_mma"),
             gemm_mma_wide: take("gemm_mma_wide"),
+            gemm_wgmma: take("gemm_wgmma"),
+            gemm_wgmma_wide: take("gemm_wgmma_wide"),
+            wgmma: arch == "90a",
             silu_mul: take("silu_mul"),
             silu_mul4: take("silu_mul4"),
             take_drawn_tokens: take("take_drawn_tokens"),

@@ -843,7 +843,7 @@ fn batch_invariant_products_give_every_row_the_bits_it_gets_alone() {
             }
         }
         if mma {
-            for tile in [GemmTile::Narrow, GemmTile::Wide] {
+            for &tile in GemmTile::available(&g.k) {
                 let y = g.zeros_f32(rows * n);
                 g.gemm
                     .gemm_mma_tiled(tile, g.p(&xd), g.p(&wd), g.p(&y), rows, n, k)
@@ -1341,17 +1341,19 @@ fn kernel_speeds() {
             let y = g.zeros_f32(rows * n);
             let (xp, wp, yp) = (g.p(&x), g.p(&w), g.p(&y));
             let flops = 2.0 * (rows * n * k) as f64;
-            for path in ["cublas", "gemm_mma narrow", "gemm_mma wide", "gemm_mma chosen"] {
+            // cuBLAS (None), each tile, then the tile `gemm_mma` chooses.
+            let tiles = GemmTile::available(&g.k).iter().map(|&t| Some(Some(t)));
+            for path in std::iter::once(None).chain(tiles).chain([Some(None)]) {
                 let ms = median_ms(&g, 10, &|_| match path {
-                    "cublas" => g.gemm.cublas(xp, wp, yp, OutType::F32, rows, n, k).unwrap(),
-                    "gemm_mma narrow" => invariant
-                        .gemm_mma_tiled(GemmTile::Narrow, xp, wp, yp, rows, n, k)
-                        .unwrap(),
-                    "gemm_mma wide" => invariant
-                        .gemm_mma_tiled(GemmTile::Wide, xp, wp, yp, rows, n, k)
-                        .unwrap(),
-                    _ => invariant.gemm_mma(xp, wp, yp, rows, n, k).unwrap(),
+                    None => g.gemm.cublas(xp, wp, yp, OutType::F32, rows, n, k).unwrap(),
+                    Some(Some(tile)) => invariant.gemm_mma_tiled(tile, xp, wp, yp, rows, n, k).unwrap(),
+                    Some(None) => invariant.gemm_mma(xp, wp, yp, rows, n, k).unwrap(),
                 });
+                let path = match path {
+                    None => "cublas".to_string(),
+                    Some(Some(tile)) => format!("gemm {tile:?}"),
+                    Some(None) => "gemm chosen".to_string(),
+                };
                 let tfs = flops / ms / 1e9;
                 println!(
                     "{:<44}{ms:>10.4}{:>12}{:>10}",
