@@ -412,6 +412,13 @@ extern "C" __global__ void __launch_bounds__(256)
 #define GW_COLS 128
 #define GW_THREADS 256
 
+// The block's 4-byte word (pair of k) that the GEMV's mma sees as word o of a k-block.
+__device__ __forceinline__ int gemv_word(int o) {
+    int m = o >> 3, j = o & 7;
+    return 4 * (j & 3) + 2 * m + (j >> 2);
+}
+
+
 #if HAS_WGMMA
 // gemm_mma on Hopper's wgmma: the same sums (each segment's chain of m16n8k16 steps from zero,
 // the segments added in order), so the same bits, at the rate of the asynchronous warpgroup mma.
@@ -421,12 +428,6 @@ extern "C" __global__ void __launch_bounds__(256)
 // shared memory by descriptor, in the order of k the mma sees (word o = 8m + j of a block, j < 8,
 // is step m's k pair j, which the GEMV's lanes fill with the block's word gemv_word(o)): x is
 // copied into place 4 bytes at a time, in the 128-byte swizzle.
-
-// The block's 4-byte word (pair of k) that the GEMV's mma sees as word o of a k-block.
-__device__ __forceinline__ int gemv_word(int o) {
-    int m = o >> 3, j = o & 7;
-    return 4 * (j & 3) + 2 * m + (j >> 2);
-}
 
 __device__ __forceinline__ void cp_async4(void* dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_u32(dst)), "l"(src));
@@ -440,7 +441,8 @@ __device__ __forceinline__ void wgmma_rows(float (&d)[ROWS / 8][4], const u32* a
         wgmma_n64<0>(d, a, desc);
 }
 
-template <int ROWS, int STAGES>
+// PERMUTED: x was written in that order already (permute_k32), and is copied 16 bytes at a time.
+template <int ROWS, int STAGES, bool PERMUTED>
 __device__ __forceinline__ void gemm_wgmma_tile(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                                 float* __restrict__ y, int rows, int n, int k, int segments) {
     constexpr int W_BYTES = GW_COLS * 128, STAGE_BYTES = W_BYTES + ROWS * 128;
@@ -472,9 +474,22 @@ __device__ __forceinline__ void gemm_wgmma_tile(const bf16* __restrict__ x, cons
                 gemm_copy16(reinterpret_cast<uint4*>(s + wdst + i * 32 * 128), w + wsrc[i] + (u32)st * 64);
         }
     };
+    // Permuted, x is copied as w is: piece wp of rows wr0 + 32i.
+    constexpr int XP_PER_THREAD = ROWS * 8 / GW_THREADS;
+    u32 xpsrc[XP_PER_THREAD];
+#pragma unroll
+    for (int i = 0; i < XP_PER_THREAD; i++)
+        xpsrc[i] = (u32)min(row0 + wr0 + 32 * i, rows - 1) * k + (wp >> 2) * 32 + (wp & 3) * 8;
+    int xpdst = W_BYTES + wr0 * 128 + ((wp ^ (wr0 & 7)) << 4);
     auto load_x = [&](int st) {
         unsigned char* s = gw_smem + (st % STAGES) * STAGE_BYTES;
-        if (2 * st + (xo >> 4) < blocks) {
+        if (PERMUTED) {
+            if (2 * st + (wp >> 2) < blocks) {
+#pragma unroll
+                for (int i = 0; i < XP_PER_THREAD; i++)
+                    gemm_copy16(reinterpret_cast<uint4*>(s + xpdst + i * 32 * 128), x + xpsrc[i] + (u32)st * 64);
+            }
+        } else if (2 * st + (xo >> 4) < blocks) {
 #pragma unroll
             for (int i = 0; i < X_PER_THREAD; i++) cp_async4(s + xdst + i * 8 * 128, x + xsrc[i] + (u32)st * 64);
         }
@@ -558,20 +573,41 @@ __device__ __forceinline__ void gemm_wgmma_tile(const bf16* __restrict__ x, cons
 }
 #endif
 
-// 128 columns x 64 rows a block, four stages of 24 KB: two blocks an SM.
-extern "C" __global__ void __launch_bounds__(GW_THREADS, 2)
-    gemm_wgmma(const bf16* __restrict__ x, const bf16* __restrict__ w, float* __restrict__ y, int rows, int n, int k,
-               int segments) {
+// 128 columns x 64 rows a block, four stages of 24 KB: two blocks an SM. The _p forms read x
+// as permute_k32 leaves it.
 #if HAS_WGMMA
-    gemm_wgmma_tile<64, 4>(x, w, y, rows, n, k, segments);
+#define GEMM_WGMMA_KERNEL(NAME, ROWS, STAGES, BLOCKS, PERMUTED)                                                     \
+    extern "C" __global__ void __launch_bounds__(GW_THREADS, BLOCKS)                                                \
+        NAME(const bf16* __restrict__ x, const bf16* __restrict__ w, float* __restrict__ y, int rows, int n, int k, \
+             int segments) {                                                                                        \
+        gemm_wgmma_tile<ROWS, STAGES, PERMUTED>(x, w, y, rows, n, k, segments);                                     \
+    }
+#else
+#define GEMM_WGMMA_KERNEL(NAME, ROWS, STAGES, BLOCKS, PERMUTED)                                                     \
+    extern "C" __global__ void NAME(const bf16* x, const bf16* w, float* y, int rows, int n, int k, int segments) { \
+        after_previous_kernel();                                                                                    \
+    }
 #endif
-}
-
+GEMM_WGMMA_KERNEL(gemm_wgmma, 64, 4, 2, false)
+GEMM_WGMMA_KERNEL(gemm_wgmma_p, 64, 4, 2, true)
 // 128 x 128 a block, six stages of 32 KB: one block an SM.
-extern "C" __global__ void __launch_bounds__(GW_THREADS, 1)
-    gemm_wgmma_wide(const bf16* __restrict__ x, const bf16* __restrict__ w, float* __restrict__ y, int rows, int n,
-                    int k, int segments) {
-#if HAS_WGMMA
-    gemm_wgmma_tile<128, 6>(x, w, y, rows, n, k, segments);
-#endif
+GEMM_WGMMA_KERNEL(gemm_wgmma_wide, 128, 6, 1, false)
+GEMM_WGMMA_KERNEL(gemm_wgmma_wide_p, 128, 6, 1, true)
+
+// xp = x with the 4-byte words of each 32-k block in the order the GEMV's mma sees them
+// (gemv_word), for the wgmma product to copy 16 bytes at a time. A thread writes one 16-byte
+// piece; rows x k elements, k a multiple of 32.
+extern "C" __global__ void permute_k32(const bf16* __restrict__ x, bf16* __restrict__ xp, int rows, int k) {
+    after_previous_kernel();
+    size_t piece = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (piece >= (size_t)rows * k / 8) return;
+    size_t block = piece / 4;
+    int p = piece % 4;
+    const u32* src = reinterpret_cast<const u32*>(x) + block * 16;
+    uint4 v;
+    v.x = src[gemv_word(4 * p)];
+    v.y = src[gemv_word(4 * p + 1)];
+    v.z = src[gemv_word(4 * p + 2)];
+    v.w = src[gemv_word(4 * p + 3)];
+    reinterpret_cast<uint4*>(xp)[piece] = v;
 }

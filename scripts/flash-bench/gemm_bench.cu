@@ -23,15 +23,18 @@ int main(int argc, char** argv) {
     cublasHandle_t h; cublasCreate(&h);
     struct Shape { const char* name; int n, k; } shapes[] = {
         {"qkv", 6144, 4096}, {"o", 4096, 4096}, {"gate_up", 28672, 4096}, {"down", 4096, 14336}};
-    struct Tile { const char* name; void (*f)(const bf16*, const bf16*, float*, int, int, int, int); int rows, smem; } tiles[] = {
-        {"wgmma", gemm_wgmma, 64, 4 * 192 * 128}, {"wgmma_wide", gemm_wgmma_wide, 128, 6 * 256 * 128}};
+    // _p: x put in the mma's order first by permute_k32 (timed with the product).
+    struct Tile { const char* name; void (*f)(const bf16*, const bf16*, float*, int, int, int, int); int rows, smem; bool permuted; } tiles[] = {
+        {"wgmma", gemm_wgmma, 64, 4 * 192 * 128, false}, {"wgmma_wide", gemm_wgmma_wide, 128, 6 * 256 * 128, false},
+        {"wgmma_p", gemm_wgmma_p, 64, 4 * 192 * 128, true}, {"wgmma_wide_p", gemm_wgmma_wide_p, 128, 6 * 256 * 128, true}};
     for (auto& t : tiles) CK(cudaFuncSetAttribute(t.f, cudaFuncAttributeMaxDynamicSharedMemorySize, t.smem));
     for (auto& s : shapes) {
         for (int rows : {256, 2048}) {
             std::vector<unsigned short> hx((size_t)rows * s.k), hw((size_t)s.n * s.k);
             rng = 3; for (auto& v : hx) v = rbf();
             for (auto& v : hw) v = rbf();
-            bf16 *x, *w; float* y;
+            bf16 *x, *xp, *w; float* y;
+            CK(cudaMalloc(&xp, hx.size() * 2));
             CK(cudaMalloc(&x, hx.size() * 2)); CK(cudaMalloc(&w, hw.size() * 2)); CK(cudaMalloc(&y, (size_t)rows * s.n * 4));
             CK(cudaMemcpy(x, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
             CK(cudaMemcpy(w, hw.data(), hw.size() * 2, cudaMemcpyHostToDevice));
@@ -56,7 +59,11 @@ int main(int argc, char** argv) {
             for (auto& t : tiles) {
                 dim3 grid((rows + t.rows - 1) / t.rows, (s.n + 127) / 128);
                 CK(cudaMemset(y, 0, (size_t)rows * s.n * 4));
-                ms = time([&] { t.f<<<grid, 256, t.smem>>>(x, w, y, rows, s.n, s.k, 16); });
+                int pieces = (int)(hx.size() / 8);
+                ms = time([&] {
+                    if (t.permuted) permute_k32<<<(pieces + 255) / 256, 256>>>(x, xp, rows, s.k);
+                    t.f<<<grid, 256, t.smem>>>(t.permuted ? xp : x, w, y, rows, s.n, s.k, 16);
+                });
                 std::vector<float> hy((size_t)rows * s.n);
                 CK(cudaMemcpy(hy.data(), y, hy.size() * 4, cudaMemcpyDeviceToHost));
                 // Every tile must give the first tile's bits.
@@ -65,7 +72,7 @@ int main(int argc, char** argv) {
                 if (first.empty()) first = hy;
                 if (out) fwrite(hy.data(), 4, hy.size(), out);
             }
-            cudaFree(x); cudaFree(w); cudaFree(y);
+            cudaFree(x); cudaFree(xp); cudaFree(w); cudaFree(y);
         }
     }
     if (out) fclose(out);

@@ -29,8 +29,15 @@ pub struct Gemm {
     gemv_mma: CudaFunction,
     gemv_mma_silu: CudaFunction,
     gemv_mma_rope: CudaFunction,
-    /// The batch-invariant products' kernels, one per `GemmTile`.
+    /// The batch-invariant products' kernels, one per `GemmTile`, and the wgmma tiles' forms
+    /// that read x permuted (`permute_k32`, into `scratch`).
     tiles: [CudaFunction; 4],
+    tiles_permuted: [CudaFunction; 4],
+    permute: CudaFunction,
+    /// x in the mma's order of k, for products of up to its length in elements (else the wgmma
+    /// tiles order x as they copy it, 4 bytes at a time), and its address (taken once: cudarc's
+    /// per-use event tracking costs more than a small product).
+    scratch: Option<(CudaSlice<u16>, u64)>,
     /// Whether the wgmma tiles run here.
     wgmma: bool,
     /// The device's SMs, which `gemm_mma`'s choice of tile fills.
@@ -239,13 +246,21 @@ impl GemmTile {
         }) as u32
     }
 
-    fn function(self, k: &Kernels) -> &CudaFunction {
-        match self {
-            GemmTile::Narrow => &k.gemm_mma,
-            GemmTile::Wide => &k.gemm_mma_wide,
-            GemmTile::Wgmma => &k.gemm_wgmma,
-            GemmTile::WgmmaWide => &k.gemm_wgmma_wide,
+    /// The tile's kernel; `permuted`: the wgmma form that reads x as `permute_k32` leaves it.
+    fn function(self, k: &Kernels, permuted: bool) -> &CudaFunction {
+        match (self, permuted) {
+            (GemmTile::Narrow, _) => &k.gemm_mma,
+            (GemmTile::Wide, _) => &k.gemm_mma_wide,
+            (GemmTile::Wgmma, false) => &k.gemm_wgmma,
+            (GemmTile::Wgmma, true) => &k.gemm_wgmma_p,
+            (GemmTile::WgmmaWide, false) => &k.gemm_wgmma_wide,
+            (GemmTile::WgmmaWide, true) => &k.gemm_wgmma_wide_p,
         }
+    }
+
+    /// Whether the tile can read x permuted ahead (the wgmma tiles).
+    pub const fn permutes(self) -> bool {
+        matches!(self, GemmTile::Wgmma | GemmTile::WgmmaWide)
     }
 
     /// The tiles the device runs: the wgmma ones only where the kernels have wgmma.
@@ -260,12 +275,14 @@ impl GemmTile {
 /// Lets the batch-invariant products take the shared memory they need (over the 48 KB default).
 pub fn prepare(k: &Kernels) -> Result<()> {
     for &tile in GemmTile::available(k) {
-        tile.function(k)
-            .set_attribute(
-                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                tile.smem() as i32,
-            )
-            .map_err(|e| RuntimeError::Device(format!("shared memory for the batch-invariant product: {e}")))?;
+        for permuted in [false, true] {
+            tile.function(k, permuted)
+                .set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    tile.smem() as i32,
+                )
+                .map_err(|e| RuntimeError::Device(format!("shared memory for the batch-invariant product: {e}")))?;
+        }
     }
     Ok(())
 }
@@ -315,8 +332,10 @@ pub enum OutType {
 }
 
 impl Gemm {
-    /// `invariant`: every product sums a row in one order whatever the batch (`gemm_mma`).
-    pub fn new(stream: Arc<CudaStream>, kernels: &Kernels, invariant: bool) -> Result<Self> {
+    /// `invariant`: every product sums a row in one order whatever the batch (`gemm_mma`);
+    /// `scratch` elements are kept for the wgmma tiles' x in the mma's order (0: none; rows x k
+    /// of the largest product the engine runs lets every one of them take it).
+    pub fn new(stream: Arc<CudaStream>, kernels: &Kernels, invariant: bool, scratch: usize) -> Result<Self> {
         let handle = lt::create_handle().map_err(|e| RuntimeError::Device(format!("starting cuBLASLt: {e}")))?;
         let sms = stream
             .context()
@@ -325,6 +344,17 @@ impl Gemm {
         let workspace = stream
             .alloc_zeros::<u8>(WORKSPACE_BYTES)
             .map_err(|e| RuntimeError::Device(format!("cuBLAS workspace: {e}")))?;
+        let scratch = match invariant && kernels.wgmma && scratch > 0 {
+            true => {
+                let slice = stream
+                    .alloc_zeros::<u16>(scratch)
+                    .map_err(|e| RuntimeError::Device(format!("the batch-invariant product's scratch: {e}")))?;
+                let (p, _) = slice.device_ptr(&stream);
+                Some((slice, p))
+            }
+            false => None,
+        };
+        let all = [GemmTile::Narrow, GemmTile::Wide, GemmTile::Wgmma, GemmTile::WgmmaWide];
         Ok(Gemm {
             handle,
             stream,
@@ -332,8 +362,10 @@ impl Gemm {
             gemv_mma: kernels.gemv_mma.clone(),
             gemv_mma_silu: kernels.gemv_mma_silu.clone(),
             gemv_mma_rope: kernels.gemv_mma_rope.clone(),
-            tiles: [GemmTile::Narrow, GemmTile::Wide, GemmTile::Wgmma, GemmTile::WgmmaWide]
-                .map(|t| t.function(kernels).clone()),
+            tiles: all.map(|t| t.function(kernels, false).clone()),
+            tiles_permuted: all.map(|t| t.function(kernels, true).clone()),
+            permute: kernels.permute_k32.clone(),
+            scratch,
             wgmma: kernels.wgmma,
             sms,
             invariant,
@@ -383,24 +415,31 @@ impl Gemm {
     /// `matmul` for any number of rows with the bits of `gemv_mma` (`k` a multiple of 32, rows
     /// 16-byte aligned): the batch-invariant product. The tile is chosen by shape (the bits do
     /// not depend on it): on Hopper the wgmma tiles, of 128 rows for prefills of 512 rows or more
-    /// that fill the GPU, else of 64; elsewhere the mma.sync ones, of 128 rows for prefills of a thousand rows or
-    /// more that fill the GPU, else of 64 (`kernel_speeds` on an H200).
+    /// whose blocks fill three quarters of the GPU (x put in the mma's order first, where the
+    /// scratch holds it), else of 64; elsewhere the mma.sync ones, of 128 rows for prefills of a thousand rows
+    /// or more, else of 64 (`kernel_speeds` and `scripts/flash-bench/gemm-run` on an H200).
     pub fn gemm_mma(&self, x: u64, w: u64, y: u64, rows: usize, n: usize, k: usize) -> Result<()> {
-        let fills = |tile_rows: usize| rows.div_ceil(tile_rows) * n.div_ceil(GEMM_COLS) >= self.sms;
+        // Whether blocks of `tile_rows` rows fill three quarters of the SMs or more.
+        let fills = |tile_rows: usize| 4 * rows.div_ceil(tile_rows) * n.div_ceil(GEMM_COLS) >= 3 * self.sms;
         let tile = match self.wgmma && Self::wgmma_reaches(rows, n, k) {
             true if rows >= 512 && fills(128) => GemmTile::WgmmaWide,
             true => GemmTile::Wgmma,
             false if rows >= 1024 && fills(128) => GemmTile::Wide,
             false => GemmTile::Narrow,
         };
-        self.gemm_mma_tiled(tile, x, w, y, rows, n, k)
+        // Only the 128-row tile gains by the pass (`kernel_speeds`: 7-11% at 2048 rows; the
+        // 64-row tile after it lost up to 30% at 64 and 256 rows).
+        let permuted = tile == GemmTile::WgmmaWide && self.scratch_holds(rows * k);
+        self.gemm_mma_tiled(tile, permuted, x, w, y, rows, n, k)
     }
 
-    /// `gemm_mma` in blocks of `tile` (one of `GemmTile::available`).
+    /// `gemm_mma` in blocks of `tile` (one of `GemmTile::available`); `permuted` (a wgmma tile,
+    /// with the scratch for x): x is put in the mma's order of k first, by a pass of its own.
     #[allow(clippy::too_many_arguments)]
     pub fn gemm_mma_tiled(
         &self,
         tile: GemmTile,
+        permuted: bool,
         x: u64,
         w: u64,
         y: u64,
@@ -408,12 +447,26 @@ impl Gemm {
         n: usize,
         k: usize,
     ) -> Result<()> {
-        if matches!(tile, GemmTile::Wgmma | GemmTile::WgmmaWide) && !Self::wgmma_reaches(rows, n, k) {
+        if tile.permutes() && !Self::wgmma_reaches(rows, n, k) {
             return Err(RuntimeError::Backend(format!(
                 "the wgmma product addresses its operands in 32 bits: [{rows}x{k}] x [{n}x{k}]^T is too large"
             )));
         }
-        let f = &self.tiles[tile as usize];
+        let (f, x) = match permuted {
+            false => (&self.tiles[tile as usize], x),
+            true => {
+                if !tile.permutes() || !self.scratch_holds(rows * k) {
+                    return Err(RuntimeError::Backend(format!(
+                        "no scratch for a permuted x of {rows}x{k} in {tile:?} blocks"
+                    )));
+                }
+                let xp = self.scratch.as_ref().map_or(0, |s| s.1);
+                let (r, k32) = (rows as i32, k as i32);
+                let pieces = (rows * k / 8).div_ceil(256) as u32;
+                super::launch(&self.stream, &self.permute, (pieces, 1), 256, &[&x, &xp, &r, &k32])?;
+                (&self.tiles_permuted[tile as usize], xp)
+            }
+        };
         let grid = (rows.div_ceil(tile.rows()) as u32, n.div_ceil(GEMM_COLS) as u32, 1);
         let (r, n32, k32, segments) = (rows as i32, n as i32, k as i32, GEMV_MMA_WARPS as i32);
         super::launch_smem(
@@ -424,6 +477,11 @@ impl Gemm {
             tile.smem(),
             &[&x, &w, &y, &r, &n32, &k32, &segments],
         )
+    }
+
+    /// Whether the scratch holds `elements` of a permuted x.
+    fn scratch_holds(&self, elements: usize) -> bool {
+        self.scratch.as_ref().is_some_and(|s| elements <= s.0.len())
     }
 
     /// Whether the wgmma tiles' 32-bit element offsets reach every element of both operands.

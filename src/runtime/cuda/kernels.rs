@@ -47,7 +47,10 @@ const SOURCES: &[(&str, &str, &[&str])] = &[
             "gemm_mma",
             "gemm_mma_wide",
             "gemm_wgmma",
+            "gemm_wgmma_p",
             "gemm_wgmma_wide",
+            "gemm_wgmma_wide_p",
+            "permute_k32",
         ],
     ),
     (
@@ -98,7 +101,10 @@ pub struct Kernels {
     pub gemm_mma: CudaFunction,
     pub gemm_mma_wide: CudaFunction,
     pub gemm_wgmma: CudaFunction,
+    pub gemm_wgmma_p: CudaFunction,
     pub gemm_wgmma_wide: CudaFunction,
+    pub gemm_wgmma_wide_p: CudaFunction,
+    pub permute_k32: CudaFunction,
     /// Whether the kernels were compiled for sm_90a, with wgmma (the prelude's `HAS_WGMMA`);
     /// elsewhere the wgmma kernels are empty.
     pub wgmma: bool,
@@ -209,7 +215,10 @@ impl Kernels {
             gemm_mma: take("gemm_mma"),
             gemm_mma_wide: take("gemm_mma_wide"),
             gemm_wgmma: take("gemm_wgmma"),
+            gemm_wgmma_p: take("gemm_wgmma_p"),
             gemm_wgmma_wide: take("gemm_wgmma_wide"),
+            gemm_wgmma_wide_p: take("gemm_wgmma_wide_p"),
+            permute_k32: take("permute_k32"),
             wgmma: arch == "90a",
             silu_mul: take("silu_mul"),
             silu_mul4: take("silu_mul4"),

@@ -298,7 +298,11 @@ impl CudaBackend {
             options.max_num_seqs.max(1),
             target_blocks,
         )?;
-        let gemm = Gemm::new(stream.clone(), &kernels, options.batch_invariant)?;
+        // The batch-invariant products' x in the mma's order: room for a step's every row at
+        // the widest k.
+        let widest = config.hidden_size.max(config.intermediate_size).max(config.q_size());
+        let scratch = options.max_num_batched_tokens.max(1) * widest;
+        let gemm = Gemm::new(stream.clone(), &kernels, options.batch_invariant, scratch)?;
         stream.synchronize().map_err(device_err("loading the weights"))?;
 
         // The KV cache takes what is left of the memory budget.

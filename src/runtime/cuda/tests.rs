@@ -23,7 +23,7 @@ fn gpu() -> Option<Gpu> {
     unsafe { ctx.disable_event_tracking() };
     let stream = ctx.default_stream();
     let k = Kernels::load(&ctx).expect("kernels compile");
-    let gemm = Gemm::new(stream.clone(), &k, false).expect("cublas");
+    let gemm = Gemm::new(stream.clone(), &k, false, 0).expect("cublas");
     Some(Gpu {
         _ctx: ctx,
         stream,
@@ -798,7 +798,7 @@ fn gemv_rows_are_bitwise_the_same_for_one_to_eight_rows() {
 #[test]
 fn batch_invariant_products_give_every_row_the_bits_it_gets_alone() {
     let Some(g) = gpu() else { return };
-    let invariant = Gemm::new(g.stream.clone(), &g.k, true).expect("gemm");
+    let invariant = Gemm::new(g.stream.clone(), &g.k, true, 1 << 25).expect("gemm");
     let bits = |y: &CudaSlice<f32>| -> Vec<u32> { g.read_f32(y).iter().map(|v| v.to_bits()).collect() };
     for (n, k, rows) in [
         (6144usize, 4096usize, 300usize),
@@ -844,14 +844,16 @@ fn batch_invariant_products_give_every_row_the_bits_it_gets_alone() {
         }
         if mma {
             for &tile in GemmTile::available(&g.k) {
-                let y = g.zeros_f32(rows * n);
-                g.gemm
-                    .gemm_mma_tiled(tile, g.p(&xd), g.p(&wd), g.p(&y), rows, n, k)
-                    .unwrap();
-                assert!(
-                    bits(&y) == alone,
-                    "{what}: gemm_mma in {tile:?} blocks differs from the rows alone"
-                );
+                for permuted in [false, true].into_iter().filter(|&p| !p || tile.permutes()) {
+                    let y = g.zeros_f32(rows * n);
+                    invariant
+                        .gemm_mma_tiled(tile, permuted, g.p(&xd), g.p(&wd), g.p(&y), rows, n, k)
+                        .unwrap();
+                    assert!(
+                        bits(&y) == alone,
+                        "{what}: gemm_mma in {tile:?} blocks (x permuted first: {permuted}) differs from the rows alone"
+                    );
+                }
             }
         }
         let checked = rows.min(12);
@@ -1332,7 +1334,7 @@ fn kernel_speeds() {
     }
 
     // Products of many rows: cuBLAS against the batch-invariant product in both tiles.
-    let invariant = Gemm::new(g.stream.clone(), &g.k, true).expect("gemm");
+    let invariant = Gemm::new(g.stream.clone(), &g.k, true, 1 << 25).expect("gemm");
     for (name, n, k) in &shapes[..4] {
         let (n, k) = (*n, *k);
         let w = random_bf16(&g, n * k, 10);
@@ -1341,17 +1343,23 @@ fn kernel_speeds() {
             let y = g.zeros_f32(rows * n);
             let (xp, wp, yp) = (g.p(&x), g.p(&w), g.p(&y));
             let flops = 2.0 * (rows * n * k) as f64;
-            // cuBLAS (None), each tile, then the tile `gemm_mma` chooses.
-            let tiles = GemmTile::available(&g.k).iter().map(|&t| Some(Some(t)));
-            for path in std::iter::once(None).chain(tiles).chain([Some(None)]) {
+            // cuBLAS (None), each tile (x as it is, then permuted first where the tile can), then
+            // the tile `gemm_mma` chooses.
+            let tiles = GemmTile::available(&g.k)
+                .iter()
+                .flat_map(|&t| [(t, false), (t, true)])
+                .filter(|&(t, p)| !p || t.permutes())
+                .map(Some);
+            for path in std::iter::once(None).chain(tiles.map(Some)).chain([Some(None)]) {
                 let ms = median_ms(&g, 10, &|_| match path {
                     None => g.gemm.cublas(xp, wp, yp, OutType::F32, rows, n, k).unwrap(),
-                    Some(Some(tile)) => invariant.gemm_mma_tiled(tile, xp, wp, yp, rows, n, k).unwrap(),
+                    Some(Some((tile, p))) => invariant.gemm_mma_tiled(tile, p, xp, wp, yp, rows, n, k).unwrap(),
                     Some(None) => invariant.gemm_mma(xp, wp, yp, rows, n, k).unwrap(),
                 });
                 let path = match path {
                     None => "cublas".to_string(),
-                    Some(Some(tile)) => format!("gemm {tile:?}"),
+                    Some(Some((tile, false))) => format!("gemm {tile:?}"),
+                    Some(Some((tile, true))) => format!("gemm {tile:?} permuted"),
                     Some(None) => "gemm chosen".to_string(),
                 };
                 let tfs = flops / ms / 1e9;
