@@ -447,6 +447,11 @@ impl Gemm {
         n: usize,
         k: usize,
     ) -> Result<()> {
+        if tile.permutes() && !self.wgmma {
+            return Err(RuntimeError::Backend(format!(
+                "{tile:?} blocks need wgmma (kernels built for sm_90a)"
+            )));
+        }
         if tile.permutes() && !Self::wgmma_reaches(rows, n, k) {
             return Err(RuntimeError::Backend(format!(
                 "the wgmma product addresses its operands in 32 bits: [{rows}x{k}] x [{n}x{k}]^T is too large"

@@ -298,8 +298,9 @@ impl CudaBackend {
             options.max_num_seqs.max(1),
             target_blocks,
         )?;
-        // The batch-invariant products' x in the mma's order: room for a step's every row at
-        // the widest k.
+        // The batch-invariant products' x in the mma's order: room for a step of the batched
+        // tokens at the widest k; a larger step (shadow prompts, graph padding) skips the pass,
+        // with the same bits.
         let widest = config.hidden_size.max(config.intermediate_size).max(config.q_size());
         let scratch = options.max_num_batched_tokens.max(1) * widest;
         let gemm = Gemm::new(stream.clone(), &kernels, options.batch_invariant, scratch)?;
