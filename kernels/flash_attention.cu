@@ -276,6 +276,10 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
         }
         cp_async_commit();
         cp_async_wait_one();
+#if FA_WGMMA
+        // cp.async writes through the generic proxy; wgmma reads K and V through the async one.
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
         __syncthreads();
         if (warp_active) {
             const bf16* ks = stages + (i & 1) * 2 * TILE;
