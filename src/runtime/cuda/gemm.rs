@@ -416,8 +416,9 @@ impl Gemm {
     /// 16-byte aligned): the batch-invariant product. The tile is chosen by shape (the bits do
     /// not depend on it): on Hopper the wgmma tiles, of 128 rows for prefills of 512 rows or more
     /// whose blocks fill three quarters of the GPU (x put in the mma's order first, where the
-    /// scratch holds it), else of 64; elsewhere the mma.sync ones, of 128 rows for prefills of a thousand rows
-    /// or more, else of 64 (`kernel_speeds` and `scripts/flash-bench/gemm-run` on an H200).
+    /// scratch holds it), else of 64; elsewhere the mma.sync ones, of 128 rows for prefills of a
+    /// thousand rows or more, else of 64 (`kernel_speeds` and `scripts/flash-bench/gemm-run` on
+    /// an H200).
     pub fn gemm_mma(&self, x: u64, w: u64, y: u64, rows: usize, n: usize, k: usize) -> Result<()> {
         // Whether blocks of `tile_rows` rows fill three quarters of the SMs or more.
         let fills = |tile_rows: usize| 4 * rows.div_ceil(tile_rows) * n.div_ceil(GEMM_COLS) >= 3 * self.sms;
