@@ -90,15 +90,36 @@ fn shuffled(len: usize, n: usize, seed: u64) -> Vec<usize> {
     order
 }
 
-/// Each case's generated text, the tasks submitted in `order` all at once (`together`) or one
-/// after another; then the engine back, checked for leaked blocks.
+/// The tokens a request held in the cache, for itself and its twin (context-aware decoding's,
+/// which runs the request's output after a prompt of its own).
+#[derive(Clone, Copy)]
+struct Held {
+    prompts: [usize; 2],
+    output: usize,
+}
+
+impl Held {
+    /// Blocks of `block_size` tokens for the prompts alone (what a request needs to be
+    /// admitted) or with the whole output.
+    fn blocks(&self, block_size: usize, with_output: bool) -> usize {
+        let output = if with_output { self.output } else { 1 };
+        self.prompts
+            .iter()
+            .filter(|&&p| p > 0)
+            .map(|p| (p + output).div_ceil(block_size))
+            .sum()
+    }
+}
+
+/// Each case's generated text and what its request held, the tasks submitted in `order` all
+/// at once (`together`) or one after another; then the engine back, checked for leaked blocks.
 fn extract(
     core: EngineCore,
     tok: &Arc<Tokenizer>,
     cases: &[(String, Value, String)],
     order: &[usize],
     together: bool,
-) -> (Vec<String>, EngineCore) {
+) -> (Vec<(String, Held)>, EngineCore) {
     let extractor = Arc::new(Extractor::new(EngineClient::start(core), tok.clone()));
     let texts = common::runtime().block_on(async {
         let mut handles = Vec::new();
@@ -108,7 +129,13 @@ fn extract(
             let task = Task::new(schema.clone(), document.clone());
             let e = extractor.clone();
             handles.push(tokio::spawn(async move {
-                e.run(task).await.expect("the extraction ran").text
+                let done = e.run(task).await.expect("the extraction ran");
+                let m = &done.metrics;
+                let held = Held {
+                    prompts: [m.prompt_tokens, m.twin_prompt_tokens],
+                    output: m.output_tokens,
+                };
+                (done.text, held)
             }));
             if !together {
                 texts.push(handles.pop().unwrap().await.unwrap());
@@ -146,6 +173,8 @@ fn records_are_byte_identical_alone_and_in_any_batch() {
 
     let every: Vec<usize> = (0..cases.len()).collect();
     let (alone, mut core) = extract(common::engine(backend, &tok, config, None), &tok, &cases, &every, false);
+    let held: Vec<Held> = alone.iter().map(|(_, held)| *held).collect();
+    let alone: Vec<String> = alone.into_iter().map(|(text, _)| text).collect();
     let mut chunked = config;
     chunked.scheduler.max_num_batched_tokens = 64;
     let speculating = EngineConfig {
@@ -156,16 +185,24 @@ fn records_are_byte_identical_alone_and_in_any_batch() {
         }),
         ..config
     };
-    // Room for the longest request with its twin and not much more on the CPU, for four on the
-    // GPU (a generous count of tokens: a token is more than 2 characters), each prompt computed
-    // for itself (no prefix cache): requests wait and are preempted.
-    let longest = cases
-        .iter()
-        .map(|(_, s, d)| (d.len() + s.to_string().len()) / 2 + 1024)
-        .max()
-        .unwrap();
-    let room = if on_gpu() { 4 } else { 1 };
-    let small = || BlockPool::new(room * longest.div_ceil(block_size));
+    // Each prompt computed for itself (no prefix cache) in a pool, counted from what the
+    // requests held alone, that preempts whatever the timing of their arrivals. On the GPU,
+    // room for four of the largest beside 256 requests. On the CPU, room for any two requests
+    // to be admitted together (their prompts) but not to finish together (their outputs too),
+    // and for the largest to finish alone.
+    let most = |with_output| held.iter().map(|h| h.blocks(block_size, with_output)).max().unwrap();
+    let least_finished = held.iter().map(|h| h.blocks(block_size, true)).min().unwrap();
+    let room = if on_gpu() {
+        4 * most(true)
+    } else {
+        let room = most(false) + least_finished;
+        assert!(
+            most(false) < least_finished && most(true) <= room,
+            "no pool admits any two requests, preempts one and finishes the largest alone"
+        );
+        room
+    };
+    let small = || BlockPool::new(room);
     // Repeated cases find their prompts cached; without the cache every prompt is computed in
     // the batch.
     let uncached = EngineConfig {
@@ -199,7 +236,7 @@ fn records_are_byte_identical_alone_and_in_any_batch() {
         let parted: Vec<&str> = order
             .iter()
             .zip(&texts)
-            .filter(|(&i, text)| **text != alone[i])
+            .filter(|(&i, (text, _))| *text != alone[i])
             .map(|(&i, _)| cases[i].0.as_str())
             .collect();
         assert!(

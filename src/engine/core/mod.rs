@@ -276,6 +276,7 @@ impl EngineCore {
             last_token_at: None,
             metrics: RequestMetrics {
                 prompt_tokens,
+                twin_prompt_tokens: r.params.contrast.as_ref().map_or(0, |c| c.prompt.len()),
                 ..Default::default()
             },
             draft_sources: Vec::new(),

@@ -32,6 +32,9 @@ pub struct RequestMetrics {
     pub itl: Vec<Duration>,
     pub e2e: Duration,
     pub prompt_tokens: usize,
+    /// The prompt of the request's twin (context-aware decoding), which the request's cache
+    /// holds beside its own; 0 without one.
+    pub twin_prompt_tokens: usize,
     pub cached_tokens: usize,
     pub output_tokens: usize,
     /// Output tokens the grammar decided alone, appended without sampling (jump-forward).
