@@ -1612,6 +1612,53 @@ fn speculation_is_reported_per_request_and_changes_no_record() {
     assert_eq!(counter("quarry_spec_accepted_tokens_total"), kept, "{metrics}");
 }
 
+/// `--data-parallel-size 2`: two copies of the model behind one server give every extraction
+/// the record one engine gives (the CPU's rows never depend on the batch), posted all at once,
+/// and `/metrics` shows each copy's requests.
+#[test]
+fn two_copies_give_one_engines_records_and_report_each_copy() {
+    let Some(one) = start(&[]) else { return };
+    let Some(two) = start(&["--data-parallel-size", "2"]) else {
+        return;
+    };
+    let bodies: Vec<Value> = [("invoice", "invoice.txt"), ("contact", "contact.txt")]
+        .iter()
+        .flat_map(|(schema, file)| {
+            let path = format!("{}/examples/documents/{file}", env!("CARGO_MANIFEST_DIR"));
+            let document = std::fs::read_to_string(path).unwrap();
+            // The same document twice, and once more with a line before it: another prompt.
+            [
+                document.clone(),
+                document.clone(),
+                format!("Forwarded message.\n{document}"),
+            ]
+            .map(|d| json!({"schema_id": schema, "document": d}))
+        })
+        .collect();
+    let expected: Vec<Value> = bodies.iter().map(|b| post(one.port, b).1).collect();
+    let port = two.port;
+    let got: Vec<(u16, Value)> = std::thread::scope(|s| {
+        let posts: Vec<_> = bodies.iter().map(|b| s.spawn(move || post(port, b))).collect();
+        posts.into_iter().map(|p| p.join().unwrap()).collect()
+    });
+    for ((status, record), want) in got.iter().zip(&expected) {
+        assert_eq!(*status, 200, "{record}");
+        assert_eq!(record["outcome"], "ok", "{record}");
+        assert_eq!(
+            record["data"], want["data"],
+            "two copies gave another record than one engine"
+        );
+    }
+    let (status, metrics) = http_text(port, "GET", "/metrics", None, b"");
+    assert_eq!(status, 200);
+    for engine in ["0", "1"] {
+        let line = format!("quarry_engine_requests{{engine=\"{engine}\"}} 0");
+        assert!(metrics.lines().any(|l| l == line), "no `{line}` in\n{metrics}");
+    }
+    let log = two.log.lock().unwrap().join("\n");
+    assert!(log.contains("2 copies: cpu"), "the start log names the copies:\n{log}");
+}
+
 /// A job outlives its server: killed (SIGKILL) mid-job, a new server on the same state
 /// directory finds the job, takes back the dead one's items once their leases run out, and
 /// every item ends with exactly one result, in input order.

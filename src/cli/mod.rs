@@ -124,14 +124,24 @@ pub struct ModelArgs {
     /// attention and MLP.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=8))]
     tensor_parallel_size: u16,
+    /// Serve with this many copies of the model (data parallelism; `serve`, `extract` and
+    /// `bench interference`), each with its own engine and KV cache: copy r on the GPUs from
+    /// --device's + r x --tensor-parallel-size on (on the CPU the copies share the cores and
+    /// split the default cache). Each request goes to the copy whose prefix cache holds the
+    /// start of its prompt, or to the least busy.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    data_parallel_size: u16,
     /// Disaggregated serving: the device that computes prompts (cpu or cuda:N), with
-    /// --decode-device (--device is then not used). Each prompt's KV blocks then go to the decode device (over NCCL
-    /// between GPUs), which decodes, so long prompts arriving never stretch its steps.
-    #[arg(long, requires = "decode_device")]
-    prefill_device: Option<DeviceChoice>,
+    /// --decode-device (--device is then not used). Each prompt's KV blocks then go to the
+    /// decode device (over NCCL between GPUs), which decodes, so long prompts arriving never
+    /// stretch its steps. Several, comma-separated, with as many decode devices: pairs, each
+    /// prefill device with the decode device in the same place, served as copies
+    /// (--data-parallel-size).
+    #[arg(long, requires = "decode_device", value_delimiter = ',')]
+    prefill_device: Vec<DeviceChoice>,
     /// Disaggregated serving: the device that decodes (see --prefill-device).
-    #[arg(long, requires = "prefill_device")]
-    decode_device: Option<DeviceChoice>,
+    #[arg(long, requires = "prefill_device", value_delimiter = ',')]
+    decode_device: Vec<DeviceChoice>,
     /// Plan and queue each step before the last one's tokens are read, so that the device
     /// does not wait for the host between steps (the tokens go from the GPU's draws straight
     /// into the next pass). Outputs are the same either way. [default: on a GPU, unless
@@ -243,14 +253,48 @@ impl ModelArgs {
         self.load_on(self.device)
     }
 
-    /// The engine's client: one engine on --device, or a prefill and a decode engine (on
-    /// --prefill-device and --decode-device) joined by a KV link.
+    /// The engine's client: one engine on --device, several copies of it
+    /// (--data-parallel-size), or prefill and decode engines (on --prefill-device and
+    /// --decode-device) joined by KV links.
     pub(crate) fn client(&self) -> anyhow::Result<(EngineClient, Arc<Tokenizer>, String)> {
-        let (Some(from), Some(to)) = (self.prefill_device, self.decode_device) else {
-            let (engine, tokenizer) = self.engine()?;
-            let device = engine.backend().device_name();
-            return Ok((EngineClient::start(engine), tokenizer, device));
-        };
+        if !self.prefill_device.is_empty() {
+            return self.disaggregated();
+        }
+        if self.data_parallel_size > 1 {
+            return self.replicas();
+        }
+        let (engine, tokenizer) = self.engine()?;
+        let device = engine.backend().device_name();
+        Ok((EngineClient::start(engine), tokenizer, device))
+    }
+
+    /// A prefill and a decode engine for each pair of --prefill-device and --decode-device,
+    /// joined by a KV link; several pairs are copies behind one client.
+    fn disaggregated(&self) -> anyhow::Result<(EngineClient, Arc<Tokenizer>, String)> {
+        let pairs = self.prefill_device.len();
+        anyhow::ensure!(
+            self.decode_device.len() == pairs,
+            "--prefill-device and --decode-device name pairs: {pairs} prefill device(s) against {} decode device(s)",
+            self.decode_device.len()
+        );
+        anyhow::ensure!(
+            self.data_parallel_size == 1 || usize::from(self.data_parallel_size) == pairs,
+            "--data-parallel-size {} with {pairs} prefill/decode pair(s): the pairs are the copies; drop it",
+            self.data_parallel_size
+        );
+        let mut gpus: Vec<usize> = self
+            .prefill_device
+            .iter()
+            .chain(&self.decode_device)
+            .filter_map(|d| match d {
+                DeviceChoice::Cuda(n) => Some(*n),
+                _ => None,
+            })
+            .collect();
+        gpus.sort_unstable();
+        if let Some(w) = gpus.windows(2).find(|w| w[0] == w[1]) {
+            anyhow::bail!("cuda:{} is named twice in --prefill-device/--decode-device: each side of each pair needs a GPU of its own", w[0]);
+        }
         anyhow::ensure!(
             self.tensor_parallel_size == 1,
             "--tensor-parallel-size with --prefill-device/--decode-device is not supported yet: each side runs on one device"
@@ -263,16 +307,68 @@ impl ModelArgs {
             !self.no_prefix_caching,
             "disaggregated serving hands prompts over through the prefix cache: drop --no-prefix-caching"
         );
-        let (mut prefill, tokenizer) = self.load_on(from)?;
-        let (mut decode, _) = self.load_on(to)?;
-        crate::runtime::kv_link::join(prefill.as_mut(), from, decode.as_mut(), to)?;
-        let device = format!("prefill {}, decode {}", prefill.device_name(), decode.device_name());
-        let tokenizer = Arc::new(tokenizer);
         let config = self.engine_config()?;
-        let prefill = EngineCore::new(prefill, tokenizer.clone(), config);
-        let decode = EngineCore::new(decode, tokenizer.clone(), config);
-        let client = EngineClient::start_disaggregated(prefill, decode).map_err(|e| anyhow::anyhow!(e))?;
-        Ok((client, tokenizer, device))
+        let mut clients = Vec::new();
+        let mut names = Vec::new();
+        let mut tokenizer = None;
+        for (&from, &to) in self.prefill_device.iter().zip(&self.decode_device) {
+            let (mut prefill, tok) = self.load_on(from)?;
+            let (mut decode, _) = self.load_on(to)?;
+            crate::runtime::kv_link::join(prefill.as_mut(), from, decode.as_mut(), to)?;
+            names.push(format!(
+                "prefill {}, decode {}",
+                prefill.device_name(),
+                decode.device_name()
+            ));
+            let tok = tokenizer.get_or_insert_with(|| Arc::new(tok)).clone();
+            let prefill = EngineCore::new(prefill, tok.clone(), config);
+            let decode = EngineCore::new(decode, tok, config);
+            clients.push(EngineClient::start_disaggregated(prefill, decode).map_err(anyhow::Error::msg)?);
+        }
+        let tokenizer = tokenizer.expect("at least one pair");
+        if pairs == 1 {
+            let client = clients.pop().expect("one pair");
+            return Ok((client, tokenizer, names.remove(0)));
+        }
+        let client = EngineClient::replicas(clients).map_err(anyhow::Error::msg)?;
+        Ok((client, tokenizer, format!("{pairs} copies: {}", names.join("; "))))
+    }
+
+    /// How many copies serve: --data-parallel-size, or the prefill/decode pairs.
+    fn copies(&self) -> usize {
+        usize::from(self.data_parallel_size).max(self.prefill_device.len())
+    }
+
+    /// --data-parallel-size copies of the engine, each on devices of its own, behind one client.
+    fn replicas(&self) -> anyhow::Result<(EngineClient, Arc<Tokenizer>, String)> {
+        let copies = usize::from(self.data_parallel_size);
+        let devices: Vec<DeviceChoice> = match self.device.resolve()? {
+            crate::runtime::Device::Cpu => vec![DeviceChoice::Cpu; copies],
+            crate::runtime::Device::Cuda(first) => {
+                let (step, count) = (
+                    usize::from(self.tensor_parallel_size),
+                    crate::runtime::device::cuda_devices().map_err(anyhow::Error::msg)?,
+                );
+                let wanted = first + copies * step;
+                anyhow::ensure!(
+                    wanted <= count,
+                    "--data-parallel-size {copies} x --tensor-parallel-size {step} from cuda:{first} needs GPUs up to cuda:{}; this machine has {count}",
+                    wanted - 1
+                );
+                (0..copies).map(|r| DeviceChoice::Cuda(first + r * step)).collect()
+            }
+        };
+        let mut cores = Vec::new();
+        let mut tokenizer = None;
+        for &device in &devices {
+            let (core, tok) = self.engine_on(device)?;
+            cores.push(core);
+            tokenizer = Some(tok);
+        }
+        let names: Vec<String> = cores.iter().map(|c| c.backend().device_name()).collect();
+        let client = EngineClient::start_replicas(cores).map_err(anyhow::Error::msg)?;
+        let tokenizer = tokenizer.expect("at least two copies");
+        Ok((client, tokenizer, format!("{copies} copies: {}", names.join(", "))))
     }
 
     fn load_on(&self, device: DeviceChoice) -> anyhow::Result<(Box<dyn Backend>, Tokenizer)> {
@@ -308,7 +404,7 @@ impl ModelArgs {
             kv_cache_tokens: self.kv_cache_tokens,
             kv_cache_bytes: self.kv_cache_memory,
             cpu: CpuOptions {
-                kv_cache_bytes: Some(default_kv_cache_memory()),
+                kv_cache_bytes: Some(default_kv_cache_memory() / self.copies() as u64),
                 prefault_kv: self.prefault_kv,
                 ..Default::default()
             },
@@ -327,8 +423,17 @@ impl ModelArgs {
 impl ModelArgs {
     /// The model and tokenizer behind an engine with the default configuration.
     fn engine(&self) -> anyhow::Result<(EngineCore, Arc<Tokenizer>)> {
-        let draft = self.draft_model()?;
-        let (backend, tokenizer) = self.load()?;
+        anyhow::ensure!(
+            self.data_parallel_size == 1,
+            "--data-parallel-size serves through `quarry serve`, `extract` and `bench interference`; this command runs one engine"
+        );
+        self.engine_on(self.device)
+    }
+
+    /// `engine`, on `device`.
+    fn engine_on(&self, device: DeviceChoice) -> anyhow::Result<(EngineCore, Arc<Tokenizer>)> {
+        let draft = self.draft_model_on(device)?;
+        let (backend, tokenizer) = self.load_on(device)?;
         let tokenizer = Arc::new(tokenizer);
         let config = self.engine_config()?;
         let mut engine = EngineCore::new(backend, tokenizer.clone(), config);
@@ -342,6 +447,11 @@ impl ModelArgs {
     /// The model of `--speculative-model`, loaded before the main one (which may take a share
     /// of the GPU's memory) with a cache of `DRAFT_KV_TOKENS`.
     pub(crate) fn draft_model(&self) -> anyhow::Result<Option<Box<dyn Backend>>> {
+        self.draft_model_on(self.device)
+    }
+
+    /// `draft_model`, on `device`.
+    fn draft_model_on(&self, device: DeviceChoice) -> anyhow::Result<Option<Box<dyn Backend>>> {
         let Some(path) = &self.speculative_model else {
             return Ok(None);
         };
@@ -356,7 +466,7 @@ impl ModelArgs {
             enforce_eager: self.enforce_eager,
             ..Default::default()
         };
-        let backend = crate::runtime::load(self.device, path, options)
+        let backend = crate::runtime::load(device, path, options)
             .map_err(|e| anyhow::anyhow!("--speculative-model {}: {e}", path.display()))?;
         Ok(Some(backend))
     }
@@ -370,6 +480,10 @@ impl ModelArgs {
     /// The model, tokenizer and engine configuration, for commands that build several engines
     /// over one backend.
     fn load_shared(&self) -> anyhow::Result<(Box<dyn Backend>, Arc<Tokenizer>, EngineConfig)> {
+        anyhow::ensure!(
+            self.data_parallel_size == 1,
+            "--data-parallel-size serves through `quarry serve`, `extract` and `bench interference`; this command runs one engine"
+        );
         let (backend, tokenizer) = self.load()?;
         Ok((backend, Arc::new(tokenizer), self.engine_config()?))
     }

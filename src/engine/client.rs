@@ -12,7 +12,8 @@ use tokio::sync::{mpsc as async_mpsc, oneshot};
 use super::block_pool::BlockHash;
 use super::core::{AddError, Completion, Completions, EngineCore, EngineRequest, RequestOutput};
 use super::disaggregated::Router;
-use super::kv_cache_manager::{PrefixCacheStats, RequestId};
+use super::kv_cache_manager::{BlockHasher, PrefixCacheStats, RequestId};
+use super::placement::Placement;
 use crate::runtime::RuntimeError;
 
 /// A snapshot of the engine, refreshed after every step (for metrics and admission control).
@@ -93,18 +94,33 @@ pub(super) enum Handoff {
     },
 }
 
-/// A handle to the engine thread; cheap to share behind an `Arc`.
+/// A handle to the engine (or engines) behind the service; cheap to share behind an `Arc`.
 pub struct EngineClient {
+    /// One, or several serving the same model (data parallelism), each request placed on one
+    /// by `placement`.
+    engines: Vec<Engine>,
+    placement: Option<Arc<Mutex<Placement>>>,
+    /// `EngineCore::pipelining` of the engines (of every one).
+    pipelining: bool,
+    /// `Backend::batch_invariant` of the engines' backends (of every one, and of both sides
+    /// where prompts are computed by another engine).
+    batch_invariant: bool,
+}
+
+/// One engine's thread, and what it is told and tells.
+pub(super) struct Engine {
     commands: Mutex<Option<mpsc::Sender<Command>>>,
-    next_id: AtomicU64,
+    /// Shared by every engine behind one client: request ids are the client's.
+    next_id: Arc<AtomicU64>,
     stats: Arc<Mutex<EngineStats>>,
     thread: Mutex<Option<JoinHandle<EngineCore>>>,
     /// Where prompts are computed by another engine first (disaggregated serving).
     router: Option<Arc<Router>>,
-    /// `EngineCore::pipelining` of the engine.
-    pipelining: bool,
-    /// `Backend::batch_invariant` of the engine's backend (of both, disaggregated).
-    batch_invariant: bool,
+    /// How its cache names blocks, and how many its pool holds.
+    hasher: BlockHasher,
+    blocks: usize,
+    /// What it computes on (`device_kind`).
+    device_kind: String,
 }
 
 /// What computes on a device, from `Backend::device_name`: `cpu` or the GPU's model, without its
@@ -125,7 +141,7 @@ pub struct RequestStream {
     done: bool,
     /// What the submitter keeps for as long as the request has its stream (the server's
     /// admission permit): dropped with it.
-    held: Option<Box<dyn std::any::Any + Send + Sync>>,
+    held: Vec<Box<dyn std::any::Any + Send + Sync>>,
 }
 
 impl RequestStream {
@@ -136,7 +152,7 @@ impl RequestStream {
     /// Keeps `value` until the request ends (its last output is read) or its stream is
     /// dropped (which aborts it).
     pub fn hold(mut self, value: impl std::any::Any + Send + Sync) -> Self {
-        self.held = Some(Box::new(value));
+        self.held.push(Box::new(value));
         self
     }
 
@@ -151,7 +167,7 @@ impl RequestStream {
             // What was held for the request goes back as it ends, not when its reader is done.
             _ => {
                 self.done = true;
-                self.held = None;
+                self.held.clear();
             }
         }
         out
@@ -181,21 +197,11 @@ impl Drop for RequestStream {
 impl EngineClient {
     /// Moves `core` onto a thread of its own.
     pub fn start(core: EngineCore) -> Self {
-        let (tx, rx) = mpsc::channel();
-        let stats = Arc::new(Mutex::new(core.stats()));
         let pipelining = core.pipelining();
         let batch_invariant = core.backend().batch_invariant();
-        let shared = stats.clone();
-        let thread = std::thread::Builder::new()
-            .name("quarry-engine".into())
-            .spawn(move || run(core, rx, shared))
-            .expect("spawn the engine thread");
         EngineClient {
-            commands: Mutex::new(Some(tx)),
-            next_id: AtomicU64::new(0),
-            stats,
-            thread: Mutex::new(Some(thread)),
-            router: None,
+            engines: vec![Engine::start(core)],
+            placement: None,
             pipelining,
             batch_invariant,
         }
@@ -221,13 +227,203 @@ impl EngineClient {
         let prefill_invariant = p.batch_invariant() && alike;
         let mut client = EngineClient::start(decode);
         client.batch_invariant &= prefill_invariant;
-        client.router = Some(Arc::new(Router::new(EngineClient::start(prefill), hasher)));
+        client.engines[0].router = Some(Arc::new(Router::new(Engine::start(prefill), hasher)));
         Ok(client)
     }
 
-    /// The prefill engine's stats, where prompts are computed by another engine.
+    /// Data parallelism: `cores`, each a whole model on devices of its own, behind one client
+    /// (`replicas`).
+    pub fn start_replicas(cores: Vec<EngineCore>) -> Result<Self, String> {
+        Self::replicas(cores.into_iter().map(EngineClient::start).collect())
+    }
+
+    /// Data parallelism: the engines of `clients` (each one engine, or a prefill and a decode
+    /// engine), behind one client that places each request on one of them (`placement`: where
+    /// its prompt's start is cached, or the least busy). They must name KV blocks alike (the
+    /// same model).
+    pub fn replicas(clients: Vec<EngineClient>) -> Result<Self, String> {
+        // A request's output may come from any engine, and a preempted one resumes where it
+        // ran: the same bits only where every engine computes alike, on devices of one kind.
+        let batch_invariant = clients.iter().all(|c| c.batch_invariant);
+        let pipelining = clients.iter().all(|c| c.pipelining);
+        let mut engines: Vec<Engine> = Vec::new();
+        for mut client in clients {
+            engines.append(&mut client.engines);
+        }
+        let Some(first) = engines.first() else {
+            return Err("data parallelism needs at least one engine".into());
+        };
+        if let Some(other) = engines.iter().find(|e| e.hasher != first.hasher) {
+            return Err(format!(
+                "the engines name KV blocks differently (block sizes {} and {}, or another model)",
+                first.hasher.block_size, other.hasher.block_size
+            ));
+        }
+        let alike = engines.iter().all(|e| e.device_kind == first.device_kind);
+        let hasher = first.hasher;
+        let capacities: Vec<usize> = engines.iter().map(|e| e.blocks).collect();
+        let next_id = Arc::new(AtomicU64::new(0));
+        for engine in &mut engines {
+            engine.next_id = next_id.clone();
+        }
+        Ok(EngineClient {
+            engines,
+            placement: Some(Arc::new(Mutex::new(Placement::new(hasher, &capacities)))),
+            pipelining,
+            batch_invariant: batch_invariant && alike,
+        })
+    }
+
+    /// The prefill engines' stats (summed), where prompts are computed by other engines.
     pub fn prefill_stats(&self) -> Option<EngineStats> {
-        self.router.as_ref().map(|r| r.prefill.stats())
+        let mut sides = self
+            .engines
+            .iter()
+            .filter_map(|e| e.router.as_ref().map(|r| r.prefill.stats()));
+        let mut sum = sides.next()?;
+        sides.for_each(|s| sum.add(&s));
+        Some(sum)
+    }
+
+    /// Queues a request (its `id` is assigned here) and returns its output stream, or the
+    /// reason it was refused up front.
+    pub async fn submit(&self, request: EngineRequest) -> Result<RequestStream, SubmitError> {
+        let Some(placement) = &self.placement else {
+            return self.engines[0].submit(request).await;
+        };
+        // An engine that can run nothing more takes no more requests while another can.
+        let usable: Vec<bool> = self.engines.iter().map(|e| e.stats().broken.is_none()).collect();
+        let placed = lock(placement).place(&request.prompt, |i| usable[i]);
+        let Some(engine) = placed else {
+            return self.engines[0].submit(request).await;
+        };
+        let ended = Ended {
+            placement: placement.clone(),
+            engine,
+        };
+        let stream = self.engines[engine].submit(request).await?;
+        Ok(stream.hold(ended))
+    }
+
+    /// Whether the (decode) engines pipeline their steps (`EngineCore::pipelining`).
+    pub fn pipelining(&self) -> bool {
+        self.pipelining
+    }
+
+    /// Whether a request's output is the same whatever else runs beside it
+    /// (`Backend::batch_invariant`).
+    pub fn batch_invariant(&self) -> bool {
+        self.batch_invariant
+    }
+
+    /// The engines' stats, summed. Broken only where every engine is: the others serve on.
+    pub fn stats(&self) -> EngineStats {
+        let each: Vec<EngineStats> = self.engines.iter().map(Engine::stats).collect();
+        let broken = each.iter().all(|s| s.broken.is_some());
+        let mut sum = EngineStats::default();
+        each.iter().for_each(|s| sum.add(s));
+        if !broken {
+            sum.broken = None;
+        }
+        sum
+    }
+
+    /// How many engines serve (data parallelism), and the requests placed on each that have
+    /// not ended.
+    pub fn loads(&self) -> Vec<usize> {
+        match &self.placement {
+            Some(p) => lock(p).loads(),
+            None => {
+                let s = self.engines[0].stats();
+                vec![s.waiting + s.running]
+            }
+        }
+    }
+
+    /// Stops taking requests, lets the running ones finish, and returns the engine (the
+    /// decode engine, where prompts were computed by another; the first, where several serve).
+    pub fn shutdown(&self) -> Option<EngineCore> {
+        self.shutdown_all().into_iter().next()
+    }
+
+    /// `shutdown`, returning every engine, in order.
+    pub fn shutdown_all(&self) -> Vec<EngineCore> {
+        // Every engine stops taking requests before any is waited for.
+        self.engines.iter().for_each(Engine::close);
+        self.engines.iter().filter_map(Engine::join).collect()
+    }
+}
+
+impl Drop for EngineClient {
+    fn drop(&mut self) {
+        self.shutdown_all();
+    }
+}
+
+/// Held by a placed request's stream: its engine's load drops when it ends.
+struct Ended {
+    placement: Arc<Mutex<Placement>>,
+    engine: usize,
+}
+
+impl Drop for Ended {
+    fn drop(&mut self) {
+        lock(&self.placement).ended(self.engine);
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl EngineStats {
+    /// Adds `other`'s counts into these (several engines as one).
+    fn add(&mut self, other: &EngineStats) {
+        self.waiting += other.waiting;
+        self.running += other.running;
+        self.kv_blocks_total += other.kv_blocks_total;
+        self.kv_blocks_free += other.kv_blocks_free;
+        self.prefix_cache.queried_tokens += other.prefix_cache.queried_tokens;
+        self.prefix_cache.hit_tokens += other.prefix_cache.hit_tokens;
+        self.preemptions += other.preemptions;
+        self.steps += other.steps;
+        self.drafts.add(&other.drafts);
+        self.draft_model_failures += other.draft_model_failures;
+        self.logits_rows_copied += other.logits_rows_copied;
+        self.graph_steps += other.graph_steps;
+        self.pipelined_steps += other.pipelined_steps;
+        self.pipelined_rows_dropped += other.pipelined_rows_dropped;
+        self.kv_blocks_sent += other.kv_blocks_sent;
+        self.kv_blocks_received += other.kv_blocks_received;
+        self.kv_transfer_failures += other.kv_transfer_failures;
+        if self.broken.is_none() {
+            self.broken = other.broken.clone();
+        }
+    }
+}
+
+impl Engine {
+    /// Moves `core` onto a thread of its own.
+    fn start(core: EngineCore) -> Self {
+        let (hasher, blocks) = (core.kv().hasher(), core.kv().pool().total());
+        let device_kind = device_kind(&core.backend().device_name()).to_string();
+        let (tx, rx) = mpsc::channel();
+        let stats = Arc::new(Mutex::new(core.stats()));
+        let shared = stats.clone();
+        let thread = std::thread::Builder::new()
+            .name("quarry-engine".into())
+            .spawn(move || run(core, rx, shared))
+            .expect("spawn the engine thread");
+        Engine {
+            commands: Mutex::new(Some(tx)),
+            next_id: Arc::new(AtomicU64::new(0)),
+            stats,
+            thread: Mutex::new(Some(thread)),
+            router: None,
+            hasher,
+            blocks,
+            device_kind,
+        }
     }
 
     /// Asks the engine to take part in a handoff (`disaggregated`).
@@ -236,9 +432,8 @@ impl EngineClient {
         commands.send(Command::Handoff(step)).map_err(|_| SubmitError::Stopped)
     }
 
-    /// Queues a request (its `id` is assigned here) and returns its output stream, or the
-    /// reason it was refused up front.
-    pub async fn submit(&self, request: EngineRequest) -> Result<RequestStream, SubmitError> {
+    /// `EngineClient::submit` on this engine (and its prefill engine, where it has one).
+    async fn submit(&self, request: EngineRequest) -> Result<RequestStream, SubmitError> {
         let Some(router) = &self.router else {
             return self.enqueue(request, false).await;
         };
@@ -274,47 +469,47 @@ impl EngineClient {
             outputs: out_rx,
             commands,
             done: false,
-            held: None,
+            held: Vec::new(),
         })
     }
 
-    /// Whether the (decode) engine pipelines its steps (`EngineCore::pipelining`).
-    pub fn pipelining(&self) -> bool {
-        self.pipelining
-    }
-
-    /// Whether a request's output is the same whatever else runs beside it
-    /// (`Backend::batch_invariant`).
-    pub fn batch_invariant(&self) -> bool {
-        self.batch_invariant
-    }
-
-    pub fn stats(&self) -> EngineStats {
-        let mut stats = self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    pub(super) fn stats(&self) -> EngineStats {
+        let mut stats = lock(&self.stats).clone();
         // A prefill engine that can run nothing more breaks the service as much.
         if stats.broken.is_none() {
-            stats.broken = self.prefill_stats().and_then(|p| p.broken);
+            stats.broken = self.router.as_ref().and_then(|r| r.prefill.stats().broken);
         }
         stats
     }
 
-    /// Stops taking requests, lets the running ones finish, and returns the engine (the
-    /// decode engine, where prompts were computed by another).
-    pub fn shutdown(&self) -> Option<EngineCore> {
+    /// Stops taking requests (the prefill engine's too); the running ones finish.
+    fn close(&self) {
         if let Some(router) = &self.router {
-            router.prefill.shutdown();
+            router.prefill.close();
         }
-        self.commands.lock().unwrap_or_else(|e| e.into_inner()).take();
-        let thread = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take()?;
-        thread.join().ok()
+        lock(&self.commands).take();
+    }
+
+    /// Waits for the engine's thread (closed first) and returns the engine; the prefill
+    /// engine's thread is waited for too.
+    fn join(&self) -> Option<EngineCore> {
+        if let Some(router) = &self.router {
+            router.prefill.join();
+        }
+        lock(&self.thread).take()?.join().ok()
+    }
+
+    pub(super) fn shutdown(&self) -> Option<EngineCore> {
+        self.close();
+        self.join()
     }
 
     fn sender(&self) -> Option<mpsc::Sender<Command>> {
-        self.commands.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        lock(&self.commands).clone()
     }
 }
 
-impl Drop for EngineClient {
+impl Drop for Engine {
     fn drop(&mut self) {
         self.shutdown();
     }

@@ -22,20 +22,20 @@
 use tokio::sync::{oneshot, Mutex};
 
 use super::block_pool::BlockHash;
-use super::client::{DecodeSide, EngineClient, Handoff};
+use super::client::{DecodeSide, Engine, Handoff};
 use super::core::{EngineRequest, FinishReason};
 use super::kv_cache_manager::{BlockHasher, RequestId};
 use crate::sampling::SamplingParams;
 
 /// The prefill side of disaggregated serving, and the order of transfers.
 pub struct Router {
-    pub(super) prefill: EngineClient,
+    pub(super) prefill: Engine,
     hasher: BlockHasher,
     transfers: Mutex<()>,
 }
 
 impl Router {
-    pub(super) fn new(prefill: EngineClient, hasher: BlockHasher) -> Self {
+    pub(super) fn new(prefill: Engine, hasher: BlockHasher) -> Self {
         Router {
             prefill,
             hasher,
@@ -136,7 +136,7 @@ impl Side for DecodeSide {
     }
 }
 
-struct PrefillSide<'a>(&'a EngineClient);
+struct PrefillSide<'a>(&'a Engine);
 
 impl Side for PrefillSide<'_> {
     fn send_step(&self, step: Handoff) -> bool {

@@ -9,6 +9,7 @@ pub mod core;
 pub mod detokenizer;
 pub mod disaggregated;
 pub mod kv_cache_manager;
+mod placement;
 pub mod proposers;
 pub mod request;
 pub mod scheduler;

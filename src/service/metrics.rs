@@ -23,6 +23,12 @@ pub struct OutcomeLabel {
     pub outcome: String,
 }
 
+/// Which of the engines serving the model (data parallelism) a gauge is for: its index.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EngineLabel {
+    pub engine: String,
+}
+
 /// Which speculative-decoding proposer a draft count is for.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ProposerLabel {
@@ -53,6 +59,7 @@ pub struct Metrics {
     logits_rows_copied: Gauge,
     graph_steps: Gauge,
     pipelined_steps: Gauge,
+    engine_requests: Family<EngineLabel, Gauge>,
 }
 
 impl Metrics {
@@ -90,6 +97,7 @@ impl Default for Metrics {
             logits_rows_copied: Gauge::default(),
             graph_steps: Gauge::default(),
             pipelined_steps: Gauge::default(),
+            engine_requests: Family::default(),
         };
         let r = &mut m.registry;
         r.register(
@@ -178,6 +186,11 @@ impl Default for Metrics {
             "Steps planned and queued before the step before them was read (--async-scheduling)",
             m.pipelined_steps.clone(),
         );
+        r.register(
+            "engine_requests",
+            "Requests placed on each engine serving the model (--data-parallel-size) and not ended",
+            m.engine_requests.clone(),
+        );
         m
     }
 }
@@ -222,8 +235,13 @@ impl Metrics {
             .inc();
     }
 
-    /// The text of every metric, with the gauges read from the engine's `stats` now.
-    pub fn render(&self, stats: &EngineStats) -> String {
+    /// The text of every metric, with the gauges read from the engines' `stats` (summed) and
+    /// `loads` (each engine's requests) now.
+    pub fn render(&self, stats: &EngineStats, loads: &[usize]) -> String {
+        for (i, &load) in loads.iter().enumerate() {
+            let label = EngineLabel { engine: i.to_string() };
+            self.engine_requests.get_or_create(&label).set(load as i64);
+        }
         self.waiting.set(stats.waiting as i64);
         self.running.set(stats.running as i64);
         let used = stats.kv_blocks_total.saturating_sub(stats.kv_blocks_free);

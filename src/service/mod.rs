@@ -110,7 +110,7 @@ impl Service {
 
     /// The metrics' text, with the engine's gauges read now.
     pub fn render_metrics(&self) -> String {
-        self.metrics.render(&self.stats())
+        self.metrics.render(&self.stats(), &self.extractor.client.loads())
     }
 
     /// Admits the requests together (all or none), then hands them to the engine; each stream
