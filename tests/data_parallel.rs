@@ -5,6 +5,8 @@
 //! - questions about one document meet the engine that computed it: the two caches hit as
 //!   often as one engine's cache does for the same requests;
 //! - a stream dropped mid-request frees its engine's blocks and its share of the load;
+//! - a copy whose backend is broken takes no request while another can, and the service is
+//!   broken only when every copy is;
 //! - copies that are each a prefill and a decode engine (disaggregated pairs, over host links)
 //!   give one engine's outputs too, each pair's decode engine receiving its prompts' blocks.
 
@@ -14,7 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use quarry::engine::{EngineClient, EngineConfig, EngineCore};
-use quarry::runtime::{Backend, HostLink};
+use quarry::runtime::{Backend, ForwardBatch, HostLink, KvLayout, ModelConfig, Result, RowDraw, RowRequest, Sampled};
 use quarry::tokenizer::Tokenizer;
 
 const TOKENS: usize = 4096;
@@ -170,4 +172,66 @@ fn prefill_and_decode_pairs_serve_as_copies() {
     }
     let received: u64 = decoders.iter().map(|c| c.stats().kv_blocks_received).sum();
     assert_eq!(prefill.kv_blocks_sent, received, "every block sent was received");
+}
+
+/// A backend that says it is broken (`Backend::broken`, as a tensor-parallel group whose rank
+/// failed does) and otherwise computes as the one it wraps.
+struct Broken(Box<dyn Backend>);
+
+impl Backend for Broken {
+    fn config(&self) -> &ModelConfig {
+        self.0.config()
+    }
+
+    fn kv_layout(&self) -> KvLayout {
+        self.0.kv_layout()
+    }
+
+    fn run(&mut self, batch: &ForwardBatch) -> Result<()> {
+        self.0.run(batch)
+    }
+
+    fn sample(&mut self, rows: &[RowRequest<'_>]) -> Result<Sampled> {
+        self.0.sample(rows)
+    }
+
+    fn redraw_within(&mut self, row: usize, mask: &[u32]) -> Result<RowDraw> {
+        self.0.redraw_within(row, mask)
+    }
+
+    fn device_name(&self) -> String {
+        self.0.device_name()
+    }
+
+    fn broken(&self) -> Option<String> {
+        Some("a rank stopped answering (injected)".into())
+    }
+}
+
+fn broken_engine(tok: &Arc<Tokenizer>) -> Option<EngineCore> {
+    let (backend, _) = common::load(TOKENS)?;
+    let backend = Box::new(Broken(Box::new(backend)));
+    Some(common::engine(backend, tok, EngineConfig::default(), None))
+}
+
+#[test]
+fn a_broken_copy_takes_no_requests_while_another_serves() {
+    let Some((mut cores, tok)) = engines(1) else { return };
+    let Some(broken) = broken_engine(&tok) else { return };
+    cores.insert(0, broken);
+    let many = EngineClient::start_replicas(cores).expect("engines of one model");
+    assert_eq!(many.stats().broken, None, "one copy serves: the service is not broken");
+    let prompts = questions(&tok);
+    let done = common::run_prompts(&many, &prompts[..4], 4, true);
+    assert_eq!(done.len(), 4);
+    let cores = stopped(many, "two engines");
+    assert_eq!(cores[0].stats().steps, 0, "the broken copy ran a request");
+    assert!(cores[1].stats().steps > 0);
+
+    let (Some(a), Some(b)) = (broken_engine(&tok), broken_engine(&tok)) else {
+        return;
+    };
+    let none = EngineClient::start_replicas(vec![a, b]).expect("engines of one model");
+    let why = none.stats().broken.expect("every copy is broken: so is the service");
+    assert!(why.contains("injected"), "{why}");
 }
