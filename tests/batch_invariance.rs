@@ -99,10 +99,11 @@ struct Held {
 }
 
 impl Held {
-    /// Blocks of `block_size` tokens for the prompts alone (what a request needs to be
-    /// admitted) or with the whole output.
-    fn blocks(&self, block_size: usize, with_output: bool) -> usize {
-        let output = if with_output { self.output } else { 1 };
+    /// Blocks of `block_size` tokens the request and its twin hold when admitted (their
+    /// prompts), and at their peak (the output too: a block more than they need at most, as
+    /// the last token drawn is never computed).
+    fn blocks(&self, block_size: usize, at_peak: bool) -> usize {
+        let output = if at_peak { self.output } else { 0 };
         self.prompts
             .iter()
             .filter(|&&p| p > 0)
@@ -187,18 +188,25 @@ fn records_are_byte_identical_alone_and_in_any_batch() {
     };
     // Each prompt computed for itself (no prefix cache) in a pool, counted from what the
     // requests held alone, that preempts whatever the timing of their arrivals. On the GPU,
-    // room for four of the largest beside 256 requests. On the CPU, room for any two requests
-    // to be admitted together (their prompts) but not to finish together (their outputs too),
-    // and for the largest to finish alone.
-    let most = |with_output| held.iter().map(|h| h.blocks(block_size, with_output)).max().unwrap();
-    let least_finished = held.iter().map(|h| h.blocks(block_size, true)).min().unwrap();
+    // room for four of the largest beside 256 requests. On the CPU, room for the largest to
+    // finish alone and for any two to be admitted together, but not for one to reach its peak
+    // while another holds its prompt: two that overlap cannot both finish unpreempted.
+    let blocks = |at_peak| held.iter().map(move |h| h.blocks(block_size, at_peak));
+    eprintln!(
+        "blocks held alone, admitted and at the peak: {:?}",
+        held.iter()
+            .map(|h| (h.blocks(block_size, false), h.blocks(block_size, true)))
+            .collect::<Vec<_>>()
+    );
     let room = if on_gpu() {
-        4 * most(true)
+        4 * blocks(true).max().unwrap()
     } else {
-        let room = most(false) + least_finished;
+        let room = blocks(true).max().unwrap().max(2 * blocks(false).max().unwrap());
+        let least = blocks(true).min().unwrap() + blocks(false).min().unwrap();
+        // The peak counts up to a block too many for each of a request's two sequences.
         assert!(
-            most(false) < least_finished && most(true) <= room,
-            "no pool admits any two requests, preempts one and finishes the largest alone"
+            room + 2 < least,
+            "no pool both admits any two requests and preempts one of two that overlap ({room} blocks against {least})"
         );
         room
     };

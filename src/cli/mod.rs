@@ -334,9 +334,10 @@ impl ModelArgs {
         Ok((client, tokenizer, format!("{pairs} copies: {}", names.join("; "))))
     }
 
-    /// How many copies serve: --data-parallel-size, or the prefill/decode pairs.
-    fn copies(&self) -> usize {
-        usize::from(self.data_parallel_size).max(self.prefill_device.len())
+    /// How many backends load the model: --data-parallel-size copies, or both sides of each
+    /// prefill/decode pair (which share the CPU's default cache).
+    fn backends(&self) -> usize {
+        usize::from(self.data_parallel_size).max(2 * self.prefill_device.len())
     }
 
     /// --data-parallel-size copies of the engine, each on devices of its own, behind one client.
@@ -404,7 +405,7 @@ impl ModelArgs {
             kv_cache_tokens: self.kv_cache_tokens,
             kv_cache_bytes: self.kv_cache_memory,
             cpu: CpuOptions {
-                kv_cache_bytes: Some(default_kv_cache_memory() / self.copies() as u64),
+                kv_cache_bytes: Some(default_kv_cache_memory() / self.backends() as u64),
                 prefault_kv: self.prefault_kv,
                 ..Default::default()
             },

@@ -116,9 +116,10 @@ pub(super) struct Engine {
     thread: Mutex<Option<JoinHandle<EngineCore>>>,
     /// Where prompts are computed by another engine first (disaggregated serving).
     router: Option<Arc<Router>>,
-    /// How its cache names blocks, and how many its pool holds.
+    /// How its cache names blocks, how many its pool holds, and whether it caches prefixes.
     hasher: BlockHasher,
     blocks: usize,
+    caching: bool,
     /// What it computes on (`device_kind`).
     device_kind: String,
 }
@@ -260,6 +261,7 @@ impl EngineClient {
             ));
         }
         let alike = engines.iter().all(|e| e.device_kind == first.device_kind);
+        let caching = engines.iter().all(|e| e.caching);
         let hasher = first.hasher;
         let capacities: Vec<usize> = engines.iter().map(|e| e.blocks).collect();
         let next_id = Arc::new(AtomicU64::new(0));
@@ -268,7 +270,7 @@ impl EngineClient {
         }
         Ok(EngineClient {
             engines,
-            placement: Some(Arc::new(Mutex::new(Placement::new(hasher, &capacities)))),
+            placement: Some(Arc::new(Mutex::new(Placement::new(hasher, &capacities, caching)))),
             pipelining,
             batch_invariant: batch_invariant && alike,
         })
@@ -405,7 +407,7 @@ impl EngineStats {
 impl Engine {
     /// Moves `core` onto a thread of its own.
     fn start(core: EngineCore) -> Self {
-        let (hasher, blocks) = (core.kv().hasher(), core.kv().pool().total());
+        let (hasher, blocks, caching) = (core.kv().hasher(), core.kv().pool().total(), core.kv().caching());
         let device_kind = device_kind(&core.backend().device_name()).to_string();
         let (tx, rx) = mpsc::channel();
         let stats = Arc::new(Mutex::new(core.stats()));
@@ -422,6 +424,7 @@ impl Engine {
             router: None,
             hasher,
             blocks,
+            caching,
             device_kind,
         }
     }

@@ -93,6 +93,11 @@ impl KvCacheManager {
         self.block_size
     }
 
+    /// Whether automatic prefix caching is on.
+    pub fn caching(&self) -> bool {
+        self.caching
+    }
+
     pub fn pool(&self) -> &BlockPool {
         &self.pool
     }
