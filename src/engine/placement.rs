@@ -103,6 +103,9 @@ impl Placement {
                 }
             }
         };
+        // Recorded now, not once the engine admits it: requests sharing a start that arrive
+        // together then go together. One the engine refuses is credited all the same (a miss
+        // for a later prompt, rarely).
         self.engines[chosen].sent(&hashes);
         self.engines[chosen].load += 1;
         Some(chosen)
