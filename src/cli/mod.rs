@@ -424,11 +424,17 @@ impl ModelArgs {
 impl ModelArgs {
     /// The model and tokenizer behind an engine with the default configuration.
     fn engine(&self) -> anyhow::Result<(EngineCore, Arc<Tokenizer>)> {
+        self.one_copy()?;
+        self.engine_on(self.device)
+    }
+
+    /// Refuses --data-parallel-size for commands that run one engine.
+    fn one_copy(&self) -> anyhow::Result<()> {
         anyhow::ensure!(
             self.data_parallel_size == 1,
             "--data-parallel-size serves through `quarry serve`, `extract` and `bench interference`; this command runs one engine"
         );
-        self.engine_on(self.device)
+        Ok(())
     }
 
     /// `engine`, on `device`.
@@ -481,10 +487,7 @@ impl ModelArgs {
     /// The model, tokenizer and engine configuration, for commands that build several engines
     /// over one backend.
     fn load_shared(&self) -> anyhow::Result<(Box<dyn Backend>, Arc<Tokenizer>, EngineConfig)> {
-        anyhow::ensure!(
-            self.data_parallel_size == 1,
-            "--data-parallel-size serves through `quarry serve`, `extract` and `bench interference`; this command runs one engine"
-        );
+        self.one_copy()?;
         let (backend, tokenizer) = self.load()?;
         Ok((backend, Arc::new(tokenizer), self.engine_config()?))
     }

@@ -476,7 +476,7 @@ impl Engine {
         })
     }
 
-    pub(super) fn stats(&self) -> EngineStats {
+    fn stats(&self) -> EngineStats {
         let mut stats = lock(&self.stats).clone();
         // A prefill engine that can run nothing more breaks the service as much.
         if stats.broken.is_none() {
@@ -502,7 +502,7 @@ impl Engine {
         lock(&self.thread).take()?.join().ok()
     }
 
-    pub(super) fn shutdown(&self) -> Option<EngineCore> {
+    fn shutdown(&self) -> Option<EngineCore> {
         self.close();
         self.join()
     }
