@@ -5,7 +5,9 @@
 //!   batch shape, so one sequence of kernels);
 //! - requests served by a prefill engine on cuda:0 and a decode engine on cuda:1 all finish,
 //!   the decode engine taking every prompt's full blocks from what it received and leaking no
-//!   block on either side.
+//!   block on either side;
+//! - where there are 3 GPUs, one prefill engine on cuda:0 serves decode engines on cuda:1 and
+//!   cuda:2, a link (and an NCCL pair) to each, the same way.
 //!
 //! The model is transformers' random Llama (`QUARRY_HF_REFERENCE`, with the default model's
 //! tokenizer copied in: scripts/bench-multi-gpu's disagg-check), so no model file need reach
@@ -17,7 +19,7 @@ mod hf_reference;
 
 use std::sync::Arc;
 
-use quarry::engine::{EngineClient, EngineConfig, EngineCore, FinishReason};
+use quarry::engine::{EngineClient, EngineConfig, EngineCore, FinishReason, KvLink};
 use quarry::runtime::{Backend, DeviceChoice, LoadOptions};
 
 fn model() -> std::path::PathBuf {
@@ -56,7 +58,7 @@ fn prompt(variant: u32, len: u32) -> Vec<u32> {
 fn received_blocks_give_the_senders_next_logits() {
     let Some((mut a, mut b)) = two_gpus() else { return };
     // A prompt over many blocks (pieces of 7) and a last partial one.
-    common::check_transfer(a.as_mut(), b.as_mut(), &prompt(1, 700), |i| 300 - 2 * i);
+    common::check_transfer(a.as_mut(), b.as_mut(), (0, 0), &prompt(1, 700), |i| 300 - 2 * i);
 }
 
 #[test]
@@ -85,6 +87,60 @@ fn requests_served_across_two_gpus_finish_and_leak_nothing() {
     );
     assert_eq!((p.kv_transfer_failures, d.kv_transfer_failures), (0, 0));
     assert_eq!(d.kv_blocks_received, p.kv_blocks_sent);
+    assert_eq!(d.prefix_cache.hit_tokens as usize, cacheable);
+}
+
+#[test]
+fn one_prefill_gpu_serves_two_decode_gpus() {
+    let Some(gpus) = common::test_gpus() else { return };
+    if gpus < 3 {
+        println!("not applicable: one prefill and two decode engines take 3 GPUs; QUARRY_TEST_GPUS={gpus}");
+        return;
+    }
+    std::env::set_var("QUARRY_KV_PIECE_BLOCKS", "7");
+    let (mut a, mut decode) = (load(0), vec![load(1), load(2)]);
+    let bs = a.kv_layout().block_size;
+    let mut links = Vec::new();
+    for (d, b) in decode.iter_mut().enumerate() {
+        let (prefill_link, decode_link) =
+            quarry::runtime::kv_link::join(a.as_mut(), DeviceChoice::Cuda(0), b.as_mut(), DeviceChoice::Cuda(d + 1))
+                .expect("an NCCL link from cuda:0");
+        links.push(KvLink {
+            prefill: 0,
+            decode: d,
+            prefill_link,
+            decode_link,
+        });
+    }
+    assert_eq!(links.iter().map(|l| l.prefill_link).collect::<Vec<_>>(), [0, 1]);
+    let tokenizer =
+        Arc::new(quarry::tokenizer::Tokenizer::from_model_file(&model()).expect("a tokenizer beside the model"));
+    let config = EngineConfig::default();
+    let core = |b| EngineCore::new(b, tokenizer.clone(), config);
+    let decode: Vec<EngineCore> = decode.into_iter().map(core).collect();
+    let client = EngineClient::disaggregated(vec![core(a)], decode, &links).unwrap();
+    let prompts: Vec<Vec<u32>> = (0..12).map(|v| prompt(v, 100 + 37 * v)).collect();
+    for (tokens, finish) in common::run_prompts(&client, &prompts, 16, true) {
+        assert_eq!((tokens.len(), finish), (16, FinishReason::Length));
+    }
+    let (p, d) = common::settled(&client);
+    common::assert_no_leak(&p, "prefill");
+    let decoders = client.shutdown_all();
+    let received: Vec<u64> = decoders.iter().map(|c| c.stats().kv_blocks_received).collect();
+    println!(
+        "blocks sent {}, received by cuda:1 and cuda:2 {received:?}; decode cache hits {} of {} tokens",
+        p.kv_blocks_sent, d.prefix_cache.hit_tokens, d.prefix_cache.queried_tokens
+    );
+    for (i, core) in decoders.iter().enumerate() {
+        common::assert_no_leak(&core.stats(), &format!("decode engine on cuda:{}", i + 1));
+    }
+    assert_eq!(p.kv_transfer_failures + d.kv_transfer_failures, 0);
+    assert!(
+        received.iter().all(|&r| r > 0),
+        "a decode GPU received nothing: {received:?}"
+    );
+    assert_eq!(received.iter().sum::<u64>(), p.kv_blocks_sent);
+    let cacheable: usize = prompts.iter().map(|p| (p.len() - 1) / bs * bs).sum();
     assert_eq!(d.prefix_cache.hit_tokens as usize, cacheable);
 }
 

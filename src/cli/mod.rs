@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::engine::{EngineClient, EngineConfig, EngineCore};
+use crate::engine::{EngineClient, EngineConfig, EngineCore, KvLink};
 use crate::runtime::cpu::{CpuOptions, Prefault};
 use crate::runtime::{Backend, DeviceChoice, LoadFormat, LoadOptions, ModelConfig};
 use crate::tokenizer::Tokenizer;
@@ -134,12 +134,14 @@ pub struct ModelArgs {
     /// Disaggregated serving: the device that computes prompts (cpu or cuda:N), with
     /// --decode-device (--device is then not used). Each prompt's KV blocks then go to the
     /// decode device (over NCCL between GPUs), which decodes, so long prompts arriving never
-    /// stretch its steps. Several, comma-separated, with as many decode devices: pairs, each
-    /// prefill device with the decode device in the same place, served as copies
-    /// (--data-parallel-size).
+    /// stretch its steps. Several, comma-separated, in any number against the decode devices
+    /// (one prefill GPU for two decoders: `--prefill-device cuda:0 --decode-device
+    /// cuda:1,cuda:2`): every decode engine reaches every prefill engine, a prompt goes to the
+    /// least busy, and the decode engines are copies (--data-parallel-size).
     #[arg(long, requires = "decode_device", value_delimiter = ',')]
     prefill_device: Vec<DeviceChoice>,
-    /// Disaggregated serving: the device that decodes (see --prefill-device).
+    /// Disaggregated serving: the device that decodes (see --prefill-device); several,
+    /// comma-separated.
     #[arg(long, requires = "prefill_device", value_delimiter = ',')]
     decode_device: Vec<DeviceChoice>,
     /// Plan and queue each step before the last one's tokens are read, so that the device
@@ -268,18 +270,14 @@ impl ModelArgs {
         Ok((EngineClient::start(engine), tokenizer, device))
     }
 
-    /// A prefill and a decode engine for each pair of --prefill-device and --decode-device,
-    /// joined by a KV link; several pairs are copies behind one client.
+    /// A prefill engine on each --prefill-device and a decode engine on each --decode-device,
+    /// every decode engine joined to every prefill engine by a KV link; the decode engines are
+    /// copies behind one client.
     fn disaggregated(&self) -> anyhow::Result<(EngineClient, Arc<Tokenizer>, String)> {
-        let pairs = self.prefill_device.len();
+        let nd = self.decode_device.len();
         anyhow::ensure!(
-            self.decode_device.len() == pairs,
-            "--prefill-device and --decode-device name pairs: {pairs} prefill device(s) against {} decode device(s)",
-            self.decode_device.len()
-        );
-        anyhow::ensure!(
-            self.data_parallel_size == 1 || usize::from(self.data_parallel_size) == pairs,
-            "--data-parallel-size {} with {pairs} prefill/decode pair(s): the pairs are the copies; drop it",
+            self.data_parallel_size == 1 || usize::from(self.data_parallel_size) == nd,
+            "--data-parallel-size {} with {nd} decode device(s): the decode engines are the copies; drop it",
             self.data_parallel_size
         );
         let mut gpus: Vec<usize> = self
@@ -293,11 +291,14 @@ impl ModelArgs {
             .collect();
         gpus.sort_unstable();
         if let Some(w) = gpus.windows(2).find(|w| w[0] == w[1]) {
-            anyhow::bail!("cuda:{} is named twice in --prefill-device/--decode-device: each side of each pair needs a GPU of its own", w[0]);
+            anyhow::bail!(
+                "cuda:{} is named twice in --prefill-device/--decode-device: each engine needs a GPU of its own",
+                w[0]
+            );
         }
         anyhow::ensure!(
             self.tensor_parallel_size == 1,
-            "--tensor-parallel-size with --prefill-device/--decode-device is not supported yet: each side runs on one device"
+            "--tensor-parallel-size with --prefill-device/--decode-device is not supported yet: each engine runs on one device"
         );
         anyhow::ensure!(
             self.speculative_model.is_none(),
@@ -308,36 +309,46 @@ impl ModelArgs {
             "disaggregated serving hands prompts over through the prefix cache: drop --no-prefix-caching"
         );
         let config = self.engine_config()?;
-        let mut clients = Vec::new();
-        let mut names = Vec::new();
         let mut tokenizer = None;
-        for (&from, &to) in self.prefill_device.iter().zip(&self.decode_device) {
-            let (mut prefill, tok) = self.load_on(from)?;
-            let (mut decode, _) = self.load_on(to)?;
-            crate::runtime::kv_link::join(prefill.as_mut(), from, decode.as_mut(), to)?;
-            names.push(format!(
-                "prefill {}, decode {}",
-                prefill.device_name(),
-                decode.device_name()
-            ));
-            let tok = tokenizer.get_or_insert_with(|| Arc::new(tok)).clone();
-            let prefill = EngineCore::new(prefill, tok.clone(), config);
-            let decode = EngineCore::new(decode, tok, config);
-            clients.push(EngineClient::start_disaggregated(prefill, decode).map_err(anyhow::Error::msg)?);
+        let mut load = |device: DeviceChoice| -> anyhow::Result<Box<dyn Backend>> {
+            let (backend, tok) = self.load_on(device)?;
+            tokenizer.get_or_insert(tok);
+            Ok(backend)
+        };
+        let mut prefill: Vec<Box<dyn Backend>> =
+            self.prefill_device.iter().map(|&d| load(d)).collect::<Result<_, _>>()?;
+        let mut decode: Vec<Box<dyn Backend>> =
+            self.decode_device.iter().map(|&d| load(d)).collect::<Result<_, _>>()?;
+        let tokenizer = Arc::new(tokenizer.expect("at least one device"));
+        let mut links = Vec::new();
+        for (p, (from, prefill)) in self.prefill_device.iter().zip(&mut prefill).enumerate() {
+            for (d, (to, decode)) in self.decode_device.iter().zip(&mut decode).enumerate() {
+                let (prefill_link, decode_link) =
+                    crate::runtime::kv_link::join(prefill.as_mut(), *from, decode.as_mut(), *to)?;
+                links.push(KvLink {
+                    prefill: p,
+                    decode: d,
+                    prefill_link,
+                    decode_link,
+                });
+            }
         }
-        let tokenizer = tokenizer.expect("at least one pair");
-        if pairs == 1 {
-            let client = clients.pop().expect("one pair");
-            return Ok((client, tokenizer, names.remove(0)));
-        }
-        let client = EngineClient::replicas(clients).map_err(anyhow::Error::msg)?;
-        Ok((client, tokenizer, format!("{pairs} copies: {}", names.join("; "))))
+        let names = |side: &[Box<dyn Backend>]| side.iter().map(|b| b.device_name()).collect::<Vec<_>>().join(", ");
+        let name = format!("prefill {}, decode {}", names(&prefill), names(&decode));
+        let engines = |side: Vec<Box<dyn Backend>>| -> Vec<EngineCore> {
+            side.into_iter()
+                .map(|b| EngineCore::new(b, tokenizer.clone(), config))
+                .collect()
+        };
+        let (prefill, decode) = (engines(prefill), engines(decode));
+        let client = EngineClient::disaggregated(prefill, decode, &links).map_err(anyhow::Error::msg)?;
+        Ok((client, tokenizer, name))
     }
 
-    /// How many backends load the model: --data-parallel-size copies, or both sides of each
-    /// prefill/decode pair (which share the CPU's default cache).
+    /// How many backends load the model: --data-parallel-size copies, or every prefill and
+    /// decode engine (which share the CPU's default cache).
     fn backends(&self) -> usize {
-        usize::from(self.data_parallel_size).max(2 * self.prefill_device.len())
+        usize::from(self.data_parallel_size).max(self.prefill_device.len() + self.decode_device.len())
     }
 
     /// --data-parallel-size copies of the engine, each on devices of its own, behind one client.

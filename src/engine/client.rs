@@ -11,7 +11,7 @@ use tokio::sync::{mpsc as async_mpsc, oneshot};
 
 use super::block_pool::BlockHash;
 use super::core::{AddError, Completion, Completions, EngineCore, EngineRequest, RequestOutput};
-use super::disaggregated::Router;
+use super::disaggregated::{Busy, KvLink, Route, Router};
 use super::kv_cache_manager::{BlockHasher, PrefixCacheStats, RequestId};
 use super::placement::Placement;
 use crate::runtime::RuntimeError;
@@ -75,6 +75,7 @@ enum Command {
 /// `reserve_blocks`, `receive_blocks`), answered on its own channel.
 pub(super) enum Handoff {
     Send {
+        link: usize,
         hashes: Vec<BlockHash>,
         sent: oneshot::Sender<Result<usize, RuntimeError>>,
     },
@@ -88,6 +89,7 @@ pub(super) enum Handoff {
         wanted: oneshot::Sender<Vec<BlockHash>>,
     },
     Receive {
+        link: usize,
         id: RequestId,
         count: usize,
         queued: oneshot::Sender<Result<(), RuntimeError>>,
@@ -114,8 +116,9 @@ pub(super) struct Engine {
     next_id: Arc<AtomicU64>,
     stats: Arc<Mutex<EngineStats>>,
     thread: Mutex<Option<JoinHandle<EngineCore>>>,
-    /// Where prompts are computed by another engine first (disaggregated serving).
-    router: Option<Arc<Router>>,
+    /// Where prompts are computed by another engine first (disaggregated serving): the
+    /// prefill engines it reaches.
+    routes: Vec<Route>,
     /// How its cache names blocks, how many its pool holds, and whether it caches prefixes.
     hasher: BlockHasher,
     blocks: usize,
@@ -210,25 +213,93 @@ impl EngineClient {
 
     /// Disaggregated serving: `decode` serves the requests, each prompt computed by `prefill`
     /// first and its blocks handed over (their backends joined by a KV link,
-    /// `Backend::attach_kv_link`). Both caches must name blocks alike (the same model).
+    /// `Backend::attach_kv_link`, the first of each). Both caches must name blocks alike (the
+    /// same model).
     pub fn start_disaggregated(prefill: EngineCore, decode: EngineCore) -> Result<Self, String> {
-        let hasher = decode.kv().hasher();
-        if prefill.kv().hasher() != hasher {
+        let link = KvLink {
+            prefill: 0,
+            decode: 0,
+            prefill_link: 0,
+            decode_link: 0,
+        };
+        Self::disaggregated(vec![prefill], vec![decode], &[link])
+    }
+
+    /// Disaggregated serving over several engines: the `decode` engines serve the requests
+    /// (each placed on one as `replicas` places them), each prompt computed first by one of
+    /// the `prefill` engines its `links` reach (the one with the fewest handoffs under way).
+    /// Every decode and every prefill engine must have a link; all must name blocks alike.
+    pub fn disaggregated(prefill: Vec<EngineCore>, decode: Vec<EngineCore>, links: &[KvLink]) -> Result<Self, String> {
+        let Some(hasher) = decode.first().map(|d| d.kv().hasher()) else {
+            return Err("disaggregated serving needs a decode engine".into());
+        };
+        let cores = || prefill.iter().chain(&decode);
+        if let Some(other) = cores().find(|c| c.kv().hasher() != hasher) {
             return Err(format!(
                 "the prefill and decode engines name KV blocks differently (block sizes {} and {}, or another model)",
-                prefill.kv().block_size(),
-                decode.kv().block_size()
+                other.kv().block_size(),
+                hasher.block_size
             ));
         }
-        // A prompt's blocks come from either engine (computed by the prefill engine, or by the
-        // decode engine where it has them cached or the handoff fails): the same bits only
-        // where both compute alike, on devices of one kind.
-        let (p, d) = (prefill.backend(), decode.backend());
-        let alike = device_kind(&p.device_name()) == device_kind(&d.device_name());
-        let prefill_invariant = p.batch_invariant() && alike;
-        let mut client = EngineClient::start(decode);
-        client.batch_invariant &= prefill_invariant;
-        client.engines[0].router = Some(Arc::new(Router::new(Engine::start(prefill), hasher)));
+        if let Some(l) = links
+            .iter()
+            .find(|l| l.prefill >= prefill.len() || l.decode >= decode.len())
+        {
+            return Err(format!(
+                "a KV link joins prefill engine {} and decode engine {}, of {} and {}",
+                l.prefill,
+                l.decode,
+                prefill.len(),
+                decode.len()
+            ));
+        }
+        if let Some(p) = (0..prefill.len()).find(|&p| !links.iter().any(|l| l.prefill == p)) {
+            return Err(format!("prefill engine {p} has no KV link to a decode engine"));
+        }
+        if let Some(d) = (0..decode.len()).find(|&d| !links.iter().any(|l| l.decode == d)) {
+            return Err(format!("decode engine {d} has no KV link to a prefill engine"));
+        }
+        // A link number given twice on one engine would cross two links' transfers.
+        for (i, l) in links.iter().enumerate() {
+            if let Some(m) = links[..i]
+                .iter()
+                .find(|m| m.prefill == l.prefill && m.prefill_link == l.prefill_link)
+            {
+                return Err(format!(
+                    "prefill engine {}'s link {} is given for decode engines {} and {}",
+                    l.prefill, l.prefill_link, m.decode, l.decode
+                ));
+            }
+            if let Some(m) = links[..i]
+                .iter()
+                .find(|m| m.decode == l.decode && m.decode_link == l.decode_link)
+            {
+                return Err(format!(
+                    "decode engine {}'s link {} is given for prefill engines {} and {}",
+                    l.decode, l.decode_link, m.prefill, l.prefill
+                ));
+            }
+        }
+        // A prompt's blocks come from any of these engines (computed by a prefill engine, or by
+        // the decode engine where it has them cached or the handoff fails): the same bits only
+        // where all compute alike, on devices of one kind.
+        let kind = device_kind(&decode[0].backend().device_name()).to_string();
+        let invariant =
+            cores().all(|c| c.backend().batch_invariant() && device_kind(&c.backend().device_name()) == kind);
+        let routers: Vec<Arc<Router>> = prefill
+            .into_iter()
+            .map(|core| Arc::new(Router::new(Engine::start(core), hasher)))
+            .collect();
+        let mut clients: Vec<EngineClient> = decode.into_iter().map(EngineClient::start).collect();
+        for l in links {
+            let route = Route::new(routers[l.prefill].clone(), l.prefill_link, l.decode_link);
+            clients[l.decode].engines[0].routes.push(route);
+        }
+        let mut client = match clients.len() {
+            1 => clients.pop().expect("one"),
+            _ => Self::replicas(clients)?,
+        };
+        client.batch_invariant &= invariant;
         Ok(client)
     }
 
@@ -278,13 +349,22 @@ impl EngineClient {
 
     /// The prefill engines' stats (summed), where prompts are computed by other engines.
     pub fn prefill_stats(&self) -> Option<EngineStats> {
-        let mut sides = self
-            .engines
-            .iter()
-            .filter_map(|e| e.router.as_ref().map(|r| r.prefill.stats()));
+        let mut sides = self.prefill_stats_each().into_iter();
         let mut sum = sides.next()?;
         sides.for_each(|s| sum.add(&s));
         Some(sum)
+    }
+
+    /// Each prefill engine's stats, in the order of the routes that reach them.
+    pub fn prefill_stats_each(&self) -> Vec<EngineStats> {
+        // A prefill engine may serve several decode engines: each counted once.
+        let mut routers: Vec<&Arc<Router>> = Vec::new();
+        for route in self.engines.iter().flat_map(|e| &e.routes) {
+            if !routers.iter().any(|r| Arc::ptr_eq(r, &route.router)) {
+                routers.push(&route.router);
+            }
+        }
+        routers.iter().map(|r| r.prefill.stats()).collect()
     }
 
     /// Queues a request (its `id` is assigned here) and returns its output stream, or the
@@ -421,7 +501,7 @@ impl Engine {
             next_id: Arc::new(AtomicU64::new(0)),
             stats,
             thread: Mutex::new(Some(thread)),
-            router: None,
+            routes: Vec::new(),
             hasher,
             blocks,
             caching,
@@ -435,19 +515,28 @@ impl Engine {
         commands.send(Command::Handoff(step)).map_err(|_| SubmitError::Stopped)
     }
 
-    /// `EngineClient::submit` on this engine (and its prefill engine, where it has one).
+    /// `EngineClient::submit` on this engine (and a prefill engine, where it has them).
     async fn submit(&self, request: EngineRequest) -> Result<RequestStream, SubmitError> {
-        let Some(router) = &self.router else {
+        // The least busy prefill engine whose engine and link still work, counted busy from
+        // now (admission waits for the decode engine's loop, and requests arriving meanwhile
+        // must see this one).
+        let route = self
+            .routes
+            .iter()
+            .filter(|r| r.usable())
+            .min_by_key(|r| r.router.busy());
+        let Some(route) = route.or(self.routes.first()) else {
             return self.enqueue(request, false).await;
         };
+        let busy = Busy::new(&route.router);
         // Kept for the prefill engine: the prompt and where its request goes in the queue.
         let (prompt, priority) = (request.prompt.clone(), request.priority);
         let stream = self.enqueue(request, true).await?;
         let decode = DecodeSide {
             commands: stream.commands.clone(),
         };
-        let (router, id) = (router.clone(), stream.id);
-        tokio::spawn(async move { router.hand_off(&decode, id, prompt, priority).await });
+        let (route, id) = (route.clone(), stream.id);
+        tokio::spawn(async move { route.hand_off(&decode, id, prompt, priority, busy).await });
         Ok(stream)
     }
 
@@ -476,28 +565,34 @@ impl Engine {
         })
     }
 
-    fn stats(&self) -> EngineStats {
+    pub(super) fn stats(&self) -> EngineStats {
         let mut stats = lock(&self.stats).clone();
-        // A prefill engine that can run nothing more breaks the service as much.
+        // Prefill engines that can run nothing more break the service as much, once none of
+        // this engine's can.
         if stats.broken.is_none() {
-            stats.broken = self.router.as_ref().and_then(|r| r.prefill.stats().broken);
+            let mut prefill = self.routes.iter().map(|r| r.router.prefill.stats().broken);
+            if let Some(first) = prefill.next().flatten() {
+                if prefill.all(|b| b.is_some()) {
+                    stats.broken = Some(first);
+                }
+            }
         }
         stats
     }
 
-    /// Stops taking requests (the prefill engine's too); the running ones finish.
+    /// Stops taking requests (its prefill engines' too); the running ones finish.
     fn close(&self) {
-        if let Some(router) = &self.router {
-            router.prefill.close();
+        for route in &self.routes {
+            route.router.prefill.close();
         }
         lock(&self.commands).take();
     }
 
-    /// Waits for the engine's thread (closed first) and returns the engine; the prefill
-    /// engine's thread is waited for too.
+    /// Waits for the engine's thread (closed first) and returns the engine; its prefill
+    /// engines' threads are waited for too.
     fn join(&self) -> Option<EngineCore> {
-        if let Some(router) = &self.router {
-            router.prefill.join();
+        for route in &self.routes {
+            route.router.prefill.join();
         }
         lock(&self.thread).take()?.join().ok()
     }
@@ -603,8 +698,8 @@ fn run(mut core: EngineCore, commands: mpsc::Receiver<Command>, stats: Arc<Mutex
 /// router that gave up no longer listens, which changes nothing here).
 fn hand_off(core: &mut EngineCore, step: Handoff) {
     match step {
-        Handoff::Send { hashes, sent } => {
-            let _ = sent.send(core.send_blocks(&hashes));
+        Handoff::Send { link, hashes, sent } => {
+            let _ = sent.send(core.send_blocks(link, &hashes));
         }
         Handoff::Cached { hashes, count } => {
             let _ = count.send(core.cached_blocks(&hashes));
@@ -612,8 +707,13 @@ fn hand_off(core: &mut EngineCore, step: Handoff) {
         Handoff::Reserve { id, hashes, wanted } => {
             let _ = wanted.send(core.reserve_blocks(id, hashes));
         }
-        Handoff::Receive { id, count, queued } => {
-            let _ = queued.send(core.receive_blocks(id, count));
+        Handoff::Receive {
+            link,
+            id,
+            count,
+            queued,
+        } => {
+            let _ = queued.send(core.receive_blocks(link, id, count));
         }
     }
 }

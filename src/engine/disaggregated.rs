@@ -18,6 +18,15 @@
 //! in a receive of what was sent, and the request computes the rest itself: slower, the same
 //! record. Sends and receives are matched in order over the link, so one handoff at a time
 //! moves blocks.
+//!
+//! Several prefill and decode engines (`--prefill-device cuda:0 --decode-device cuda:1,cuda:2`)
+//! are joined by links (`KvLink`): each decode engine reaches one or more prefill engines, and
+//! a request takes the route whose prefill engine has the fewest handoffs under way, among
+//! those whose engine and link still work. Each link has its own stream on either end, so only
+//! the handoffs over one link need an order (`Route::order`); links do not wait on each other.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use tokio::sync::{oneshot, Mutex};
 
@@ -27,11 +36,23 @@ use super::core::{EngineRequest, FinishReason};
 use super::kv_cache_manager::{BlockHasher, RequestId};
 use crate::sampling::SamplingParams;
 
-/// The prefill side of disaggregated serving, and the order of transfers.
+/// A KV link between prefill engine `prefill` and decode engine `decode` (their places in the
+/// lists given to `EngineClient::disaggregated`), by its number on each one's backend (what
+/// `runtime::kv_link::join` returned).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvLink {
+    pub prefill: usize,
+    pub decode: usize,
+    pub prefill_link: usize,
+    pub decode_link: usize,
+}
+
+/// A prefill engine, shared by the routes of the decode engines it serves.
 pub struct Router {
     pub(super) prefill: Engine,
     hasher: BlockHasher,
-    transfers: Mutex<()>,
+    /// Handoffs under way through this engine.
+    busy: AtomicUsize,
 }
 
 impl Router {
@@ -39,23 +60,86 @@ impl Router {
         Router {
             prefill,
             hasher,
-            transfers: Mutex::new(()),
+            busy: AtomicUsize::new(0),
         }
     }
 
+    /// Handoffs under way through this engine.
+    pub(super) fn busy(&self) -> usize {
+        self.busy.load(Ordering::Relaxed)
+    }
+}
+
+/// Counts a handoff under way through a prefill engine from the moment its route is chosen
+/// (so that requests submitted together spread) until dropped.
+pub(super) struct Busy(Arc<Router>);
+
+impl Busy {
+    pub(super) fn new(router: &Arc<Router>) -> Self {
+        router.busy.fetch_add(1, Ordering::Relaxed);
+        Busy(router.clone())
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.busy.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A decode engine's way to one prefill engine: the engine, and the link between them by its
+/// number on each end.
+#[derive(Clone)]
+pub(super) struct Route {
+    pub router: Arc<Router>,
+    prefill_link: usize,
+    decode_link: usize,
+    /// The link's handoffs, one at a time from reserving to queueing the receive: sends and
+    /// receives are matched in the order queued on each end.
+    order: Arc<Mutex<()>>,
+    /// Set once a transfer over the link failed (a failed link refuses every later one).
+    failed: Arc<AtomicBool>,
+}
+
+impl Route {
+    pub(super) fn new(router: Arc<Router>, prefill_link: usize, decode_link: usize) -> Self {
+        Route {
+            router,
+            prefill_link,
+            decode_link,
+            order: Arc::new(Mutex::new(())),
+            failed: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    /// Whether the route's prefill engine can run and its link has not failed.
+    pub(super) fn usable(&self) -> bool {
+        !self.failed.load(Ordering::Relaxed) && self.router.prefill.stats().broken.is_none()
+    }
+
     /// Hands request `id`'s prompt from the prefill engine to the decode engine (the module's
-    /// steps), then lets the decode engine schedule it.
-    pub(super) async fn hand_off(&self, decode: &DecodeSide, id: RequestId, prompt: Vec<u32>, priority: i32) {
+    /// steps), then lets the decode engine schedule it; `busy` counts it until then.
+    pub(super) async fn hand_off(
+        &self,
+        decode: &DecodeSide,
+        id: RequestId,
+        prompt: Vec<u32>,
+        priority: i32,
+        busy: Busy,
+    ) {
+        let router = &*self.router;
+        let _busy = busy;
         // Whatever happens to this task, the decode engine gets its receive (`Pending`).
         let mut pending = Pending {
             decode: decode.clone(),
+            link: self.decode_link,
             id,
             sent: 0,
         };
         // The decode engine computes at least the last token itself (its logits are needed):
         // the blocks before it are what a cache can give.
-        let usable = (prompt.len().saturating_sub(1) / self.hasher.block_size) * self.hasher.block_size;
-        let hashes = self.hasher.chain(None, &prompt[..usable]);
+        let usable = (prompt.len().saturating_sub(1) / router.hasher.block_size) * router.hasher.block_size;
+        let hashes = router.hasher.chain(None, &prompt[..usable]);
         let cached = match hashes.is_empty() {
             true => 0,
             false => {
@@ -67,27 +151,43 @@ impl Router {
         };
         // Blocks are held on the decode engine only once the prompt is computed: a prompt
         // queued for prefill holds none of the decoders' room.
-        if cached == hashes.len() || !self.prefill_prompt(&prompt[..usable], priority).await {
+        if cached == hashes.len() || !router.prefill_prompt(&prompt[..usable], priority).await {
             return;
         }
-        let _order = self.transfers.lock().await;
+        let _order = self.order.lock().await;
         let wanted = ask(decode, |wanted| Handoff::Reserve { id, hashes, wanted })
             .await
             .unwrap_or_default();
         if wanted.is_empty() {
             return;
         }
-        pending.sent = self.send(&wanted).await;
+        pending.sent = match router.send(self.prefill_link, &wanted).await {
+            Ok(sent) => sent,
+            Err(()) => {
+                self.failed.store(true, Ordering::Relaxed);
+                0
+            }
+        };
         let count = pending.sent;
         pending.disarm();
-        let received = ask(decode, |queued| Handoff::Receive { id, count, queued }).await;
+        let link = self.decode_link;
+        let received = ask(decode, |queued| Handoff::Receive {
+            link,
+            id,
+            count,
+            queued,
+        })
+        .await;
         if let Some(Err(e)) = received {
+            self.failed.store(true, Ordering::Relaxed);
             tracing::warn!(
                 "quarry: request {id}: receiving its prompt's KV blocks failed ({e}); it computes them itself"
             );
         }
     }
+}
 
+impl Router {
     /// Whether the prefill engine computed `tokens` (its cache then holds their blocks).
     async fn prefill_prompt(&self, tokens: &[u32], priority: i32) -> bool {
         let request = EngineRequest {
@@ -110,17 +210,18 @@ impl Router {
         }
     }
 
-    /// Has the prefill engine send the blocks of `hashes` it still caches; how many went.
-    async fn send(&self, hashes: &[BlockHash]) -> usize {
+    /// Has the prefill engine send over its link `link` the blocks of `hashes` it still
+    /// caches; how many went, or `Err` where the link failed.
+    async fn send(&self, link: usize, hashes: &[BlockHash]) -> Result<usize, ()> {
         let hashes = hashes.to_vec();
-        let sent = ask(&PrefillSide(&self.prefill), |sent| Handoff::Send { hashes, sent }).await;
+        let sent = ask(&PrefillSide(&self.prefill), |sent| Handoff::Send { link, hashes, sent }).await;
         match sent {
-            Some(Ok(n)) => n,
+            Some(Ok(n)) => Ok(n),
             Some(Err(e)) => {
                 tracing::warn!("quarry: sending KV blocks failed: {e}");
-                0
+                Err(())
             }
-            None => 0,
+            None => Ok(0),
         }
     }
 }
@@ -160,6 +261,8 @@ async fn ask<T>(side: &impl Side, make: impl FnOnce(oneshot::Sender<T>) -> Hando
 /// request be scheduled.
 struct Pending {
     decode: DecodeSide,
+    /// The link on the decode engine's end.
+    link: usize,
     id: RequestId,
     sent: usize,
 }
@@ -177,6 +280,7 @@ impl Drop for Pending {
             // Nobody waits for the answer.
             let (queued, _) = oneshot::channel();
             let step = Handoff::Receive {
+                link: self.link,
                 id: self.id,
                 count: self.sent,
                 queued,

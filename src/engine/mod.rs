@@ -23,6 +23,7 @@ pub use core::{
     AddError, AsyncScheduling, Completion, Completions, EngineConfig, EngineCore, EngineRequest, FinishReason,
     RequestMetrics, RequestOutput,
 };
+pub use disaggregated::KvLink;
 pub use kv_cache_manager::{BlockHasher, KvCacheManager, PrefixCacheStats, RequestId};
 pub use request::{Request, RequestStatus};
 pub use scheduler::{AdmitError, Policy, Scheduled, Scheduler, SchedulerConfig, SchedulerOutput};

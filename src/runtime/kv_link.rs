@@ -9,6 +9,10 @@
 //! transfers done in order (`Backend::kv_transfers_done`), so a caller holds a transfer's blocks
 //! until its count passes the transfer's ticket.
 //!
+//! A backend holds as many links as engines it exchanges blocks with (one prefill engine
+//! serving two decode engines: two links), each an ordered queue of its own, numbered as
+//! attached.
+//!
 //! Host memory (two CPU backends) goes through a queue; two GPUs through NCCL send and receive
 //! (`cuda::kv_transfer`), the transport that also reaches another host.
 
@@ -25,9 +29,15 @@ pub enum KvLinkEnd {
     Nccl(super::cuda::kv_transfer::NcclEnd),
 }
 
-/// Joins `prefill` (on `from`) and `decode` (on `to`) by a link: host memory between two CPU
-/// backends, NCCL between two GPUs.
-pub fn join(prefill: &mut dyn Backend, from: DeviceChoice, decode: &mut dyn Backend, to: DeviceChoice) -> Result<()> {
+/// Joins `prefill` (on `from`) and `decode` (on `to`) by a new link: host memory between two
+/// CPU backends, NCCL between two GPUs. Returns the link's number on each end (a backend may
+/// hold several links, one per engine it exchanges blocks with).
+pub fn join(
+    prefill: &mut dyn Backend,
+    from: DeviceChoice,
+    decode: &mut dyn Backend,
+    to: DeviceChoice,
+) -> Result<(usize, usize)> {
     let (a, b) = match (from, to) {
         (DeviceChoice::Cpu, DeviceChoice::Cpu) => {
             let (a, b, _) = HostLink::pair();
@@ -40,8 +50,7 @@ pub fn join(prefill: &mut dyn Backend, from: DeviceChoice, decode: &mut dyn Back
             )))
         }
     };
-    prefill.attach_kv_link(a)?;
-    decode.attach_kv_link(b)
+    Ok((prefill.attach_kv_link(a)?, decode.attach_kv_link(b)?))
 }
 
 /// The link between two backends in host memory: the sender's pieces wait in a queue until

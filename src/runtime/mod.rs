@@ -123,30 +123,33 @@ pub trait Backend: Send {
         None
     }
 
-    /// Disaggregated serving (`kv_link`): joins this backend to one end of a link to another.
-    fn attach_kv_link(&mut self, _end: KvLinkEnd) -> Result<()> {
+    /// Disaggregated serving (`kv_link`): joins this backend to one end of a link to another;
+    /// the link's number here (links are numbered from 0 in the order they are attached: a
+    /// prefill engine may serve several decode engines, each over a link of its own).
+    fn attach_kv_link(&mut self, _end: KvLinkEnd) -> Result<usize> {
         Err(RuntimeError::Backend(format!(
             "{} cannot move KV blocks to another engine",
             self.device_name()
         )))
     }
 
-    /// Queues the sending of `blocks`' keys and values (every layer, in order) over the link;
-    /// returns the transfer's ticket. The blocks must stay unwritten until
-    /// `kv_transfers_done` passes it.
-    fn send_kv_blocks(&mut self, _blocks: &[u32]) -> Result<u64> {
+    /// Queues the sending of `blocks`' keys and values (every layer, in order) over link
+    /// `link`; returns the transfer's ticket on that link. The blocks must stay unwritten until
+    /// `kv_transfers_done(link)` passes it.
+    fn send_kv_blocks(&mut self, _link: usize, _blocks: &[u32]) -> Result<u64> {
         Err(RuntimeError::Backend("no KV link is attached".into()))
     }
 
-    /// Queues the receiving of the oldest transfer not yet received into `blocks` (as many as
-    /// were sent); returns its ticket. The blocks hold it once `kv_transfers_done` passes it.
-    fn recv_kv_blocks(&mut self, _blocks: &[u32]) -> Result<u64> {
+    /// Queues the receiving of the oldest transfer on link `link` not yet received into
+    /// `blocks` (as many as were sent); returns its ticket on that link. The blocks hold it
+    /// once `kv_transfers_done(link)` passes it.
+    fn recv_kv_blocks(&mut self, _link: usize, _blocks: &[u32]) -> Result<u64> {
         Err(RuntimeError::Backend("no KV link is attached".into()))
     }
 
-    /// How many of this end's transfers (sends and receives, in the order queued) are done; an
-    /// error where the link failed, after which none completes.
-    fn kv_transfers_done(&mut self) -> Result<u64> {
+    /// How many of this end's transfers on link `link` (sends and receives, in the order
+    /// queued) are done; an error where the link failed, after which none completes on it.
+    fn kv_transfers_done(&mut self, _link: usize) -> Result<u64> {
         Ok(0)
     }
 }

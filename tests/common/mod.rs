@@ -206,12 +206,14 @@ pub fn test_gpus() -> Option<usize> {
 }
 
 /// Disaggregation's transfer, checked through the model: backend `a` computes `prompt` but its
-/// last token, sends those blocks to `b` (linked to it), which receives them into blocks of
-/// other ids (`b_block(i)` for a's block i); the last token's logits from `b`'s received blocks
-/// must equal `a`'s own, bit for bit (one kind of device, one batch shape).
+/// last token, sends those blocks to `b` over the link numbered `links.0` on `a` and `links.1`
+/// on `b`, and `b` receives them into blocks of other ids (`b_block(i)` for a's block i); the
+/// last token's logits from `b`'s received blocks must equal `a`'s own, bit for bit (one kind
+/// of device, one batch shape).
 pub fn check_transfer(
     a: &mut dyn quarry::runtime::Backend,
     b: &mut dyn quarry::runtime::Backend,
+    links: (usize, usize),
     prompt: &[u32],
     b_block: impl Fn(u32) -> u32,
 ) {
@@ -231,10 +233,11 @@ pub fn check_transfer(
         batch
     };
     let expected = a.forward(&last(&table_a)).unwrap();
-    let sent = a.send_kv_blocks(&table_a).unwrap();
-    let received = b.recv_kv_blocks(&table_b).unwrap();
+    let (la, lb) = links;
+    let sent = a.send_kv_blocks(la, &table_a).unwrap();
+    let received = b.recv_kv_blocks(lb, &table_b).unwrap();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while a.kv_transfers_done().unwrap() <= sent || b.kv_transfers_done().unwrap() <= received {
+    while a.kv_transfers_done(la).unwrap() <= sent || b.kv_transfers_done(lb).unwrap() <= received {
         assert!(
             std::time::Instant::now() < deadline,
             "the transfer did not finish in 30 s"

@@ -23,8 +23,9 @@ pub(super) struct Handoffs {
     /// Blocks held for a request until its transfer is queued, with their chain and how many
     /// were cached already.
     reserved: HashMap<RequestId, Reserved>,
-    /// Queued transfers, in ticket order (sends and receives share the backend's count).
-    queued: VecDeque<Queued>,
+    /// Queued transfers on each link (by the link's number), in ticket order (sends and
+    /// receives on one link share its count).
+    queued: Vec<VecDeque<Queued>>,
     /// Blocks whose transfer is done.
     pub blocks_sent: u64,
     pub blocks_received: u64,
@@ -47,17 +48,18 @@ struct Queued {
 }
 
 impl EngineCore {
-    /// Sending side: queues the sending of the leading blocks of the chain `hashes` that are
-    /// still cached here; returns how many go (the receiver must receive as many).
-    pub fn send_blocks(&mut self, hashes: &[BlockHash]) -> Result<usize, RuntimeError> {
+    /// Sending side: queues the sending over link `link` of the leading blocks of the chain
+    /// `hashes` that are still cached here; returns how many go (the receiver must receive as
+    /// many).
+    pub fn send_blocks(&mut self, link: usize, hashes: &[BlockHash]) -> Result<usize, RuntimeError> {
         let blocks = self.scheduler.kv_mut().hold_cached(hashes);
         if blocks.is_empty() {
             return Ok(0);
         }
-        match self.backend.send_kv_blocks(&blocks) {
+        match self.backend.send_kv_blocks(link, &blocks) {
             Ok(ticket) => {
                 let n = blocks.len();
-                self.handoffs.queued.push_back(Queued {
+                self.handoffs.on(link).push_back(Queued {
                     ticket,
                     blocks,
                     moved: n,
@@ -92,10 +94,10 @@ impl EngineCore {
         wanted
     }
 
-    /// Receiving side: queues the receiving of `count` blocks (what the sender sent of those
-    /// `reserve_blocks` asked for) into request `id`'s reservation. The request is let go once
-    /// they land; at once where none come.
-    pub fn receive_blocks(&mut self, id: RequestId, count: usize) -> Result<(), RuntimeError> {
+    /// Receiving side: queues the receiving over link `link` of `count` blocks (what the
+    /// sender sent of those `reserve_blocks` asked for) into request `id`'s reservation. The
+    /// request is let go once they land; at once where none come.
+    pub fn receive_blocks(&mut self, link: usize, id: RequestId, count: usize) -> Result<(), RuntimeError> {
         let Some(r) = self.handoffs.reserved.remove(&id) else {
             self.scheduler.release(id);
             return Ok(());
@@ -104,15 +106,15 @@ impl EngineCore {
         let filled = r.cached + count;
         let mut result = Ok(());
         if count > 0 {
-            match self.backend.recv_kv_blocks(&r.blocks[r.cached..filled]) {
+            match self.backend.recv_kv_blocks(link, &r.blocks[r.cached..filled]) {
                 Ok(ticket) => {
-                    self.handoffs.queued.push_back(Queued {
+                    self.handoffs.on(link).push_back(Queued {
                         ticket,
                         blocks: r.blocks,
                         moved: count,
                         receive: Some((id, r.hashes, filled)),
                     });
-                    self.poll_transfers();
+                    self.poll_link(link);
                     return Ok(());
                 }
                 Err(e) => {
@@ -127,25 +129,30 @@ impl EngineCore {
         result
     }
 
-    /// Lets go of the blocks of every transfer the backend has finished; where the link
-    /// failed, of every transfer, their requests computing their prompts themselves.
+    /// Lets go of the blocks of every transfer the backend has finished; where a link failed,
+    /// of every transfer on it, their requests computing their prompts themselves.
     pub fn poll_transfers(&mut self) {
-        if self.handoffs.queued.is_empty() {
-            return;
+        for link in 0..self.handoffs.queued.len() {
+            if !self.handoffs.queued[link].is_empty() {
+                self.poll_link(link);
+            }
         }
-        let done = match self.backend.kv_transfers_done() {
+    }
+
+    fn poll_link(&mut self, link: usize) {
+        let done = match self.backend.kv_transfers_done(link) {
             Ok(done) => done,
             Err(e) => {
                 tracing::error!(
-                    "quarry: KV transfer failed: {e}; the requests waiting for it compute their prompts here"
+                    "quarry: KV transfer on link {link} failed: {e}; the requests waiting for it compute their prompts here"
                 );
                 self.handoffs.failures += 1;
                 u64::MAX
             }
         };
         let failed = done == u64::MAX;
-        while self.handoffs.queued.front().is_some_and(|q| q.ticket < done) {
-            let q = self.handoffs.queued.pop_front().expect("checked");
+        while self.handoffs.queued[link].front().is_some_and(|q| q.ticket < done) {
+            let q = self.handoffs.queued[link].pop_front().expect("checked");
             if !failed {
                 let moved = q.moved as u64;
                 match q.receive {
@@ -166,6 +173,16 @@ impl EngineCore {
 
     /// Whether transfers are in flight (the engine's loop must come back to poll them).
     pub fn has_transfers(&self) -> bool {
-        !self.handoffs.queued.is_empty()
+        self.handoffs.queued.iter().any(|q| !q.is_empty())
+    }
+}
+
+impl Handoffs {
+    /// The queue of link `link`'s transfers.
+    fn on(&mut self, link: usize) -> &mut VecDeque<Queued> {
+        if self.queued.len() <= link {
+            self.queued.resize_with(link + 1, VecDeque::new);
+        }
+        &mut self.queued[link]
     }
 }

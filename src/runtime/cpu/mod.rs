@@ -71,10 +71,9 @@ pub struct CpuBackend {
     rope: Rope,
     kv: KvCache,
     buffers: Buffers,
-    /// Disaggregated serving's link to another engine's backend, and the transfers queued on
-    /// it (each done as it is queued: the host copies at once).
-    kv_link: Option<HostLink>,
-    kv_transfers: u64,
+    /// Disaggregated serving's links to other engines' backends, each with the transfers
+    /// queued on it (each done as it is queued: the host copies at once).
+    kv_links: Vec<(HostLink, u64)>,
 }
 
 /// Activations of one forward pass, `[tokens, width]` each.
@@ -137,24 +136,23 @@ impl CpuBackend {
             rope,
             kv,
             buffers: Buffers::default(),
-            kv_link: None,
-            kv_transfers: 0,
+            kv_links: Vec::new(),
         })
     }
 }
 
 impl CpuBackend {
-    /// The attached link, once `blocks` are known to lie in the pool.
-    fn link(&self, blocks: &[u32]) -> Result<HostLink> {
+    /// Attached link `link`, once `blocks` are known to lie in the pool.
+    fn link(&mut self, link: usize, blocks: &[u32]) -> Result<&mut (HostLink, u64)> {
         let total = self.kv.layout().num_blocks;
         if let Some(b) = blocks.iter().find(|&&b| b as usize >= total) {
             return Err(RuntimeError::InvalidBatch(format!(
                 "KV transfer names block {b} of a pool of {total}"
             )));
         }
-        self.kv_link
-            .clone()
-            .ok_or_else(|| RuntimeError::Backend("no KV link is attached".into()))
+        self.kv_links
+            .get_mut(link)
+            .ok_or_else(|| RuntimeError::Backend(format!("no KV link {link} is attached")))
     }
 }
 
@@ -176,11 +174,11 @@ impl Backend for CpuBackend {
         true
     }
 
-    fn attach_kv_link(&mut self, end: KvLinkEnd) -> Result<()> {
+    fn attach_kv_link(&mut self, end: KvLinkEnd) -> Result<usize> {
         match end {
             KvLinkEnd::Host(link) => {
-                self.kv_link = Some(link);
-                Ok(())
+                self.kv_links.push((link, 0));
+                Ok(self.kv_links.len() - 1)
             }
             KvLinkEnd::Nccl(_) => Err(RuntimeError::Backend(
                 "the CPU backend moves KV blocks through host memory, not NCCL".into(),
@@ -188,23 +186,27 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn send_kv_blocks(&mut self, blocks: &[u32]) -> Result<u64> {
-        let link = self.link(blocks)?;
-        link.send(self.kv.gather(blocks))?;
-        self.kv_transfers += 1;
-        Ok(self.kv_transfers - 1)
+    fn send_kv_blocks(&mut self, link: usize, blocks: &[u32]) -> Result<u64> {
+        self.link(link, blocks)?;
+        let piece = self.kv.gather(blocks);
+        let (link, transfers) = self.link(link, blocks)?;
+        link.send(piece)?;
+        *transfers += 1;
+        Ok(*transfers - 1)
     }
 
-    fn recv_kv_blocks(&mut self, blocks: &[u32]) -> Result<u64> {
-        let link = self.link(blocks)?;
-        let bytes = link.receive(blocks.len() * self.kv.block_bytes())?;
-        self.kv.scatter(blocks, &bytes);
-        self.kv_transfers += 1;
-        Ok(self.kv_transfers - 1)
+    fn recv_kv_blocks(&mut self, link: usize, blocks: &[u32]) -> Result<u64> {
+        let bytes = blocks.len() * self.kv.block_bytes();
+        let (link, transfers) = self.link(link, blocks)?;
+        let piece = link.receive(bytes)?;
+        *transfers += 1;
+        let ticket = *transfers - 1;
+        self.kv.scatter(blocks, &piece);
+        Ok(ticket)
     }
 
-    fn kv_transfers_done(&mut self) -> Result<u64> {
-        Ok(self.kv_transfers)
+    fn kv_transfers_done(&mut self, link: usize) -> Result<u64> {
+        Ok(self.kv_links.get(link).map_or(0, |(_, done)| *done))
     }
 
     /// The logits are on the host already: every row goes back to the engine's sampler.

@@ -140,8 +140,8 @@ pub struct CudaBackend {
     /// The staged pass's tokens that the last draw decided on the device.
     fill: Option<Fill>,
     name: String,
-    /// Disaggregated serving's link to another GPU's engine.
-    kv_port: Option<kv_transfer::KvPort>,
+    /// Disaggregated serving's links to other GPUs' engines, numbered as attached.
+    kv_ports: Vec<kv_transfer::KvPort>,
     timing: Option<Timing>,
     /// None: every step runs eagerly (`--enforce-eager`, per-kernel timing, or heads the
     /// tensor-core attention does not take).
@@ -428,7 +428,7 @@ impl CudaBackend {
             redraw_staging,
             fill: None,
             name,
-            kv_port: None,
+            kv_ports: Vec::new(),
             timing,
             graphs,
             captured_last_run: false,
@@ -790,8 +790,8 @@ fn silu_mul(stream: &CudaStream, k: &Kernels, gate_up: u64, act: u64, rows: usiz
     }
 }
 
-fn no_kv_link() -> RuntimeError {
-    RuntimeError::Backend("no KV link is attached".into())
+fn no_kv_link(link: usize) -> RuntimeError {
+    RuntimeError::Backend(format!("no KV link {link} is attached"))
 }
 
 impl CudaBackend {
@@ -823,37 +823,37 @@ impl Backend for CudaBackend {
         self.gemm.invariant()
     }
 
-    fn attach_kv_link(&mut self, end: crate::runtime::KvLinkEnd) -> Result<()> {
+    fn attach_kv_link(&mut self, end: crate::runtime::KvLinkEnd) -> Result<usize> {
         let crate::runtime::KvLinkEnd::Nccl(end) = end else {
             return Err(RuntimeError::Backend(
                 "a GPU backend moves KV blocks over NCCL, not through host memory".into(),
             ));
         };
         let block_elems = self.layout.block_size * self.config.kv_size();
-        self.kv_port = Some(kv_transfer::KvPort::new(
+        self.kv_ports.push(kv_transfer::KvPort::new(
             end,
             &self.ctx,
             &self.k_cache,
             &self.v_cache,
             block_elems,
         )?);
-        Ok(())
+        Ok(self.kv_ports.len() - 1)
     }
 
-    fn send_kv_blocks(&mut self, blocks: &[u32]) -> Result<u64> {
+    fn send_kv_blocks(&mut self, link: usize, blocks: &[u32]) -> Result<u64> {
         self.check_kv_blocks(blocks)?;
-        let port = self.kv_port.as_mut().ok_or_else(no_kv_link)?;
+        let port = self.kv_ports.get_mut(link).ok_or_else(|| no_kv_link(link))?;
         port.send(&self.kernels.kv_gather, blocks, &self.stream)
     }
 
-    fn recv_kv_blocks(&mut self, blocks: &[u32]) -> Result<u64> {
+    fn recv_kv_blocks(&mut self, link: usize, blocks: &[u32]) -> Result<u64> {
         self.check_kv_blocks(blocks)?;
-        let port = self.kv_port.as_mut().ok_or_else(no_kv_link)?;
+        let port = self.kv_ports.get_mut(link).ok_or_else(|| no_kv_link(link))?;
         port.recv(&self.kernels.kv_scatter, blocks, &self.stream)
     }
 
-    fn kv_transfers_done(&mut self) -> Result<u64> {
-        self.kv_port.as_mut().map_or(Ok(0), |p| p.done())
+    fn kv_transfers_done(&mut self, link: usize) -> Result<u64> {
+        self.kv_ports.get_mut(link).map_or(Ok(0), |p| p.done())
     }
 
     fn run(&mut self, batch: &ForwardBatch) -> Result<()> {
