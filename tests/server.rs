@@ -1621,6 +1621,30 @@ fn two_copies_give_one_engines_records_and_report_each_copy() {
     let Some(two) = start(&["--data-parallel-size", "2"]) else {
         return;
     };
+    same_records_at_once(&one, &two, "two copies");
+    let log = two.log.lock().unwrap().join("\n");
+    assert!(log.contains("2 copies: cpu"), "the start log names the copies:\n{log}");
+}
+
+/// `--prefill-device cpu --decode-device cpu,cpu`: one engine computes the prompts of two
+/// decode engines, each joined to it by a host link; the records are one engine's.
+#[test]
+fn one_prefill_engine_for_two_decode_engines_gives_one_engines_records() {
+    let Some(one) = start(&[]) else { return };
+    let Some(split) = start(&["--prefill-device", "cpu", "--decode-device", "cpu,cpu"]) else {
+        return;
+    };
+    same_records_at_once(&one, &split, "one prefill and two decode engines");
+    let log = split.log.lock().unwrap().join("\n");
+    assert!(
+        log.contains("prefill cpu") && log.contains("decode cpu"),
+        "the start log names both sides:\n{log}"
+    );
+}
+
+/// Invoices and contacts (each document twice, and once behind another line) posted at once to
+/// `other` give `one`'s records, and `/metrics` shows two engines serving.
+fn same_records_at_once(one: &Server, other: &Server, what: &str) {
     let bodies: Vec<Value> = [("invoice", "invoice.txt"), ("contact", "contact.txt")]
         .iter()
         .flat_map(|(schema, file)| {
@@ -1636,7 +1660,7 @@ fn two_copies_give_one_engines_records_and_report_each_copy() {
         })
         .collect();
     let expected: Vec<Value> = bodies.iter().map(|b| post(one.port, b).1).collect();
-    let port = two.port;
+    let port = other.port;
     let got: Vec<(u16, Value)> = std::thread::scope(|s| {
         let posts: Vec<_> = bodies.iter().map(|b| s.spawn(move || post(port, b))).collect();
         posts.into_iter().map(|p| p.join().unwrap()).collect()
@@ -1646,7 +1670,7 @@ fn two_copies_give_one_engines_records_and_report_each_copy() {
         assert_eq!(record["outcome"], "ok", "{record}");
         assert_eq!(
             record["data"], want["data"],
-            "two copies gave another record than one engine"
+            "{what} gave another record than one engine"
         );
     }
     let (status, metrics) = http_text(port, "GET", "/metrics", None, b"");
@@ -1655,8 +1679,6 @@ fn two_copies_give_one_engines_records_and_report_each_copy() {
         let line = format!("quarry_engine_requests{{engine=\"{engine}\"}} 0");
         assert!(metrics.lines().any(|l| l == line), "no `{line}` in\n{metrics}");
     }
-    let log = two.log.lock().unwrap().join("\n");
-    assert!(log.contains("2 copies: cpu"), "the start log names the copies:\n{log}");
 }
 
 /// A job outlives its server: killed (SIGKILL) mid-job, a new server on the same state
