@@ -1679,6 +1679,20 @@ fn same_records_at_once(one: &Server, other: &Server, what: &str) {
         let line = format!("quarry_engine_requests{{engine=\"{engine}\"}} 0");
         assert!(metrics.lines().any(|l| l == line), "no `{line}` in\n{metrics}");
     }
+    // Every request was placed on one of the two.
+    let placed: Vec<u64> = ["0", "1"]
+        .iter()
+        .map(|engine| {
+            let name = format!("quarry_engine_requests_placed_total{{engine=\"{engine}\"}} ");
+            metrics
+                .lines()
+                .find_map(|l| l.strip_prefix(&name))
+                .unwrap_or_else(|| panic!("no `{name}` in\n{metrics}"))
+                .parse()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(placed.iter().sum::<u64>(), bodies.len() as u64, "placed {placed:?}");
 }
 
 /// A job outlives its server: killed (SIGKILL) mid-job, a new server on the same state

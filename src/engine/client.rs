@@ -422,6 +422,12 @@ impl EngineClient {
         }
     }
 
+    /// How many requests each engine has been given so far, where several serve (`None`
+    /// for one engine: there is nothing to place).
+    pub fn placed(&self) -> Option<Vec<u64>> {
+        self.placement.as_ref().map(|p| lock(p).placed())
+    }
+
     /// Stops taking requests, lets the running ones finish, and returns the engine (the
     /// decode engine, where prompts were computed by another; the first, where several serve).
     pub fn shutdown(&self) -> Option<EngineCore> {

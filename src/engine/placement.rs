@@ -50,6 +50,8 @@ struct Engine {
     capacity: usize,
     /// Requests placed on the engine that have not ended.
     load: usize,
+    /// Requests placed on the engine so far.
+    placed: u64,
 }
 
 impl Placement {
@@ -63,6 +65,7 @@ impl Placement {
                 by_age: BTreeMap::new(),
                 capacity,
                 load: 0,
+                placed: 0,
             })
             .collect();
         Placement {
@@ -108,6 +111,7 @@ impl Placement {
         // for a later prompt, rarely).
         self.engines[chosen].sent(&hashes);
         self.engines[chosen].load += 1;
+        self.engines[chosen].placed += 1;
         Some(chosen)
     }
 
@@ -121,6 +125,11 @@ impl Placement {
     /// Requests placed on each engine that have not ended.
     pub fn loads(&self) -> Vec<usize> {
         self.engines.iter().map(|e| e.load).collect()
+    }
+
+    /// Requests placed on each engine so far.
+    pub fn placed(&self) -> Vec<u64> {
+        self.engines.iter().map(|e| e.placed).collect()
     }
 }
 
@@ -182,6 +191,12 @@ mod tests {
         let short = prompt(1, 2, 5, 6);
         p.ended(other);
         assert_eq!(p.place(&short, |_| true), Some(other));
+        // An ended request leaves its engine's load, not its count of requests placed.
+        let mut placed = [0u64; 2];
+        placed[first] = 2;
+        placed[other] = 2;
+        assert_eq!(p.placed(), placed);
+        assert_eq!(p.loads()[other], 1);
     }
 
     #[test]

@@ -60,6 +60,7 @@ pub struct Metrics {
     graph_steps: Gauge,
     pipelined_steps: Gauge,
     engine_requests: Family<EngineLabel, Gauge>,
+    engine_requests_placed: Family<EngineLabel, Counter>,
 }
 
 impl Metrics {
@@ -98,6 +99,7 @@ impl Default for Metrics {
             graph_steps: Gauge::default(),
             pipelined_steps: Gauge::default(),
             engine_requests: Family::default(),
+            engine_requests_placed: Family::default(),
         };
         let r = &mut m.registry;
         r.register(
@@ -191,6 +193,11 @@ impl Default for Metrics {
             "Requests placed on each engine serving the model (--data-parallel-size) and not ended",
             m.engine_requests.clone(),
         );
+        r.register(
+            "engine_requests_placed",
+            "Requests placed on each engine serving the model (--data-parallel-size, or the decode engines of --decode-device) so far",
+            m.engine_requests_placed.clone(),
+        );
         m
     }
 }
@@ -236,11 +243,17 @@ impl Metrics {
     }
 
     /// The text of every metric, with the gauges read from the engines' `stats` (summed) and
-    /// `loads` (each engine's requests) now.
-    pub fn render(&self, stats: &EngineStats, loads: &[usize]) -> String {
+    /// `loads` (each engine's requests) now, and `placed` (requests given to each engine so
+    /// far, where several serve).
+    pub fn render(&self, stats: &EngineStats, loads: &[usize], placed: Option<&[u64]>) -> String {
         for (i, &load) in loads.iter().enumerate() {
             let label = EngineLabel { engine: i.to_string() };
             self.engine_requests.get_or_create(&label).set(load as i64);
+        }
+        for (i, &n) in placed.unwrap_or_default().iter().enumerate() {
+            let label = EngineLabel { engine: i.to_string() };
+            let counter = self.engine_requests_placed.get_or_create(&label);
+            counter.inc_by(n.saturating_sub(counter.get()));
         }
         self.waiting.set(stats.waiting as i64);
         self.running.set(stats.running as i64);

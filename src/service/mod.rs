@@ -110,7 +110,9 @@ impl Service {
 
     /// The metrics' text, with the engine's gauges read now.
     pub fn render_metrics(&self) -> String {
-        self.metrics.render(&self.stats(), &self.extractor.client.loads())
+        let client = &self.extractor.client;
+        self.metrics
+            .render(&self.stats(), &client.loads(), client.placed().as_deref())
     }
 
     /// Admits the requests together (all or none), then hands them to the engine; each stream
