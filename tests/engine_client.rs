@@ -455,6 +455,49 @@ fn speculation_changes_no_output() {
     }
 }
 
+/// Where steps may be pipelined, a speculating engine pipelines the steps in which drafting
+/// would gain less (at 32 requests nobody's drafts pay on the CPU, whose step grows with every
+/// row) and drafts in the others (the last few requests): both kinds of step run, and the
+/// records are those of each request alone.
+#[test]
+fn speculation_pipelines_the_steps_its_drafts_would_not_pay_for() {
+    let Some((backend, tok)) = common::load_backend(8192) else {
+        return;
+    };
+    let tok = Arc::new(tok);
+    let structured = StructuredOutputs::new(&tok);
+    let jobs = jobs(&tok);
+    let plain = EngineConfig {
+        async_scheduling: AsyncScheduling::Off,
+        ..EngineConfig::default()
+    };
+    let (alone, _, core) = run(common::engine(backend, &tok, plain, None), &jobs, &structured, false);
+    let both = EngineConfig {
+        async_scheduling: AsyncScheduling::On,
+        speculative: Some(SpeculativeConfig::default()),
+        ..plain
+    };
+    let (out, _, done) = run(
+        common::engine(core.into_backend(), &tok, both, None),
+        &jobs,
+        &structured,
+        true,
+    );
+    same_up_to_near_ties(&out, &alone, "speculating where it pays, pipelined elsewhere");
+    let stats = done.stats();
+    let d = stats.drafts;
+    eprintln!(
+        "{} of {} steps pipelined; {} of {} drafts kept in {} checks",
+        stats.pipelined_steps,
+        stats.steps,
+        d.accepted(),
+        d.proposed(),
+        d.checks
+    );
+    assert!(stats.pipelined_steps > 0, "no step was pipelined: {stats:?}");
+    assert!(d.checks > 0 && d.accepted() > 0, "no step drafted: {stats:?}");
+}
+
 /// Runs the jobs drawn by `draw` all at once three ways: in the default engine; with every
 /// prompt in chunks of 4 and 6 drafts checked a step; and in a pool small enough to preempt
 /// (twins take their blocks from it too). Each way must give `alone`'s records; every block,

@@ -146,8 +146,9 @@ pub struct ModelArgs {
     decode_device: Vec<DeviceChoice>,
     /// Plan and queue each step before the last one's tokens are read, so that the device
     /// does not wait for the host between steps (the tokens go from the GPU's draws straight
-    /// into the next pass). Outputs are the same either way. [default: on a GPU, unless
-    /// speculating; not with --speculative-tokens]
+    /// into the next pass). Outputs are the same either way. While speculating, the steps in
+    /// which drafting would gain less than this are pipelined. [default: on a GPU; not with
+    /// --speculative-model]
     #[arg(long, conflicts_with = "no_async_scheduling")]
     async_scheduling: bool,
     /// Read each step's tokens before planning the next.
@@ -516,9 +517,9 @@ impl ModelArgs {
             ..Default::default()
         };
         anyhow::ensure!(
-            !(self.async_scheduling && self.speculative_tokens > 0),
-            "--async-scheduling plans a step before the last one's tokens are known, which drafts \
-             need: use it without --speculative-tokens"
+            !(self.async_scheduling && self.speculative_model.is_some()),
+            "--async-scheduling plans a step before the last one's tokens are known, which a draft \
+             model's sequences follow: use it without --speculative-model"
         );
         config.async_scheduling = match (self.async_scheduling, self.no_async_scheduling) {
             (true, _) => crate::engine::AsyncScheduling::On,

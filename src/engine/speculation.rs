@@ -195,6 +195,63 @@ pub fn drafts_worth(rate: f64, waiting: usize, share: f64, per_draft: f64, max: 
     max
 }
 
+/// An exponential average of recent measurements (the latest weighs `1 - HOST_DECAY`).
+#[derive(Debug, Clone, Copy, Default)]
+struct Recent(Option<f64>);
+
+/// Each host-time measurement's weight falls by this factor per later one.
+const HOST_DECAY: f64 = 0.9;
+
+impl Recent {
+    fn record(&mut self, x: f64) {
+        self.0 = Some(self.0.map_or(x, |v| v * HOST_DECAY + x * (1.0 - HOST_DECAY)));
+    }
+}
+
+/// The host's share of an unpipelined decoding step, measured as steps run: the work the
+/// device waits for (planning and preparing the batch before its pass is queued, checking
+/// and committing the tokens after they are read), which a pipelined step does while the
+/// device runs, and what proposing drafts takes, which a pipelined step does not do at all.
+#[derive(Debug, Clone, Default)]
+pub struct HostTime {
+    exposed: Recent,
+    proposing: Recent,
+}
+
+impl HostTime {
+    pub fn record(&mut self, exposed: f64, proposing: f64) {
+        self.exposed.record(exposed);
+        self.proposing.record(proposing);
+    }
+}
+
+/// Whether the coming step should speculate rather than be pipelined, for `n` decoding
+/// requests that want `drafts` drafts in all, of which `kept` are expected to be kept
+/// (`drafts_worth`'s sums of each request's acceptance rate to the k-th power). Drafting
+/// makes `n + kept` tokens in a step of `n + drafts` rows, after proposing; a pipelined step
+/// makes `n` tokens in the same step without the host's exposed work, or in that work where
+/// the host is the slower. Speculation is chosen only on evidence: with no drafts wanted the
+/// step is pipelined, and before any step is measured the drafts are tried.
+pub fn speculation_pays(n: usize, drafts: usize, kept: f64, cost: &StepCost, host: &HostTime) -> bool {
+    if drafts == 0 || n == 0 {
+        return false;
+    }
+    let (Some(plain), Some(checked), Some(exposed)) =
+        (cost.step_seconds(n), cost.step_seconds(n + drafts), host.exposed.0)
+    else {
+        return true;
+    };
+    let drafting = checked + host.proposing.0.unwrap_or(0.0);
+    let pipelined = (plain - exposed).max(exposed);
+    (n as f64 + kept) * pipelined > n as f64 * drafting
+}
+
+/// The drafts a request with acceptance `rate` is expected to have kept out of `k` checked:
+/// the chance of keeping the first, the first two, and so on.
+pub fn expected_kept(rate: f64, k: usize) -> f64 {
+    (1..=k as i32).map(|j| rate.powi(j)).sum()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -263,5 +320,42 @@ mod tests {
         // a quarter of the step: 0.7^3 = 0.343 > 0.25 > 0.7^4 = 0.24.
         assert_eq!(drafts_worth(0.7, 1, 0.0, 0.25, 8), 3);
         assert_eq!(drafts_worth(0.2, 1, 0.0, 0.25, 8), 0);
+    }
+
+    #[test]
+    fn speculation_is_chosen_over_pipelining_only_where_its_drafts_gain_more() {
+        let mut cost = StepCost::default();
+        let host = HostTime::default();
+        // Nothing measured: drafts wanted are tried, and none wanted means a pipelined step.
+        assert!(speculation_pays(32, 4, 1.0, &cost, &host));
+        assert!(!speculation_pays(32, 0, 0.0, &cost, &host));
+        // A step of r rows takes 1 ms + 0.01 ms a row; 0.1 ms of it is the host's, exposed.
+        for i in 0..60 {
+            let rows = 1 + i % 40;
+            cost.record(rows, 0.001 + 0.00001 * rows as f64);
+        }
+        let mut host = HostTime::default();
+        for _ in 0..60 {
+            host.record(0.0001, 0.00002);
+        }
+        // 32 requests: a plain step 1.32 ms, pipelined 1.22 ms, 26.2 tokens a ms. Eight drafts
+        // (1.42 ms with proposing) must keep more than 5.3 of them to beat that.
+        assert!(!speculation_pays(32, 8, 5.0, &cost, &host));
+        assert!(speculation_pays(32, 8, 6.0, &cost, &host));
+        // At batch 1 pipelining saves a tenth of the step, and half a kept draft is worth more.
+        assert!(speculation_pays(1, 4, 0.5, &cost, &host));
+        assert!(!speculation_pays(1, 4, 0.05, &cost, &host));
+        // Where the host is the slower, a pipelined step takes the host's time.
+        let mut slow = HostTime::default();
+        slow.record(0.0009, 0.0);
+        // (1 + 0.2) x 0.9 ms > 1.02 ms; against the device's 0.11 ms it would lose.
+        assert!(speculation_pays(1, 1, 0.2, &cost, &slow));
+    }
+
+    #[test]
+    fn expected_kept_drafts_sum_the_chances_of_keeping_each() {
+        assert_eq!(expected_kept(0.5, 0), 0.0);
+        assert!((expected_kept(0.5, 3) - 0.875).abs() < 1e-12);
+        assert!((expected_kept(1.0, 8) - 8.0).abs() < 1e-12);
     }
 }

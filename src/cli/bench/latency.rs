@@ -67,6 +67,9 @@ struct Run {
     decoded_tokens: usize,
     drafts: DraftCounts,
     outputs: Vec<Vec<u32>>,
+    /// Engine steps of the timed iterations, and those of them pipelined.
+    steps: u64,
+    pipelined_steps: u64,
 }
 
 impl Run {
@@ -91,7 +94,8 @@ impl Run {
             "latency_s_p90": percentile(&mut s, 90.0), "latency_s_p99": percentile(&mut s, 99.0),
             "output_tokens": self.output_tokens, "output_tok_s": self.output_tok_s(),
             "forced_tokens": self.forced_tokens, "ttft_s_mean": self.ttft / self.requests() as f64,
-            "decode_tok_s_per_request": self.decode_tok_s(), "drafts": drafts_json(&self.drafts)})
+            "decode_tok_s_per_request": self.decode_tok_s(), "drafts": drafts_json(&self.drafts),
+            "steps": self.steps, "pipelined_steps": self.pipelined_steps})
     }
 }
 
@@ -187,6 +191,9 @@ pub fn run(args: LatencyArgs) -> anyhow::Result<()> {
         );
         print_drafts("speculative", &runs[1].drafts);
     }
+    for r in runs.iter().filter(|r| r.pipelined_steps > 0) {
+        println!("{}: {} of {} steps pipelined", r.name, r.pipelined_steps, r.steps);
+    }
     println!(
         "prompt lookup's ceiling (up to {LOOKUP_CEILING_DRAFTS} drafts checked at no cost every step): \
          {steps} steps for {decoded} tokens after the first, {:.2} tokens a step",
@@ -216,8 +223,14 @@ fn iterate(
         decoded_tokens: 0,
         drafts: DraftCounts::default(),
         outputs: Vec::new(),
+        steps: 0,
+        pipelined_steps: 0,
     };
+    let mut warm = engine.stats();
     for iter in 0..=args.iters {
+        if iter == 1 {
+            warm = engine.stats();
+        }
         let started = Instant::now();
         for b in 0..args.batch_size {
             let id = iter * args.batch_size + b;
@@ -239,5 +252,8 @@ fn iterate(
             }
         }
     }
+    let end = engine.stats();
+    run.steps = end.steps - warm.steps;
+    run.pipelined_steps = end.pipelined_steps - warm.pipelined_steps;
     Ok((run, jobs::into_backend(engine, draft)))
 }

@@ -33,11 +33,11 @@ use super::kv_cache_manager::{KvCacheManager, RequestId};
 use super::proposers::forced_after;
 use super::proposers::{DraftModel, NgramProposer};
 use super::scheduler::{AdmitError, Scheduled, Scheduler, SchedulerConfig};
-use super::speculation::{Acceptance, DraftCounts, SpeculativeConfig, StepCost};
+use super::speculation::{Acceptance, DraftCounts, HostTime, SpeculativeConfig, StepCost};
 use super::stop::StopStrings;
 use super::structured::CompiledConstraint;
 use super::BlockPool;
-use crate::runtime::{Backend, Draw, ForwardBatch, RowRequest, RuntimeError};
+use crate::runtime::{Backend, Draw, ForwardBatch, RowRequest, RuntimeError, Sampled};
 use crate::sampling::{DeviceDraw, SampledToken, Sampler, SamplingParamError, SamplingParams};
 use crate::tokenizer::Tokenizer;
 
@@ -80,8 +80,9 @@ pub struct EngineConfig {
     pub cache_key: u64,
     /// Guess tokens ahead and check the guesses in the same forward pass (off when `None`).
     pub speculative: Option<SpeculativeConfig>,
-    /// Plan and queue each step before the last one's tokens are read (`core::pipeline`);
-    /// never while speculating, whose drafts need those tokens.
+    /// Plan and queue each step before the last one's tokens are read (`core::pipeline`).
+    /// While speculating, only the steps in which drafting would gain less (drafts need the
+    /// last step's tokens); never with a draft model.
     pub async_scheduling: AsyncScheduling,
 }
 
@@ -137,6 +138,8 @@ pub struct EngineCore {
     draft_model_failures: u64,
     /// What a decoding step costs against its sampled rows, measured as steps run.
     step_cost: StepCost,
+    /// The host's exposed share of a step and what proposing takes, measured as steps run.
+    host_time: HostTime,
     async_scheduling: AsyncScheduling,
     /// The pipelined step whose tokens are not read yet.
     in_flight: Option<pipeline::InFlight>,
@@ -178,6 +181,7 @@ impl EngineCore {
             draft_model: None,
             draft_model_failures: 0,
             step_cost: StepCost::default(),
+            host_time: HostTime::default(),
             async_scheduling: config.async_scheduling,
             in_flight: None,
             pipelined_steps: 0,
@@ -362,19 +366,39 @@ impl EngineCore {
     /// One engine step; outputs of the requests that produced tokens or finished. The phases:
     /// propose drafts, schedule, prepare the batch, run the model while the grammar masks
     /// fill, sample (and check the drafts), then update the requests with what was kept.
+    /// Where steps may be pipelined, a speculating engine pipelines those whose drafts would
+    /// gain less than pipelining does (`speculation_pays`), and reads the step in flight
+    /// before one that drafts, whose guesses follow its tokens.
     pub fn step(&mut self) -> Result<Vec<RequestOutput>, RuntimeError> {
-        if self.pipelining() {
-            return self.step_pipelined();
+        let proposing = Instant::now();
+        match (self.speculative, self.pipelining()) {
+            (None, true) => return self.step_pipelined(),
+            (None, false) => {}
+            (Some(config), pipelining) => {
+                let wanted = self.drafts_wanted(config);
+                if pipelining && !self.speculation_pays(&wanted) {
+                    self.clear_drafts(&wanted);
+                    return self.step_pipelined();
+                }
+                if self.in_flight.is_some() {
+                    self.clear_drafts(&wanted);
+                    return self.read_in_flight();
+                }
+                self.propose(wanted, config);
+            }
         }
-        self.propose();
+        let proposing = proposing.elapsed();
+        let started = Instant::now();
         let plan = self.scheduler.schedule();
         if plan.scheduled.is_empty() {
             return Ok(Vec::new());
         }
-        let started = Instant::now();
         let (batch, sampling) = self.prepare_batch(&plan.scheduled, &HashMap::new())?;
+        let queued = Instant::now();
         let grammar = self.forward_with_masks(&batch, &sampling, true)?;
-        let runs = self.sample(&sampling, &grammar)?;
+        let decided = self.draw(&sampling, &grammar)?;
+        let read = Instant::now();
+        let runs = self.verify_all(&sampling, &grammar, &decided)?;
         self.steps += 1;
         let outputs = self.update(&plan.scheduled, &sampling, runs);
         // Decoding steps only: a prompt's tokens cost far less each than a sampled row (no
@@ -384,19 +408,22 @@ impl EngineCore {
         let measured = !self.backend.last_run_warmed_up();
         if measured && plan.scheduled.iter().all(|s| s.samples) && plan.num_tokens() <= 2 * rows {
             self.step_cost.record(rows, started.elapsed().as_secs_f64());
+            let exposed = (queued - started) + read.elapsed();
+            self.host_time.record(exposed.as_secs_f64(), proposing.as_secs_f64());
         }
         Ok(outputs)
     }
 
-    /// Whether steps are pipelined: asked for (`AsyncScheduling`), and nothing speculates
-    /// (drafts are guesses after the last token, which a pipelined plan does not have yet).
+    /// Whether steps may be pipelined: asked for (`AsyncScheduling`), and no draft model
+    /// guesses (its sequences follow every token). A speculating engine pipelines the steps
+    /// in which drafting would not pay (`step`).
     pub fn pipelining(&self) -> bool {
         let asked = match self.async_scheduling {
             AsyncScheduling::Auto => self.backend.pipelines(),
             AsyncScheduling::On => true,
             AsyncScheduling::Off => false,
         };
-        asked && self.speculative.is_none() && self.draft_model.is_none()
+        asked && self.draft_model.is_none()
     }
 
     /// The flattened batch of the scheduled requests' tokens (their drafts last), and the
@@ -520,24 +547,28 @@ impl EngineCore {
         Ok(grammar)
     }
 
+    /// Draws each sampling request's rows (`Backend::sample`): where the backend draws on its
+    /// device, each row's draw goes with it (the sampler's parameters and penalties, the copy
+    /// bias's mask, as they stand after the drafts before the row, and a contrasting request's
+    /// twin row); the rows it leaves come back as logits for the request's sampler.
+    fn draw(&mut self, sampling: &[Sampling], grammar: &[RowGrammar]) -> Result<Sampled, RuntimeError> {
+        let asks = self.asks(sampling, grammar);
+        self.backend.sample(&asks.requests(grammar))
+    }
+
     /// Each sampling request's run of tokens: the drafts the model agrees with, then its own
-    /// token after them. Where the backend draws on its device, each row's draw goes with it
-    /// (the sampler's parameters and penalties, the copy bias's mask, as they stand after the
-    /// drafts before the row, and a contrasting request's twin row); the rows it leaves come
-    /// back as logits for the request's sampler.
-    fn sample(
+    /// token after them.
+    fn verify_all(
         &mut self,
         sampling: &[Sampling],
         grammar: &[RowGrammar],
+        decided: &Sampled,
     ) -> Result<Vec<Vec<SampledToken>>, RuntimeError> {
         let words = bitmask_words(self.tokenizer.vocab_size());
-        let asks = self.asks(sampling, grammar);
-        let decided = self.backend.sample(&asks.requests(grammar))?;
-        let mut runs = Vec::with_capacity(sampling.len());
-        for v in sampling {
-            runs.push(self.verify(v, &decided, grammar, words)?);
-        }
-        Ok(runs)
+        sampling
+            .iter()
+            .map(|v| self.verify(v, decided, grammar, words))
+            .collect()
     }
 
     /// What the backend is asked of each row of the pass (`sample`): where it draws on its

@@ -12,8 +12,9 @@
 //! A row of N+1 no longer stands where N's token ended its request, where the grammar forced
 //! tokens after it (they are computed in N+2, before the request samples again), or where the
 //! engine took back the device's draw (the budget's room): N+1 computed that position from the
-//! wrong token, so it is computed again. Pipelined steps carry no drafts: the engine speculates
-//! or pipelines, not both.
+//! wrong token, so it is computed again. Pipelined steps carry no drafts: a speculating engine
+//! pipelines the steps in which drafting would gain less (`speculation::speculation_pays`),
+//! and reads the step in flight (`read_in_flight`) before one that drafts.
 
 use std::collections::HashMap;
 
@@ -50,6 +51,19 @@ impl EngineCore {
             // Its requests end with the rest (`fail_all`); nothing of it may be read. Blocks a
             // step was to compute were cached when it was planned: none may be found again.
             self.in_flight = None;
+            self.scheduler.forget_prefixes();
+        }
+        result
+    }
+
+    /// Reads the step in flight and plans none after it: the outputs. The next step drafts,
+    /// and its guesses follow that step's tokens.
+    pub(super) fn read_in_flight(&mut self) -> Result<Vec<RequestOutput>, RuntimeError> {
+        let Some(f) = self.in_flight.take() else {
+            return Ok(Vec::new());
+        };
+        let result = self.collect_step(f).map(|(outputs, _)| outputs);
+        if result.is_err() {
             self.scheduler.forget_prefixes();
         }
         result

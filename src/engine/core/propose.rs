@@ -7,15 +7,14 @@ use super::EngineCore;
 use crate::engine::contained::ContainedMatcher;
 use crate::engine::kv_cache_manager::RequestId;
 use crate::engine::proposers::{forced_after, DraftRow};
-use crate::engine::speculation::{drafts_worth, Proposer, SpeculativeConfig};
+use crate::engine::speculation::{drafts_worth, expected_kept, speculation_pays, Proposer, SpeculativeConfig};
 use crate::tokenizer::Tokenizer;
 
 impl EngineCore {
-    /// Gives each decoding request its drafts for the next step, where the engine speculates:
-    /// as many as pay for themselves (`SpeculativeConfig::adaptive`), from the draft model
-    /// where there is one, else from prompt lookup and the grammar.
-    pub(super) fn propose(&mut self) {
-        let Some(config) = self.speculative else { return };
+    /// How many drafts each decoding request should have checked in the next step, where the
+    /// engine speculates: as many as pay for themselves (`SpeculativeConfig::adaptive`). Those
+    /// that want none have their drafts cleared and their evidence aged.
+    pub(super) fn drafts_wanted(&mut self, config: SpeculativeConfig) -> Vec<(RequestId, usize)> {
         let running = self.scheduler.running().to_vec();
         // A decoding step samples a row per running request, and one more per draft.
         let rows = running.len();
@@ -45,8 +44,42 @@ impl EngineCore {
                 wanted.push((id, k));
             }
         }
+        wanted
+    }
+
+    /// Whether drafting for `wanted` gains more than pipelining the step would
+    /// (`speculation_pays`), judged from the requests' acceptance and the steps measured.
+    pub(super) fn speculation_pays(&self, wanted: &[(RequestId, usize)]) -> bool {
+        let kept: f64 = wanted
+            .iter()
+            .filter_map(|&(id, k)| Some(expected_kept(self.scheduler.state(id)?.acceptance.rate(), k)))
+            .sum();
+        let drafts = wanted.iter().map(|&(_, k)| k).sum();
+        speculation_pays(
+            self.scheduler.running().len(),
+            drafts,
+            kept,
+            &self.step_cost,
+            &self.host_time,
+        )
+    }
+
+    /// Clears every request's drafts: the step is pipelined, and its plan has no tokens to
+    /// guess after yet.
+    pub(super) fn clear_drafts(&mut self, wanted: &[(RequestId, usize)]) {
+        for &(id, _) in wanted {
+            if let Some(state) = self.scheduler.state_mut(id) {
+                state.draft_sources.clear();
+            }
+            self.scheduler.set_drafts(id, Vec::new());
+        }
+    }
+
+    /// Gives each request in `wanted` (id, most drafts) its drafts for the next step: from
+    /// the draft model where there is one, else from prompt lookup and the grammar.
+    pub(super) fn propose(&mut self, wanted: Vec<(RequestId, usize)>, config: SpeculativeConfig) {
         if let Some(model) = self.draft_model.as_mut() {
-            model.retain(&running);
+            model.retain(self.scheduler.running());
             return self.model_drafts(&wanted, config);
         }
         for (id, k) in wanted {
