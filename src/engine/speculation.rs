@@ -19,7 +19,9 @@ pub struct SpeculativeConfig {
     pub grammar: bool,
     /// Draft only as many tokens as pay for themselves, judged from each request's recent
     /// acceptance and the measured cost of a row in a step as large as the batch
-    /// (`speculation::drafts_worth`); otherwise always up to `tokens`.
+    /// (`speculation::drafts_worth`), and where steps may be pipelined, pipeline those in
+    /// which drafting would gain less (`speculation_pays`); otherwise always up to `tokens`,
+    /// in steps never pipelined.
     pub adaptive: bool,
 }
 
@@ -209,17 +211,20 @@ impl Recent {
 }
 
 /// The host's share of an unpipelined decoding step, measured as steps run: the work the
-/// device waits for (planning and preparing the batch before its pass is queued, checking
-/// and committing the tokens after they are read), which a pipelined step does while the
-/// device runs, and what proposing drafts takes, which a pipelined step does not do at all.
+/// device waits for, which a pipelined step does while the device runs (planning the step;
+/// preparing the batch before its pass is queued and committing the tokens after they are
+/// read, both within `StepCost`'s time), and what proposing drafts takes, which a pipelined
+/// step does not do at all.
 #[derive(Debug, Clone, Default)]
 pub struct HostTime {
+    scheduling: Recent,
     exposed: Recent,
     proposing: Recent,
 }
 
 impl HostTime {
-    pub fn record(&mut self, exposed: f64, proposing: f64) {
+    pub fn record(&mut self, scheduling: f64, exposed: f64, proposing: f64) {
+        self.scheduling.record(scheduling);
         self.exposed.record(exposed);
         self.proposing.record(proposing);
     }
@@ -241,8 +246,9 @@ pub fn speculation_pays(n: usize, drafts: usize, kept: f64, cost: &StepCost, hos
     else {
         return true;
     };
-    let drafting = checked + host.proposing.0.unwrap_or(0.0);
-    let pipelined = (plain - exposed).max(exposed);
+    let scheduling = host.scheduling.0.unwrap_or(0.0);
+    let drafting = host.proposing.0.unwrap_or(0.0) + scheduling + checked;
+    let pipelined = (plain - exposed).max(scheduling + exposed);
     (n as f64 + kept) * pipelined > n as f64 * drafting
 }
 
@@ -336,7 +342,7 @@ mod tests {
         }
         let mut host = HostTime::default();
         for _ in 0..60 {
-            host.record(0.0001, 0.00002);
+            host.record(0.0, 0.0001, 0.00002);
         }
         // 32 requests: a plain step 1.32 ms, pipelined 1.22 ms, 26.2 tokens a ms. Eight drafts
         // (1.42 ms with proposing) must keep more than 5.3 of them to beat that.
@@ -347,7 +353,7 @@ mod tests {
         assert!(!speculation_pays(1, 4, 0.05, &cost, &host));
         // Where the host is the slower, a pipelined step takes the host's time.
         let mut slow = HostTime::default();
-        slow.record(0.0009, 0.0);
+        slow.record(0.0, 0.0009, 0.0);
         // (1 + 0.2) x 0.9 ms > 1.02 ms; against the device's 0.11 ms it would lose.
         assert!(speculation_pays(1, 1, 0.2, &cost, &slow));
     }

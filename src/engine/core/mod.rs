@@ -376,7 +376,8 @@ impl EngineCore {
             (None, false) => {}
             (Some(config), pipelining) => {
                 let wanted = self.drafts_wanted(config);
-                if pipelining && !self.speculation_pays(&wanted) {
+                // Checking every draft (not adaptive) is asked for as such: never traded away.
+                if pipelining && config.adaptive && !self.speculation_pays(&wanted) {
                     self.clear_drafts(&wanted);
                     return self.step_pipelined();
                 }
@@ -388,11 +389,13 @@ impl EngineCore {
             }
         }
         let proposing = proposing.elapsed();
-        let started = Instant::now();
+        let scheduling = Instant::now();
         let plan = self.scheduler.schedule();
         if plan.scheduled.is_empty() {
             return Ok(Vec::new());
         }
+        let started = Instant::now();
+        let scheduling = started - scheduling;
         let (batch, sampling) = self.prepare_batch(&plan.scheduled, &HashMap::new())?;
         let queued = Instant::now();
         let grammar = self.forward_with_masks(&batch, &sampling, true)?;
@@ -409,7 +412,9 @@ impl EngineCore {
         if measured && plan.scheduled.iter().all(|s| s.samples) && plan.num_tokens() <= 2 * rows {
             self.step_cost.record(rows, started.elapsed().as_secs_f64());
             let exposed = (queued - started) + read.elapsed();
-            self.host_time.record(exposed.as_secs_f64(), proposing.as_secs_f64());
+            let seconds = |d: std::time::Duration| d.as_secs_f64();
+            self.host_time
+                .record(seconds(scheduling), seconds(exposed), seconds(proposing));
         }
         Ok(outputs)
     }
