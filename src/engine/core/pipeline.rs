@@ -91,6 +91,7 @@ impl EngineCore {
             .filter(|v| self.still_stands(v))
             .collect();
         self.pipelined_rows_dropped += (planned - standing.len()) as u64;
+        self.host_time.record_pipelined(planned, planned - standing.len());
         if !queue_first {
             for t in next.batch.token_ids.iter_mut().filter(|t| **t & FROM_LAST_DRAW != 0) {
                 // A row whose request is gone computes a token nobody reads.
