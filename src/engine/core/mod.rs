@@ -138,6 +138,8 @@ pub struct EngineCore {
     draft_model_failures: u64,
     /// What a decoding step costs against its sampled rows, measured as steps run.
     step_cost: StepCost,
+    /// What a pipelined decoding step takes against its sampled rows, measured as they run.
+    pipelined_cost: StepCost,
     /// The host's exposed share of a step and what proposing takes, measured as steps run.
     host_time: HostTime,
     async_scheduling: AsyncScheduling,
@@ -181,6 +183,7 @@ impl EngineCore {
             draft_model: None,
             draft_model_failures: 0,
             step_cost: StepCost::default(),
+            pipelined_cost: StepCost::default(),
             host_time: HostTime::default(),
             async_scheduling: config.async_scheduling,
             in_flight: None,

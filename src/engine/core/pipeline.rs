@@ -17,6 +17,7 @@
 //! and reads the step in flight (`read_in_flight`) before one that drafts.
 
 use std::collections::HashMap;
+use std::time::Instant;
 
 use quarry_grammar::bitmask_words;
 
@@ -70,12 +71,14 @@ impl EngineCore {
     }
 
     fn pipelined(&mut self) -> Result<Vec<RequestOutput>, RuntimeError> {
+        let started = Instant::now();
         let next = self.plan_next()?;
         let queue_first = self.backend.pipelines() && self.in_flight.as_ref().is_none_or(|f| f.drawn_on_device);
         if let (Some(n), true) = (&next, queue_first) {
             self.backend.run(&n.batch)?;
         }
-        if next.is_some() && self.in_flight.is_some() {
+        let steady = next.is_some() && self.in_flight.is_some();
+        if steady {
             self.pipelined_steps += 1;
         }
         let (outputs, tokens) = match self.in_flight.take() {
@@ -99,7 +102,14 @@ impl EngineCore {
             }
         }
         let grammar = self.forward_with_masks(&next.batch, &standing, !queue_first)?;
+        // A step in the pipeline's stride (one before it in flight) takes what the pipeline
+        // gives a step: decoding steps only, as `StepCost` is fitted in `step`.
+        let stride = steady && !self.backend.last_run_warmed_up();
+        let decoding = planned > 0 && next.batch.token_ids.len() <= 2 * planned;
         self.launch_draws(standing, grammar)?;
+        if stride && decoding {
+            self.pipelined_cost.record(planned, started.elapsed().as_secs_f64());
+        }
         Ok(outputs)
     }
 

@@ -60,6 +60,7 @@ impl EngineCore {
             drafts,
             kept,
             &self.step_cost,
+            &self.pipelined_cost,
             &self.host_time,
         )
     }
