@@ -49,12 +49,17 @@ impl EngineCore {
     pub(super) fn step_pipelined(&mut self) -> Result<Vec<RequestOutput>, RuntimeError> {
         let result = self.pipelined();
         if result.is_err() {
-            // Its requests end with the rest (`fail_all`); nothing of it may be read. Blocks a
-            // step was to compute were cached when it was planned: none may be found again.
-            self.in_flight = None;
-            self.scheduler.forget_prefixes();
+            self.pipeline_failed();
         }
         result
+    }
+
+    /// After a failed pipelined step: its requests end with the rest (`fail_all`), and
+    /// nothing of the step in flight may be read. Blocks a step was to compute were cached
+    /// when it was planned: none may be found again.
+    fn pipeline_failed(&mut self) {
+        self.in_flight = None;
+        self.scheduler.forget_prefixes();
     }
 
     /// Reads the step in flight and plans none after it: the outputs. The next step drafts,
@@ -65,7 +70,7 @@ impl EngineCore {
         };
         let result = self.collect_step(f).map(|(outputs, _)| outputs);
         if result.is_err() {
-            self.scheduler.forget_prefixes();
+            self.pipeline_failed();
         }
         result
     }
