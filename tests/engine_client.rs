@@ -50,6 +50,7 @@ const PLAIN: [&str; 6] = [
     "Translate to French: good morning, my friend.",
 ];
 
+#[derive(Clone)]
 struct Job {
     prompt: Vec<u32>,
     max_tokens: usize,
@@ -496,6 +497,17 @@ fn speculation_pipelines_the_steps_its_drafts_would_not_pay_for() {
     );
     assert!(stats.pipelined_steps > 0, "no step was pipelined: {stats:?}");
     assert!(d.checks > 0 && d.accepted() > 0, "no step drafted: {stats:?}");
+
+    // Alone, an extraction copying from its document drafts in most of its steps: the choice
+    // that pipelines a full batch's steps must not take over where drafting gains most.
+    let copying: Vec<Job> = jobs.iter().filter(|j| j.schema.is_some()).take(3).cloned().collect();
+    let (out, _, done) = run(done, &copying, &structured, false);
+    let after = done.stats();
+    let (steps, pipelined) = (after.steps - stats.steps, after.pipelined_steps - stats.pipelined_steps);
+    let checks = (after.drafts.checks - d.checks) as u64;
+    eprintln!("alone: {pipelined} of {steps} steps pipelined, {checks} checks");
+    assert_eq!(out.len(), copying.len());
+    assert!(pipelined * 2 < steps && checks * 4 > steps, "alone: {after:?}");
 }
 
 /// Runs the jobs drawn by `draw` all at once three ways: in the default engine; with every

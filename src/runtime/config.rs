@@ -147,6 +147,14 @@ impl ModelConfig {
     pub fn qkv_size(&self) -> usize {
         self.q_size() + 2 * self.kv_size()
     }
+
+    /// Multiply-adds of the weight products for one token, every layer and the head: what a
+    /// row of a step costs wherever the products are compute-bound (attention left out).
+    pub fn macs_per_token(&self) -> usize {
+        let h = self.hidden_size;
+        let layer = h * self.qkv_size() + self.q_size() * h + 3 * h * self.intermediate_size;
+        self.num_layers * layer + h * self.vocab_size
+    }
 }
 
 impl ModelConfig {

@@ -67,9 +67,11 @@ struct Run {
     decoded_tokens: usize,
     drafts: DraftCounts,
     outputs: Vec<Vec<u32>>,
-    /// Engine steps of the timed iterations, and those of them pipelined.
+    /// Engine steps of the timed iterations, those of them pipelined, and the forward passes
+    /// replayed from CUDA graphs (the others ran kernel by kernel).
     steps: u64,
     pipelined_steps: u64,
+    graph_steps: u64,
 }
 
 impl Run {
@@ -95,7 +97,8 @@ impl Run {
             "output_tokens": self.output_tokens, "output_tok_s": self.output_tok_s(),
             "forced_tokens": self.forced_tokens, "ttft_s_mean": self.ttft / self.requests() as f64,
             "decode_tok_s_per_request": self.decode_tok_s(), "drafts": drafts_json(&self.drafts),
-            "steps": self.steps, "pipelined_steps": self.pipelined_steps})
+            "steps": self.steps, "pipelined_steps": self.pipelined_steps,
+            "graph_steps": self.graph_steps})
     }
 }
 
@@ -194,6 +197,12 @@ pub fn run(args: LatencyArgs) -> anyhow::Result<()> {
     for r in runs.iter().filter(|r| r.pipelined_steps > 0) {
         println!("{}: {} of {} steps pipelined", r.name, r.pipelined_steps, r.steps);
     }
+    for r in runs.iter().filter(|r| r.graph_steps > 0) {
+        println!(
+            "{}: {} of {} steps replayed from CUDA graphs",
+            r.name, r.graph_steps, r.steps
+        );
+    }
     println!(
         "prompt lookup's ceiling (up to {LOOKUP_CEILING_DRAFTS} drafts checked at no cost every step): \
          {steps} steps for {decoded} tokens after the first, {:.2} tokens a step",
@@ -225,6 +234,7 @@ fn iterate(
         outputs: Vec::new(),
         steps: 0,
         pipelined_steps: 0,
+        graph_steps: 0,
     };
     let mut warm = engine.stats();
     for iter in 0..=args.iters {
@@ -255,5 +265,6 @@ fn iterate(
     let end = engine.stats();
     run.steps = end.steps - warm.steps;
     run.pipelined_steps = end.pipelined_steps - warm.pipelined_steps;
+    run.graph_steps = end.graph_steps - warm.graph_steps;
     Ok((run, jobs::into_backend(engine, draft)))
 }

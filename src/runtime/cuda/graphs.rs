@@ -34,6 +34,19 @@ pub const MAX_PER_SEQ: usize = FLASH_BLOCK;
 /// their weights once either way (bandwidth-bound), so padding costs next to nothing.
 const FREE_PADDING: usize = 64;
 
+/// Multiply-adds that padding may add to a step whatever its own tokens: about what the
+/// device does, at a small product's pace, in the time the host takes to queue a step's few
+/// hundred kernels one by one (near a millisecond for 32 sequences). For a small model that is
+/// hundreds of tokens (a speculative check where a few sequences draft, the rest padded to
+/// their length); for an 8B one, a few.
+const PADDING_MACS: usize = 50_000_000_000;
+
+/// Tokens of padding a step of a model that costs `macs_per_token` may take on beyond its own
+/// and still replay a graph rather than run eagerly.
+pub fn free_padding(macs_per_token: usize) -> usize {
+    PADDING_MACS / macs_per_token.max(1)
+}
+
 /// Graphs kept at most: each holds device memory for its kernels' parameters, and a server
 /// meets a few hundred shapes at most (sequences x tokens each x partitions x rows); shapes
 /// past this run eagerly.
@@ -80,11 +93,13 @@ pub fn ladder(max: usize) -> Vec<usize> {
 /// Where a step has few tokens per sequence, the shape that covers it: its sequences padded up
 /// `ladder`, its tokens per sequence to the most any has, its longest context up powers of two
 /// of partitions (at most `max_parts`), its rows to one a sequence or all; `split` decides its
-/// attention's split. None where padding would add more work than the replay saves.
+/// attention's split. None where padding would add more work than the replay saves: more than
+/// the step's own tokens, past the free ones, and more than `free_padding` tokens.
 pub fn shape_of(
     batch: &ForwardBatch,
     ladder: &[usize],
     max_parts: usize,
+    free_padding: usize,
     split: impl FnOnce(&Shape) -> bool,
 ) -> Option<Shape> {
     let n = batch.num_seqs();
@@ -94,14 +109,18 @@ pub fn shape_of(
     }
     let seqs = *ladder.iter().find(|&&s| s >= n)?;
     let tokens = seqs * per_seq;
-    if tokens > FREE_PADDING.max(2 * batch.num_tokens()) {
+    // One row a sequence (decode, known tokens) or every row (checks): two shapes, not one for
+    // each count of rows.
+    let rows = if batch.logits_rows.len() <= seqs { seqs } else { tokens };
+    // A padded check computes and draws a row of logits for every padded token too; the free
+    // padding is for steps of one row a sequence (known tokens beside decode tokens).
+    let real = batch.num_tokens();
+    let free = if rows == seqs { free_padding } else { 0 };
+    if tokens > FREE_PADDING.max(2 * real) && tokens - real > free {
         return None;
     }
     let longest = batch.context_lens.iter().copied().max().unwrap_or(1) as usize;
     let parts = longest.max(1).div_ceil(FLASH_PART).next_power_of_two();
-    // One row a sequence (decode, known tokens) or every row (checks): two shapes, not one for
-    // each count of rows.
-    let rows = if batch.logits_rows.len() <= seqs { seqs } else { tokens };
     if parts > max_parts {
         return None;
     }
@@ -169,6 +188,8 @@ unsafe impl Send for Captured {}
 pub struct Graphs {
     pub ladder: Vec<usize>,
     pub max_parts: usize,
+    /// Tokens of padding this model's steps take on at no matter what count (`free_padding`).
+    pub free_padding: usize,
     captured: HashMap<Shape, Captured>,
     /// Shapes whose capture failed: they run eagerly.
     refused: HashSet<Shape>,
@@ -179,13 +200,20 @@ pub struct Graphs {
 }
 
 impl Graphs {
-    pub fn new(stream: &Arc<CudaStream>, max_seqs: usize, max_parts: usize, meta_words: usize) -> Result<Self> {
+    pub fn new(
+        stream: &Arc<CudaStream>,
+        max_seqs: usize,
+        max_parts: usize,
+        free_padding: usize,
+        meta_words: usize,
+    ) -> Result<Self> {
         let meta = stream
             .alloc_zeros::<u32>(meta_words)
             .map_err(|e| RuntimeError::Device(format!("the graphs' metadata buffer: {e}")))?;
         Ok(Graphs {
             ladder: ladder(max_seqs),
             max_parts: max_parts.max(1).next_power_of_two(),
+            free_padding,
             captured: HashMap::new(),
             refused: HashSet::new(),
             replays: 0,
@@ -205,7 +233,7 @@ impl Graphs {
     /// The shape `batch` replays as, unless it runs eagerly (no shape covers it, or its
     /// shape is refused).
     pub fn shape_for(&self, batch: &ForwardBatch, split: impl FnOnce(&Shape) -> bool) -> Option<Shape> {
-        shape_of(batch, &self.ladder, self.max_parts, split).filter(|&s| !self.refused(s))
+        shape_of(batch, &self.ladder, self.max_parts, self.free_padding, split).filter(|&s| !self.refused(s))
     }
 
     pub fn ready(&self, shape: Shape) -> bool {
@@ -319,7 +347,7 @@ mod tests {
     #[test]
     fn steps_of_few_tokens_a_sequence_get_a_shape_and_others_run_eagerly() {
         let l = ladder(64);
-        let shape = |lens: &[usize], q: &[usize]| shape_of(&step(lens, q), &l, 16, |_| false);
+        let shape = |lens: &[usize], q: &[usize]| shape_of(&step(lens, q), &l, 16, 0, |_| false);
         let decode = Shape {
             seqs: 4,
             per_seq: 1,
@@ -356,7 +384,7 @@ mod tests {
             rows: 2,
             split: false,
         };
-        assert_eq!(shape_of(&known, &l, 16, |_| false), Some(last_rows));
+        assert_eq!(shape_of(&known, &l, 16, 0, |_| false), Some(last_rows));
         // A prefill chunk, more tokens of padding than the step's own (past the free ones), more
         // sequences than the ladder holds, or a context past its partitions.
         assert_eq!(shape(&[100, 40], &[1, 40]), None);
@@ -371,15 +399,50 @@ mod tests {
         let mut lopsided = vec![1; 40];
         lopsided[0] = 16;
         assert_eq!(shape(&[300; 40], &lopsided), None);
+        // A model small enough that 585 tokens of padding cost less than running eagerly:
+        // known tokens beside decode tokens (each sequence's last row wanted), not a check.
+        let mut known = step(&[300; 40], &lopsided);
+        known.logits_rows = known.query_start[1..].iter().map(|&end| end - 1).collect();
+        let lopsided_shape = Shape {
+            seqs: 40,
+            per_seq: 16,
+            parts: 1,
+            rows: 40,
+            split: false,
+        };
+        let small = |free| shape_of(&known, &l, 16, free, |_| false);
+        assert_eq!(small(584), None);
+        assert_eq!(small(585), Some(lopsided_shape));
+        assert_eq!(shape_of(&step(&[300; 40], &lopsided), &l, 16, 585, |_| false), None);
         assert_eq!(shape(&[10; 65], &[1; 65]), None);
         assert_eq!(shape(&[9000], &[1]), None);
+    }
+
+    #[test]
+    fn a_small_model_pads_hundreds_of_tokens_and_an_8b_one_a_few() {
+        use crate::runtime::config::ModelConfig;
+        let llama = ModelConfig::preset("llama-3.1-8b").expect("a preset");
+        // Llama-3.1-8B's 8.03 billion parameters less its 525 million-entry embedding table,
+        // which is looked up, not multiplied.
+        let macs = llama.macs_per_token();
+        assert!((7.4e9..7.6e9).contains(&(macs as f64)), "{macs}");
+        assert!(free_padding(macs) < 8);
+        // SmolLM2-135M: 30 layers of width 576 (heads of 64: 9 for queries, 3 for keys and
+        // values), an MLP of 1,536, a 49,152-word head.
+        let smol = ModelConfig::from_hf_json(
+            r#"{"model_type":"llama","vocab_size":49152,"hidden_size":576,"intermediate_size":1536,
+            "num_hidden_layers":30,"num_attention_heads":9,"num_key_value_heads":3,"rope_theta":100000.0,
+            "rms_norm_eps":1e-5,"max_position_embeddings":8192}"#,
+        )
+        .expect("SmolLM2's config");
+        assert!((300..450).contains(&free_padding(smol.macs_per_token())));
     }
 
     #[test]
     fn padding_goes_before_each_sequences_tokens_and_the_wanted_rows_come_first() {
         let mut b = step(&[40, 1000, 7], &[2, 1, 3]);
         b.logits_rows = vec![1, 2, 5];
-        let shape = shape_of(&b, &ladder(16), 8, |_| false).unwrap();
+        let shape = shape_of(&b, &ladder(16), 8, 0, |_| false).unwrap();
         assert_eq!(
             shape,
             Shape {

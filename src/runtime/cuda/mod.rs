@@ -387,7 +387,8 @@ impl CudaBackend {
             // the places and words of tokens the last draw decided; tables; flash items.
             let items = seqs * attention::items_of(graphs::MAX_PER_SEQ, group);
             let words = 8 * tokens + 8 + seqs * max_parts * (attention::FLASH_PART / BLOCK_SIZE) + 4 * items;
-            Some(Graphs::new(&stream, seqs, max_parts, words)?)
+            let free = graphs::free_padding(config.macs_per_token());
+            Some(Graphs::new(&stream, seqs, max_parts, free, words)?)
         } else {
             None
         };
