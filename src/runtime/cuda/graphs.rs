@@ -34,11 +34,11 @@ pub const MAX_PER_SEQ: usize = FLASH_BLOCK;
 /// their weights once either way (bandwidth-bound), so padding costs next to nothing.
 const FREE_PADDING: usize = 64;
 
-/// Multiply-adds that padding may add to a step whatever its own tokens: about what the
-/// device does, at a small product's pace, in the time the host takes to queue a step's few
-/// hundred kernels one by one (near a millisecond for 32 sequences). For a small model that is
-/// hundreds of tokens (a speculative check where a few sequences draft, the rest padded to
-/// their length); for an 8B one, a few.
+/// Multiply-adds that padding may add to a step of one logits row a sequence whatever its own
+/// tokens: about what the device does, at a small product's pace, in the time the host takes
+/// to queue a step's few hundred kernels one by one (near a millisecond for 32 sequences). For
+/// a small model that is hundreds of tokens (jump-forward's known tokens in a few sequences,
+/// the rest padded to their length); for an 8B one, a few.
 const PADDING_MACS: usize = 50_000_000_000;
 
 /// Tokens of padding a step of a model that costs `macs_per_token` may take on beyond its own
@@ -188,7 +188,8 @@ unsafe impl Send for Captured {}
 pub struct Graphs {
     pub ladder: Vec<usize>,
     pub max_parts: usize,
-    /// Tokens of padding this model's steps take on at no matter what count (`free_padding`).
+    /// Tokens of padding this model's steps of one logits row a sequence may take on whatever
+    /// their own count (`free_padding`).
     pub free_padding: usize,
     captured: HashMap<Shape, Captured>,
     /// Shapes whose capture failed: they run eagerly.
