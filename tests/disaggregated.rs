@@ -218,19 +218,13 @@ fn many(prefill: usize, decode: usize) -> Option<(EngineClient, Arc<Tokenizer>)>
     };
     let (mut p, mut d) = (load(prefill)?, load(decode)?);
     let tok = Arc::new(tok?);
-    let mut links = Vec::new();
-    for (i, a) in p.iter_mut().enumerate() {
-        for (j, b) in d.iter_mut().enumerate() {
-            let (prefill_link, decode_link) =
-                quarry::runtime::kv_link::join(a.as_mut(), DeviceChoice::Cpu, b.as_mut(), DeviceChoice::Cpu).unwrap();
-            links.push(KvLink {
-                prefill: i,
-                decode: j,
-                prefill_link,
-                decode_link,
-            });
-        }
-    }
+    let links = KvLink::join_all(
+        &mut p,
+        &vec![DeviceChoice::Cpu; prefill],
+        &mut d,
+        &vec![DeviceChoice::Cpu; decode],
+    )
+    .unwrap();
     let cores = |side: Vec<Box<dyn Backend>>| side.into_iter().map(|b| engine(b, &tok)).collect();
     let client = EngineClient::disaggregated(cores(p), cores(d), &links).unwrap();
     Some((client, tok))

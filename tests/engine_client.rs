@@ -14,8 +14,8 @@ mod common;
 use std::sync::Arc;
 
 use quarry::engine::{
-    AsyncScheduling, BlockPool, Constraint, EngineClient, EngineConfig, EngineCore, EngineRequest, FinishReason,
-    SpeculativeConfig, StructuredOutputs,
+    AsyncScheduling, BesidePipeline, BlockPool, Constraint, EngineClient, EngineConfig, EngineCore, EngineRequest,
+    FinishReason, SpeculativeConfig, StructuredOutputs,
 };
 use quarry::sampling::{ContrastParams, SamplingParams};
 use quarry::tokenizer::Tokenizer;
@@ -351,6 +351,7 @@ fn speculation_changes_no_output() {
             grammar,
             // Every draft checked: this is about outputs, not whether drafts pay.
             adaptive: false,
+            ..SpeculativeConfig::default()
         }),
         ..base
     };
@@ -498,8 +499,12 @@ fn speculation_pipelines_the_steps_its_drafts_would_not_pay_for() {
     assert!(stats.pipelined_steps > 0, "no step was pipelined: {stats:?}");
     assert!(d.checks > 0 && d.accepted() > 0, "no step drafted: {stats:?}");
 
-    // Alone, an extraction copying from its document drafts in most of its steps: the choice
-    // that pipelines a full batch's steps must not take over where drafting gains most.
+    // Alone, an extraction copying from its document drafts in most of its steps on the GPU,
+    // whose step costs next to the same for 3 rows or 27: the choice that pipelines a full
+    // batch's steps must not take over where drafting gains most. On the CPU a check of 27
+    // rows costs several plain steps, and whether drafting pays turns on the machine's
+    // measured timings (CI's two shared cores once chose to pipeline all 245), so there the
+    // counts are only printed.
     let copying: Vec<Job> = jobs.iter().filter(|j| j.schema.is_some()).take(3).cloned().collect();
     let (out, _, done) = run(done, &copying, &structured, false);
     let after = done.stats();
@@ -507,7 +512,9 @@ fn speculation_pipelines_the_steps_its_drafts_would_not_pay_for() {
     let checks = (after.drafts.checks - d.checks) as u64;
     eprintln!("alone: {pipelined} of {steps} steps pipelined, {checks} checks");
     assert_eq!(out.len(), copying.len());
-    assert!(pipelined * 2 < steps && checks * 4 > steps, "alone: {after:?}");
+    if common::test_device() != quarry::runtime::DeviceChoice::Cpu {
+        assert!(pipelined * 2 < steps && checks * 4 > steps, "alone: {after:?}");
+    }
 }
 
 /// Runs the jobs drawn by `draw` all at once three ways: in the default engine; with every
@@ -539,9 +546,8 @@ fn the_same_under_load(
     let mut chunked = EngineConfig {
         speculative: Some(SpeculativeConfig {
             tokens: 6,
-            ngram: true,
-            grammar: true,
             adaptive: false,
+            ..SpeculativeConfig::default()
         }),
         ..config
     };
@@ -698,6 +704,77 @@ fn pipelined_steps_change_no_output() {
         assert!(stats.pipelined_steps * 2 > stats.steps, "{what}: {stats:?}");
         // Requests that finished, and jump-forward's tokens after a sampled one.
         assert!(stats.pipelined_rows_dropped > 0, "{what}: {stats:?}");
+        core = common::engine(done.into_backend(), &tok, plain, None);
+    }
+}
+
+/// Drafts checked in pipelined steps (`BesidePipeline::Always`: every step pipelined; each
+/// request whose tokens are all known checks its drafts and sits out the next step, and one
+/// whose token is in flight sits out the next plan where prompt lookup foretells drafts) change
+/// no output: greedy jobs all at once, and contrasted ones in a pool small enough to preempt a
+/// request whose check is in flight, give what each gives alone without drafts.
+#[test]
+fn checks_beside_pipelined_steps_change_no_output() {
+    let Some((backend, tok)) = common::load_backend(8192) else {
+        return;
+    };
+    let tok = Arc::new(tok);
+    let structured = StructuredOutputs::new(&tok);
+    let jobs = jobs(&tok);
+    let plain = EngineConfig {
+        async_scheduling: AsyncScheduling::Off,
+        ..EngineConfig::default()
+    };
+    let beside = EngineConfig {
+        async_scheduling: AsyncScheduling::On,
+        speculative: Some(SpeculativeConfig {
+            beside_pipeline: BesidePipeline::Always,
+            ..SpeculativeConfig::default()
+        }),
+        ..plain
+    };
+    let block_size = backend.kv_layout().block_size;
+    let longest = jobs.iter().map(|j| j.prompt.len() + j.max_tokens).max().unwrap();
+    let mut core = common::engine(backend, &tok, plain, None);
+    for (draw, pool) in [
+        (Draw::Greedy, None),
+        (Draw::Contrast, Some(4 * longest.div_ceil(block_size))),
+    ] {
+        let (alone, _, done) = run_drawn(core, &jobs, &structured, false, draw);
+        let (out, preemptions, done) = run_drawn(
+            common::engine(done.into_backend(), &tok, beside, pool.map(BlockPool::new)),
+            &jobs,
+            &structured,
+            true,
+            draw,
+        );
+        let what = match pool {
+            None => "greedy, 32 at once",
+            Some(_) => "contrasted, a pool too small for everyone",
+        };
+        same_up_to_near_ties(&out, &alone, what);
+        let stats = done.stats();
+        eprintln!(
+            "{what}: {} checks beside {} pipelined steps of {}, {} plans sat out; {} of {} drafts kept; {preemptions} preemptions",
+            stats.checks_beside_pipeline,
+            stats.pipelined_steps,
+            stats.steps,
+            stats.sat_out,
+            stats.drafts.accepted(),
+            stats.drafts.proposed()
+        );
+        assert!(
+            stats.checks_beside_pipeline > 0 && stats.drafts.accepted() > 0,
+            "{what}: {stats:?}"
+        );
+        assert!(
+            stats.sat_out > 0,
+            "{what}: no request sat out a plan to check drafts: {stats:?}"
+        );
+        assert!(
+            pool.is_none() || preemptions > 0,
+            "{what}: the small pool never preempted"
+        );
         core = common::engine(done.into_backend(), &tok, plain, None);
     }
 }

@@ -98,20 +98,16 @@ fn one_prefill_gpu_serves_two_decode_gpus() {
         return;
     }
     std::env::set_var("QUARRY_KV_PIECE_BLOCKS", "7");
-    let (mut a, mut decode) = (load(0), vec![load(1), load(2)]);
-    let bs = a.kv_layout().block_size;
-    let mut links = Vec::new();
-    for (d, b) in decode.iter_mut().enumerate() {
-        let (prefill_link, decode_link) =
-            quarry::runtime::kv_link::join(a.as_mut(), DeviceChoice::Cuda(0), b.as_mut(), DeviceChoice::Cuda(d + 1))
-                .expect("an NCCL link from cuda:0");
-        links.push(KvLink {
-            prefill: 0,
-            decode: d,
-            prefill_link,
-            decode_link,
-        });
-    }
+    let (mut prefill, mut decode) = (vec![load(0)], vec![load(1), load(2)]);
+    let bs = prefill[0].kv_layout().block_size;
+    let links = KvLink::join_all(
+        &mut prefill,
+        &[DeviceChoice::Cuda(0)],
+        &mut decode,
+        &[DeviceChoice::Cuda(1), DeviceChoice::Cuda(2)],
+    )
+    .expect("NCCL links from cuda:0");
+    let a = prefill.pop().expect("the prefill backend");
     assert_eq!(links.iter().map(|l| l.prefill_link).collect::<Vec<_>>(), [0, 1]);
     let tokenizer =
         Arc::new(quarry::tokenizer::Tokenizer::from_model_file(&model()).expect("a tokenizer beside the model"));

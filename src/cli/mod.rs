@@ -172,6 +172,11 @@ pub struct ModelArgs {
     /// many as each request's recent acceptance and the batch's load make worth it.
     #[arg(long)]
     speculative_always: bool,
+    /// Where steps are pipelined, whether a request with no row in the step in flight checks
+    /// its drafts in the next one and sits out the step after: `judged` (where it pays),
+    /// `always`, `never`.
+    #[arg(long, default_value = "judged", value_parser = parse_beside_pipeline)]
+    speculative_beside_pipeline: crate::engine::BesidePipeline,
     /// A smaller model with the same tokenizer to guess with (a GGUF file or model
     /// directory, on the same device, with a KV cache of its own); prompt lookup then stands
     /// aside.
@@ -205,6 +210,16 @@ fn parse_proposers(text: &str) -> Result<Proposers, String> {
         return Err("name at least one proposer (ngram, grammar)".into());
     }
     Ok(p)
+}
+
+fn parse_beside_pipeline(text: &str) -> Result<crate::engine::BesidePipeline, String> {
+    use crate::engine::BesidePipeline;
+    match text {
+        "judged" => Ok(BesidePipeline::Judged),
+        "always" => Ok(BesidePipeline::Always),
+        "never" => Ok(BesidePipeline::Never),
+        other => Err(format!("`{other}` is not one of judged, always, never")),
+    }
 }
 
 fn parse_load_format(text: &str) -> Result<LoadFormat, String> {
@@ -321,19 +336,7 @@ impl ModelArgs {
         let mut decode: Vec<Box<dyn Backend>> =
             self.decode_device.iter().map(|&d| load(d)).collect::<Result<_, _>>()?;
         let tokenizer = Arc::new(tokenizer.expect("at least one device"));
-        let mut links = Vec::new();
-        for (p, (from, prefill)) in self.prefill_device.iter().zip(&mut prefill).enumerate() {
-            for (d, (to, decode)) in self.decode_device.iter().zip(&mut decode).enumerate() {
-                let (prefill_link, decode_link) =
-                    crate::runtime::kv_link::join(prefill.as_mut(), *from, decode.as_mut(), *to)?;
-                links.push(KvLink {
-                    prefill: p,
-                    decode: d,
-                    prefill_link,
-                    decode_link,
-                });
-            }
-        }
+        let links = KvLink::join_all(&mut prefill, &self.prefill_device, &mut decode, &self.decode_device)?;
         let names = |side: &[Box<dyn Backend>]| side.iter().map(|b| b.device_name()).collect::<Vec<_>>().join(", ");
         let name = format!("prefill {}, decode {}", names(&prefill), names(&decode));
         let engines = |side: Vec<Box<dyn Backend>>| -> Vec<EngineCore> {
@@ -536,6 +539,7 @@ impl ModelArgs {
             ngram: self.speculative_proposers.ngram,
             grammar: self.speculative_proposers.grammar,
             adaptive: !self.speculative_always,
+            beside_pipeline: self.speculative_beside_pipeline,
         });
         Ok(config)
     }

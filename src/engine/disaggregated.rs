@@ -34,6 +34,7 @@ use super::block_pool::BlockHash;
 use super::client::{DecodeSide, Engine, Handoff};
 use super::core::{EngineRequest, FinishReason};
 use super::kv_cache_manager::{BlockHasher, RequestId};
+use crate::runtime::{kv_link, Backend, DeviceChoice};
 use crate::sampling::SamplingParams;
 
 /// A KV link between prefill engine `prefill` and decode engine `decode` (their places in the
@@ -45,6 +46,34 @@ pub struct KvLink {
     pub decode: usize,
     pub prefill_link: usize,
     pub decode_link: usize,
+}
+
+impl KvLink {
+    /// Joins every decode backend to every prefill backend (`prefill[i]` on `prefill_on[i]`,
+    /// likewise for decode), as `EngineClient::disaggregated` wants them: a decode engine
+    /// takes a hand-off from any prefill engine.
+    pub fn join_all(
+        prefill: &mut [Box<dyn Backend>],
+        prefill_on: &[DeviceChoice],
+        decode: &mut [Box<dyn Backend>],
+        decode_on: &[DeviceChoice],
+    ) -> crate::runtime::Result<Vec<KvLink>> {
+        assert_eq!(prefill.len(), prefill_on.len(), "a device for each prefill backend");
+        assert_eq!(decode.len(), decode_on.len(), "a device for each decode backend");
+        let mut links = Vec::with_capacity(prefill.len() * decode.len());
+        for (p, (a, &from)) in prefill.iter_mut().zip(prefill_on).enumerate() {
+            for (d, (b, &to)) in decode.iter_mut().zip(decode_on).enumerate() {
+                let (prefill_link, decode_link) = kv_link::join(a.as_mut(), from, b.as_mut(), to)?;
+                links.push(KvLink {
+                    prefill: p,
+                    decode: d,
+                    prefill_link,
+                    decode_link,
+                });
+            }
+        }
+        Ok(links)
+    }
 }
 
 /// A prefill engine, shared by the routes of the decode engines it serves.
