@@ -14,8 +14,8 @@ mod common;
 use std::sync::Arc;
 
 use quarry::engine::{
-    AsyncScheduling, BesidePipeline, BlockPool, Constraint, EngineClient, EngineConfig, EngineCore, EngineRequest,
-    FinishReason, SpeculativeConfig, StructuredOutputs,
+    AsyncScheduling, BlockPool, Constraint, EngineClient, EngineConfig, EngineCore, EngineRequest, FinishReason,
+    SpeculativeConfig, StructuredOutputs,
 };
 use quarry::sampling::{ContrastParams, SamplingParams};
 use quarry::tokenizer::Tokenizer;
@@ -351,7 +351,6 @@ fn speculation_changes_no_output() {
             grammar,
             // Every draft checked: this is about outputs, not whether drafts pay.
             adaptive: false,
-            ..SpeculativeConfig::default()
         }),
         ..base
     };
@@ -546,8 +545,9 @@ fn the_same_under_load(
     let mut chunked = EngineConfig {
         speculative: Some(SpeculativeConfig {
             tokens: 6,
+            ngram: true,
+            grammar: true,
             adaptive: false,
-            ..SpeculativeConfig::default()
         }),
         ..config
     };
@@ -704,77 +704,6 @@ fn pipelined_steps_change_no_output() {
         assert!(stats.pipelined_steps * 2 > stats.steps, "{what}: {stats:?}");
         // Requests that finished, and jump-forward's tokens after a sampled one.
         assert!(stats.pipelined_rows_dropped > 0, "{what}: {stats:?}");
-        core = common::engine(done.into_backend(), &tok, plain, None);
-    }
-}
-
-/// Drafts checked in pipelined steps (`BesidePipeline::Always`: every step pipelined; each
-/// request whose tokens are all known checks its drafts and sits out the next step, and one
-/// whose token is in flight sits out the next plan where prompt lookup foretells drafts) change
-/// no output: greedy jobs all at once, and contrasted ones in a pool small enough to preempt a
-/// request whose check is in flight, give what each gives alone without drafts.
-#[test]
-fn checks_beside_pipelined_steps_change_no_output() {
-    let Some((backend, tok)) = common::load_backend(8192) else {
-        return;
-    };
-    let tok = Arc::new(tok);
-    let structured = StructuredOutputs::new(&tok);
-    let jobs = jobs(&tok);
-    let plain = EngineConfig {
-        async_scheduling: AsyncScheduling::Off,
-        ..EngineConfig::default()
-    };
-    let beside = EngineConfig {
-        async_scheduling: AsyncScheduling::On,
-        speculative: Some(SpeculativeConfig {
-            beside_pipeline: BesidePipeline::Always,
-            ..SpeculativeConfig::default()
-        }),
-        ..plain
-    };
-    let block_size = backend.kv_layout().block_size;
-    let longest = jobs.iter().map(|j| j.prompt.len() + j.max_tokens).max().unwrap();
-    let mut core = common::engine(backend, &tok, plain, None);
-    for (draw, pool) in [
-        (Draw::Greedy, None),
-        (Draw::Contrast, Some(4 * longest.div_ceil(block_size))),
-    ] {
-        let (alone, _, done) = run_drawn(core, &jobs, &structured, false, draw);
-        let (out, preemptions, done) = run_drawn(
-            common::engine(done.into_backend(), &tok, beside, pool.map(BlockPool::new)),
-            &jobs,
-            &structured,
-            true,
-            draw,
-        );
-        let what = match pool {
-            None => "greedy, 32 at once",
-            Some(_) => "contrasted, a pool too small for everyone",
-        };
-        same_up_to_near_ties(&out, &alone, what);
-        let stats = done.stats();
-        eprintln!(
-            "{what}: {} checks beside {} pipelined steps of {}, {} plans sat out; {} of {} drafts kept; {preemptions} preemptions",
-            stats.checks_beside_pipeline,
-            stats.pipelined_steps,
-            stats.steps,
-            stats.sat_out,
-            stats.drafts.accepted(),
-            stats.drafts.proposed()
-        );
-        assert!(
-            stats.checks_beside_pipeline > 0 && stats.drafts.accepted() > 0,
-            "{what}: {stats:?}"
-        );
-        assert!(
-            stats.sat_out > 0,
-            "{what}: no request sat out a plan to check drafts: {stats:?}"
-        );
-        assert!(
-            pool.is_none() || preemptions > 0,
-            "{what}: the small pool never preempted"
-        );
         core = common::engine(done.into_backend(), &tok, plain, None);
     }
 }

@@ -172,11 +172,6 @@ pub struct ModelArgs {
     /// many as each request's recent acceptance and the batch's load make worth it.
     #[arg(long)]
     speculative_always: bool,
-    /// Where steps are pipelined, whether a request with no row in the step in flight checks
-    /// its drafts in the next one and sits out the step after: `judged` (where it pays),
-    /// `always`, `never`.
-    #[arg(long, default_value = "judged", value_parser = parse_beside_pipeline)]
-    speculative_beside_pipeline: crate::engine::BesidePipeline,
     /// A smaller model with the same tokenizer to guess with (a GGUF file or model
     /// directory, on the same device, with a KV cache of its own); prompt lookup then stands
     /// aside.
@@ -210,16 +205,6 @@ fn parse_proposers(text: &str) -> Result<Proposers, String> {
         return Err("name at least one proposer (ngram, grammar)".into());
     }
     Ok(p)
-}
-
-fn parse_beside_pipeline(text: &str) -> Result<crate::engine::BesidePipeline, String> {
-    use crate::engine::BesidePipeline;
-    match text {
-        "judged" => Ok(BesidePipeline::Judged),
-        "always" => Ok(BesidePipeline::Always),
-        "never" => Ok(BesidePipeline::Never),
-        other => Err(format!("`{other}` is not one of judged, always, never")),
-    }
 }
 
 fn parse_load_format(text: &str) -> Result<LoadFormat, String> {
@@ -539,7 +524,6 @@ impl ModelArgs {
             ngram: self.speculative_proposers.ngram,
             grammar: self.speculative_proposers.grammar,
             adaptive: !self.speculative_always,
-            beside_pipeline: self.speculative_beside_pipeline,
         });
         Ok(config)
     }

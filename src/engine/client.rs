@@ -40,11 +40,6 @@ pub struct EngineStats {
     /// Sampled rows of pipelined steps dropped because the step before ended their request,
     /// forced tokens after it, or took back the token they were computed from.
     pub pipelined_rows_dropped: u64,
-    /// Requests' drafts checked in pipelined steps (`SpeculativeConfig::beside_pipeline`).
-    pub checks_beside_pipeline: u64,
-    /// Pipelined plans a request with a token in flight was left out of, to check drafts in
-    /// the plan after.
-    pub sat_out: u64,
     /// Disaggregated serving's KV blocks moved from or to this engine, and failed transfers.
     pub kv_blocks_sent: u64,
     pub kv_blocks_received: u64,
@@ -486,8 +481,6 @@ impl EngineStats {
         self.graph_steps += other.graph_steps;
         self.pipelined_steps += other.pipelined_steps;
         self.pipelined_rows_dropped += other.pipelined_rows_dropped;
-        self.checks_beside_pipeline += other.checks_beside_pipeline;
-        self.sat_out += other.sat_out;
         self.kv_blocks_sent += other.kv_blocks_sent;
         self.kv_blocks_received += other.kv_blocks_received;
         self.kv_transfer_failures += other.kv_transfer_failures;

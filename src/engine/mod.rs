@@ -27,5 +27,5 @@ pub use disaggregated::KvLink;
 pub use kv_cache_manager::{BlockHasher, KvCacheManager, PrefixCacheStats, RequestId};
 pub use request::{Request, RequestStatus};
 pub use scheduler::{AdmitError, Policy, Scheduled, Scheduler, SchedulerConfig, SchedulerOutput};
-pub use speculation::{BesidePipeline, DraftCounts, Proposer, SpeculativeConfig};
+pub use speculation::{DraftCounts, Proposer, SpeculativeConfig};
 pub use structured::{CompiledConstraint, Constraint, StructuredOutputs};

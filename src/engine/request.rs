@@ -39,10 +39,6 @@ pub struct Request {
     /// The last output token is a placeholder (`scheduler::PENDING`) for a token a launched
     /// step is still drawing.
     pub pending: bool,
-    /// A launched pipelined step checks its drafts: how many of them it keeps is not known
-    /// until that step is read, so no step may be planned after them before (`Scheduler::
-    /// launched_check`).
-    pub checking: bool,
     /// The most output tokens it may have (its `max_tokens`): a placeholder that is its last
     /// token ends it, so a pipelined plan leaves it out.
     pub max_output: usize,
@@ -64,7 +60,6 @@ impl Request {
             shadow: None,
             shadow_computed: 0,
             pending: false,
-            checking: false,
             max_output: usize::MAX,
         }
     }

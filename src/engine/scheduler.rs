@@ -101,8 +101,6 @@ pub struct Scheduler<T = ()> {
     /// Admitted but not to be scheduled yet: their prompt's blocks are on their way from
     /// another engine (disaggregated serving).
     held: Vec<RequestId>,
-    /// Running requests the next plan leaves out (`sit_out`).
-    sitting_out: Vec<RequestId>,
     next_arrival: u64,
     num_preemptions: usize,
 }
@@ -122,7 +120,6 @@ impl<T> Scheduler<T> {
             waiting: Vec::new(),
             running: Vec::new(),
             held: Vec::new(),
-            sitting_out: Vec::new(),
             next_arrival: 0,
             num_preemptions: 0,
         }
@@ -255,22 +252,17 @@ impl<T> Scheduler<T> {
     pub fn schedule(&mut self) -> SchedulerOutput {
         let mut out = SchedulerOutput::default();
         let mut budget = self.config.max_num_batched_tokens;
-        let sitting_out = std::mem::take(&mut self.sitting_out);
         for id in self.running.clone() {
             if budget == 0 {
                 break;
-            }
-            if sitting_out.contains(&id) {
-                continue;
             }
             // Preempted earlier in this loop, to make room for another.
             if !self.running.contains(&id) {
                 continue;
             }
             let r = &self.requests[&id].request;
-            // The token in flight ends it: computing a position after it would be wasted. Or
-            // its check is in flight, and where its next token goes is not known yet.
-            if r.ends_at_placeholder(self.token_limit()) || r.checking {
+            // The token in flight ends it: computing a position after it would be wasted.
+            if r.ends_at_placeholder(self.token_limit()) {
                 continue;
             }
             // Drafts ride after the known tokens, as far as the budget goes.
@@ -309,10 +301,6 @@ impl<T> Scheduler<T> {
             let Some(at) = self.pick_waiting() else { break };
             let id = self.waiting[at];
             let r = &self.requests[&id].request;
-            // Preempted while its check was in flight: back once that is read.
-            if r.checking {
-                break;
-            }
             let tokens = r.all_tokens();
             let (hit, cached) = self.kv.get_computed_blocks(&tokens);
             let num_new = (tokens.len() - cached).min(budget);
@@ -512,39 +500,6 @@ impl<T> Scheduler<T> {
         }
         let known = r.num_computed.min(r.num_tokens() - r.pending as usize);
         self.kv.cache_blocks(s.id, known, |range| r.tokens(range));
-    }
-
-    /// Leaves a running request out of the next plan only: in a pipelined step, a request
-    /// whose token is in flight waits for it, so that the step after can check drafts that
-    /// follow it (`engine::core::pipeline`).
-    pub fn sit_out(&mut self, id: RequestId) {
-        self.sitting_out.push(id);
-    }
-
-    /// A pipelined step checking `s`'s drafts was launched (`engine::core::pipeline`): its
-    /// known tokens and drafts are computed, but which drafts stand is known only once the step
-    /// is read, so the request sits out the steps planned before (`schedule` passes it over)
-    /// and `resolve_check` then does what `update` does after an unpipelined check.
-    pub fn launched_check(&mut self, s: &Scheduled) {
-        if let Some(r) = self.requests.get_mut(&s.id).map(|e| &mut e.request) {
-            debug_assert!(s.num_drafts > 0 && !r.pending, "a check follows known tokens only");
-            r.checking = true;
-        }
-    }
-
-    /// A launched check's run read (`launched_check`): as `update`; a request that lost its
-    /// blocks while the check ran still takes the run into its output.
-    pub fn resolve_check(&mut self, s: &Scheduled, run: &[u32]) {
-        let Some(r) = self.requests.get_mut(&s.id).map(|e| &mut e.request) else {
-            return;
-        };
-        r.checking = false;
-        if r.status == RequestStatus::Running {
-            self.update(s, run);
-        } else {
-            r.output.extend_from_slice(run);
-            r.drafts.clear();
-        }
     }
 
     /// Gives a request whose row of the launched step is drawn its placeholder (see `launched`).
@@ -959,46 +914,5 @@ mod tests {
         assert_eq!(plan.scheduled.iter().map(|p| p.id).collect::<Vec<_>>(), vec![2]);
         assert!(s.request(1).unwrap().ends_at_placeholder(s.token_limit()));
         assert!(!s.request(2).unwrap().ends_at_placeholder(s.token_limit()));
-    }
-
-    #[test]
-    fn a_launched_check_sits_out_the_plans_made_before_it_is_read() {
-        let kv = KvCacheManager::new(BlockPool::new(16), 4, 0, true);
-        let mut s: Scheduler = Scheduler::new(config(4096, 8, Policy::Fcfs), kv);
-        s.add(1, vec![5, 6, 7], 0, ()).unwrap();
-        s.add(2, vec![8, 9], 0, ()).unwrap();
-        let ids = |plan: &SchedulerOutput| plan.scheduled.iter().map(|p| p.id).collect::<Vec<_>>();
-        for p in &s.schedule().scheduled {
-            s.update(p, &[40 + p.id as u32]);
-        }
-        // A pipelined step: request 1 checks three drafts, request 2 samples a row.
-        s.set_drafts(1, vec![61, 62, 63]);
-        let plan = s.schedule();
-        let check = plan.scheduled[0];
-        assert_eq!((check.id, check.num_known(), check.num_drafts), (1, 1, 3));
-        s.launched_check(&check);
-        s.launched(&plan.scheduled[1]);
-        s.push_pending(2);
-        // Planned while it runs: request 1's next position is not known yet.
-        let next = s.schedule();
-        assert_eq!(ids(&next), [2]);
-        s.launched(&next.scheduled[0]);
-        // Read: request 2's token, and two of request 1's drafts stand, then its own token.
-        s.take_pending(2);
-        s.resolve(2, 50, false);
-        s.resolve_check(&check, &[61, 62, 70]);
-        s.push_pending(2);
-        let r = s.request(1).unwrap();
-        assert_eq!(r.output, [41, 61, 62, 70]);
-        assert_eq!(
-            r.num_computed,
-            r.num_tokens() - 1,
-            "the rejected draft's slot is not counted"
-        );
-        assert!(!r.checking);
-        assert!(s.kv().block_table(1).len() <= r.num_tokens().div_ceil(4));
-        let after = s.schedule();
-        assert_eq!(ids(&after), [1, 2]);
-        assert_eq!((after.scheduled[0].start, after.scheduled[0].num_tokens), (6, 1));
     }
 }

@@ -23,10 +23,6 @@ pub struct SpeculativeConfig {
     /// which drafting would gain less (`speculation_pays`); otherwise always up to `tokens`,
     /// in steps never pipelined.
     pub adaptive: bool,
-    /// In a pipelined step, whether a request whose tokens are all known (no step in flight
-    /// samples for it) checks its drafts there, sitting out the next step
-    /// (`check_beside_pipeline_pays`).
-    pub beside_pipeline: BesidePipeline,
 }
 
 impl Default for SpeculativeConfig {
@@ -36,22 +32,8 @@ impl Default for SpeculativeConfig {
             ngram: true,
             grammar: true,
             adaptive: true,
-            beside_pipeline: BesidePipeline::Judged,
         }
     }
-}
-
-/// Checks in pipelined steps (`SpeculativeConfig::beside_pipeline`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum BesidePipeline {
-    /// Where the request's drafts pay for the step it sits out (`check_beside_pipeline_pays`).
-    #[default]
-    Judged,
-    /// Every step pipelined, and every request whose tokens are all known checks up to
-    /// `tokens` drafts: choosing request by request alone, never for the whole batch.
-    Always,
-    /// Never: pipelined steps carry no drafts.
-    Never,
 }
 
 /// Who guessed a draft token.
@@ -291,16 +273,6 @@ pub fn speculation_pays(
     (n as f64 + kept) * pipelined > made * drafting
 }
 
-/// Whether one of `n` decoding requests should check its `drafts` (of which it is expected to
-/// keep `kept`) in a pipelined step. How many drafts stand is known only once the step is
-/// read, after the next one is planned, so the request sits out that next step: it makes
-/// `1 + kept` tokens in two steps instead of 2, for `drafts - 1` more rows over the two. Each
-/// row costs `share` of a step, in which `n` tokens are made. (A lone request never gets here:
-/// its step after a check would be empty, and `speculation_pays` decides that one.)
-pub fn check_beside_pipeline_pays(kept: f64, drafts: usize, n: usize, share: f64) -> bool {
-    kept - 1.0 > (drafts as f64 - 1.0) * share * n as f64
-}
-
 /// The drafts a request with acceptance `rate` is expected to have kept out of `k` checked:
 /// the chance of keeping the first, the first two, and so on.
 pub fn expected_kept(rate: f64, k: usize) -> f64 {
@@ -431,16 +403,5 @@ mod tests {
         assert_eq!(expected_kept(0.5, 0), 0.0);
         assert!((expected_kept(0.5, 3) - 0.875).abs() < 1e-12);
         assert!((expected_kept(1.0, 8) - 8.0).abs() < 1e-12);
-    }
-
-    #[test]
-    fn a_check_beside_the_pipeline_pays_for_the_step_its_request_sits_out() {
-        // One draft can never make up for the token the step sat out costs.
-        assert!(!check_beside_pipeline_pays(1.0, 1, 32, 0.0));
-        // Rows next to free (a host-bound small model): worth it once over one draft is kept.
-        assert!(check_beside_pipeline_pays(expected_kept(0.8, 8), 8, 32, 0.001));
-        assert!(!check_beside_pipeline_pays(expected_kept(0.4, 8), 8, 32, 0.001));
-        // A compute-bound step, where a row costs about a token of the batch's: never.
-        assert!(!check_beside_pipeline_pays(expected_kept(0.95, 8), 8, 32, 1.0 / 33.0));
     }
 }

@@ -72,9 +72,6 @@ struct Run {
     steps: u64,
     pipelined_steps: u64,
     graph_steps: u64,
-    /// Drafts checked in pipelined steps, and the plans requests sat out to check them.
-    checks_beside_pipeline: u64,
-    sat_out: u64,
 }
 
 impl Run {
@@ -101,8 +98,7 @@ impl Run {
             "forced_tokens": self.forced_tokens, "ttft_s_mean": self.ttft / self.requests() as f64,
             "decode_tok_s_per_request": self.decode_tok_s(), "drafts": drafts_json(&self.drafts),
             "steps": self.steps, "pipelined_steps": self.pipelined_steps,
-            "graph_steps": self.graph_steps, "checks_beside_pipeline": self.checks_beside_pipeline,
-            "sat_out": self.sat_out})
+            "graph_steps": self.graph_steps})
     }
 }
 
@@ -199,10 +195,7 @@ pub fn run(args: LatencyArgs) -> anyhow::Result<()> {
         print_drafts("speculative", &runs[1].drafts);
     }
     for r in runs.iter().filter(|r| r.pipelined_steps > 0) {
-        println!(
-            "{}: {} of {} steps pipelined; {} checks in them, {} plans sat out for them",
-            r.name, r.pipelined_steps, r.steps, r.checks_beside_pipeline, r.sat_out
-        );
+        println!("{}: {} of {} steps pipelined", r.name, r.pipelined_steps, r.steps);
     }
     for r in runs.iter().filter(|r| r.graph_steps > 0) {
         println!(
@@ -242,8 +235,6 @@ fn iterate(
         steps: 0,
         pipelined_steps: 0,
         graph_steps: 0,
-        checks_beside_pipeline: 0,
-        sat_out: 0,
     };
     let mut warm = engine.stats();
     for iter in 0..=args.iters {
@@ -275,7 +266,5 @@ fn iterate(
     run.steps = end.steps - warm.steps;
     run.pipelined_steps = end.pipelined_steps - warm.pipelined_steps;
     run.graph_steps = end.graph_steps - warm.graph_steps;
-    run.checks_beside_pipeline = end.checks_beside_pipeline - warm.checks_beside_pipeline;
-    run.sat_out = end.sat_out - warm.sat_out;
     Ok((run, jobs::into_backend(engine, draft)))
 }

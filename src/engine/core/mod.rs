@@ -33,7 +33,7 @@ use super::kv_cache_manager::{KvCacheManager, RequestId};
 use super::proposers::forced_after;
 use super::proposers::{DraftModel, NgramProposer};
 use super::scheduler::{AdmitError, Scheduled, Scheduler, SchedulerConfig};
-use super::speculation::{Acceptance, BesidePipeline, DraftCounts, HostTime, SpeculativeConfig, StepCost};
+use super::speculation::{Acceptance, DraftCounts, HostTime, SpeculativeConfig, StepCost};
 use super::stop::StopStrings;
 use super::structured::CompiledConstraint;
 use super::BlockPool;
@@ -147,8 +147,6 @@ pub struct EngineCore {
     in_flight: Option<pipeline::InFlight>,
     pipelined_steps: u64,
     pipelined_rows_dropped: u64,
-    checks_beside_pipeline: u64,
-    sat_out: u64,
     /// Disaggregated serving's KV transfers (`handoff`).
     handoffs: handoff::Handoffs,
 }
@@ -191,8 +189,6 @@ impl EngineCore {
             in_flight: None,
             pipelined_steps: 0,
             pipelined_rows_dropped: 0,
-            checks_beside_pipeline: 0,
-            sat_out: 0,
             handoffs: handoff::Handoffs::default(),
         }
     }
@@ -363,8 +359,6 @@ impl EngineCore {
             graph_steps: self.backend.graph_steps(),
             pipelined_steps: self.pipelined_steps,
             pipelined_rows_dropped: self.pipelined_rows_dropped,
-            checks_beside_pipeline: self.checks_beside_pipeline,
-            sat_out: self.sat_out,
             kv_blocks_sent: self.handoffs.blocks_sent,
             kv_blocks_received: self.handoffs.blocks_received,
             kv_transfer_failures: self.handoffs.failures,
@@ -386,10 +380,8 @@ impl EngineCore {
             (Some(config), pipelining) => {
                 let wanted = self.drafts_wanted(config);
                 // Checking every draft (not adaptive) is asked for as such: never traded away.
-                let always = config.beside_pipeline == BesidePipeline::Always;
-                if pipelining && config.adaptive && (always || !self.speculation_pays(&wanted)) {
+                if pipelining && config.adaptive && !self.speculation_pays(&wanted) {
                     self.clear_drafts(&wanted);
-                    self.draft_beside_pipeline(&wanted, config);
                     return self.step_pipelined();
                 }
                 if self.in_flight.is_some() {

@@ -12,12 +12,9 @@
 //! A row of N+1 no longer stands where N's token ended its request, where the grammar forced
 //! tokens after it (they are computed in N+2, before the request samples again), or where the
 //! engine took back the device's draw (the budget's room): N+1 computed that position from the
-//! wrong token, so it is computed again. A speculating engine pipelines the steps in which
-//! drafting would gain less (`speculation::speculation_pays`), and reads the step in flight
-//! (`read_in_flight`) before one that drafts for everyone. In a pipelined step, only a request
-//! that has no row in the step in flight may check drafts (`draft_beside_pipeline`): how many
-//! stand is known only when the step is read, so it sits out the step planned meanwhile
-//! (`Scheduler::launched_check`).
+//! wrong token, so it is computed again. Pipelined steps carry no drafts: a speculating engine
+//! pipelines the steps in which drafting would gain less (`speculation::speculation_pays`),
+//! and reads the step in flight (`read_in_flight`) before one that drafts.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -111,11 +108,9 @@ impl EngineCore {
         }
         let grammar = self.forward_with_masks(&next.batch, &standing, !queue_first)?;
         // A step in the pipeline's stride (one before it in flight) takes what the pipeline
-        // gives a step: decoding steps without checks only, as `StepCost` is fitted in `step`.
+        // gives a step: decoding steps only, as `StepCost` is fitted in `step`.
         let stride = steady && !self.backend.last_run_warmed_up();
-        let checks = standing.iter().filter(|v| !v.drafts.is_empty()).count();
-        self.checks_beside_pipeline += checks as u64;
-        let decoding = planned > 0 && checks == 0 && next.batch.token_ids.len() <= 2 * planned;
+        let decoding = planned > 0 && next.batch.token_ids.len() <= 2 * planned;
         self.launch_draws(standing, grammar)?;
         if stride && decoding {
             self.pipelined_cost.record(planned, started.elapsed().as_secs_f64());
@@ -138,24 +133,19 @@ impl EngineCore {
             .unwrap_or_default();
         let (batch, sampling) = self.prepare_batch(&plan.scheduled, &drawn)?;
         for s in &plan.scheduled {
-            match s.num_drafts {
-                0 => self.scheduler.launched(s),
-                _ => self.scheduler.launched_check(s),
-            }
+            self.scheduler.launched(s);
         }
         Ok(Some(Planned { batch, sampling }))
     }
 
     /// Whether a request's sampled row of the step just planned still stands after the step
     /// before it was committed: the request runs on, its placeholder became the token the pass
-    /// computed, and nothing was appended after it. A check stands while its request does: it
-    /// had no row in the step before.
+    /// computed, and nothing was appended after it.
     fn still_stands(&self, v: &Sampling) -> bool {
         let end = v.s.start + v.s.num_tokens;
-        self.scheduler.request(v.s.id).is_some_and(|r| match v.s.num_drafts {
-            0 => r.num_tokens() == end && r.num_computed == end,
-            _ => r.checking,
-        })
+        self.scheduler
+            .request(v.s.id)
+            .is_some_and(|r| r.num_tokens() == end && r.num_computed == end)
     }
 
     /// Queues the draws of the step just run (its standing rows; every other row's logits stay
@@ -180,7 +170,7 @@ impl EngineCore {
             }
             false => Some(self.backend.sample(&asks.requests(&grammar))?),
         };
-        for v in sampling.iter().filter(|v| v.drafts.is_empty()) {
+        for v in &sampling {
             self.scheduler.push_pending(v.s.id);
         }
         self.in_flight = Some(InFlight {
@@ -206,21 +196,12 @@ impl EngineCore {
         let mut tokens = HashMap::new();
         for v in &f.sampling {
             let id = v.s.id;
-            let check = !v.drafts.is_empty();
-            if !check {
-                self.scheduler.take_pending(id);
-            }
+            self.scheduler.take_pending(id);
             if self.scheduler.request(id).is_none() {
                 // Aborted while its step ran.
                 continue;
             }
             let run = self.verify(v, &decided, &f.grammar, words)?;
-            if check {
-                let kept: Vec<u32> = run.iter().map(|t| t.token).collect();
-                self.scheduler.resolve_check(&v.s, &kept);
-                outputs.extend(self.commit(id, run));
-                continue;
-            }
             let token = run[0].token;
             tokens.insert(v.first_row as u32, token);
             // The next step computed this position from the device's draw.

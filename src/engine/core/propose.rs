@@ -7,17 +7,13 @@ use super::EngineCore;
 use crate::engine::contained::ContainedMatcher;
 use crate::engine::kv_cache_manager::RequestId;
 use crate::engine::proposers::{forced_after, DraftRow};
-use crate::engine::speculation::{
-    check_beside_pipeline_pays, drafts_worth, expected_kept, speculation_pays, BesidePipeline, Proposer,
-    SpeculativeConfig,
-};
+use crate::engine::speculation::{drafts_worth, expected_kept, speculation_pays, Proposer, SpeculativeConfig};
 use crate::tokenizer::Tokenizer;
 
 impl EngineCore {
     /// How many drafts each decoding request should have checked in the next step, where the
     /// engine speculates: as many as pay for themselves (`SpeculativeConfig::adaptive`). Those
-    /// that want none have their drafts cleared and their evidence aged; those whose check is
-    /// in flight are left as they are.
+    /// that want none have their drafts cleared and their evidence aged.
     pub(super) fn drafts_wanted(&mut self, config: SpeculativeConfig) -> Vec<(RequestId, usize)> {
         let running = self.scheduler.running().to_vec();
         // A decoding step samples a row per running request, and one more per draft.
@@ -33,9 +29,6 @@ impl EngineCore {
         };
         let mut wanted = Vec::new();
         for &id in &running {
-            if self.scheduler.request(id).is_some_and(|r| r.checking) {
-                continue;
-            }
             let Some(state) = self.scheduler.state_mut(id) else {
                 continue;
             };
@@ -81,67 +74,6 @@ impl EngineCore {
             }
             self.scheduler.set_drafts(id, Vec::new());
         }
-    }
-
-    /// In a step to be pipelined: drafts for the requests in `wanted` (id, most drafts) whose
-    /// tokens are all known, where checking them there pays for the step the request then sits
-    /// out (`SpeculativeConfig::beside_pipeline`). Every other request's were cleared.
-    pub(super) fn draft_beside_pipeline(&mut self, wanted: &[(RequestId, usize)], config: SpeculativeConfig) {
-        let n = self.scheduler.running().len();
-        let candidates: Vec<(RequestId, usize)> = match config.beside_pipeline {
-            BesidePipeline::Never => return,
-            BesidePipeline::Judged if n < 2 => return,
-            BesidePipeline::Judged => wanted.to_vec(),
-            BesidePipeline::Always => self.scheduler.running().iter().map(|&id| (id, config.tokens)).collect(),
-        };
-        let share = self.step_cost.marginal_share(n);
-        for (id, k) in candidates {
-            let Some(r) = self.scheduler.request(id).filter(|r| !r.checking) else {
-                continue;
-            };
-            if r.pending {
-                if config.ngram && self.sitting_out_pays(id, k, n, share, config.beside_pipeline) {
-                    self.scheduler.sit_out(id);
-                    self.sat_out += 1;
-                }
-                continue;
-            }
-            let (drafts, sources) = self.drafts(id, k, config);
-            let Some(state) = self.scheduler.state_mut(id).filter(|_| !drafts.is_empty()) else {
-                continue;
-            };
-            let kept = expected_kept(state.acceptance.rate(), drafts.len());
-            if config.beside_pipeline == BesidePipeline::Judged
-                && !check_beside_pipeline_pays(kept, drafts.len(), n, share)
-            {
-                continue;
-            }
-            state.draft_sources = sources;
-            self.scheduler.set_drafts(id, drafts);
-        }
-    }
-
-    /// Whether a request whose token is in flight should sit out the next step, to check up to
-    /// `k` drafts in the one after: where prompt lookup on the tokens known finds what follows
-    /// the token in flight too, and the drafts it foretells pay for the check and for the step
-    /// given up to get there (both as `check_beside_pipeline_pays` counts them; the token in
-    /// flight must be the one foretold as well, as likely as a draft kept).
-    fn sitting_out_pays(&self, id: RequestId, k: usize, n: usize, share: f64, mode: BesidePipeline) -> bool {
-        let (Some(r), Some(state)) = (self.scheduler.request(id), self.scheduler.state(id)) else {
-            return false;
-        };
-        if !state.sampler.params().speculate || self.room_after_next(id) < 2 {
-            return false;
-        }
-        let tokens = r.all_tokens();
-        let known = &tokens[..tokens.len() - 1];
-        let foretold = self.ngram.propose(known, k + 1).len();
-        if foretold < 2 {
-            return false;
-        }
-        let rate = state.acceptance.rate();
-        let kept = expected_kept(rate, foretold) - rate;
-        mode == BesidePipeline::Always || check_beside_pipeline_pays(kept - 1.0, foretold - 1, n, share)
     }
 
     /// Gives each request in `wanted` (id, most drafts) its drafts for the next step: from
