@@ -7,8 +7,6 @@
 //! latency` prints this replay), a first token so guessed was right 72-89% of the time where
 //! every occurrence agreed and 6-31% where they split.
 
-use std::collections::HashMap;
-
 #[derive(Debug, Clone, Copy)]
 pub struct NgramProposer {
     pub min_n: usize,
@@ -23,26 +21,49 @@ impl Default for NgramProposer {
 
 impl NgramProposer {
     /// Up to `k` tokens to follow `context` (the prompt, then the output so far); none where
-    /// no suffix of at least `min_n` tokens occurs earlier.
+    /// no suffix of at least `min_n` tokens occurs earlier. One pass over the context finds
+    /// every earlier occurrence of its last token and how many tokens before it match the
+    /// context's end (at most `max_n`): the occurrences of each suffix, longest first, without a
+    /// pass per suffix length (a speculating engine asks this of every request every step).
     pub fn propose(&self, context: &[u32], k: usize) -> Vec<u32> {
         let len = context.len();
-        if k == 0 {
+        let longest = self.max_n.min(len.saturating_sub(1));
+        let shortest = self.min_n.max(1);
+        if k == 0 || shortest > longest {
             return Vec::new();
         }
-        for n in (self.min_n.max(1)..=self.max_n.min(len.saturating_sub(1))).rev() {
-            let suffix = &context[len - n..];
-            // Where what follows an occurrence starts; occurrences end before the suffix itself
-            // does, so something follows each.
-            let follows: Vec<usize> = context[..len - 1]
-                .windows(n)
-                .enumerate()
-                .filter(|(_, w)| *w == suffix)
-                .map(|(at, _)| at + n)
-                .collect();
-            let Some(from) = most_common_next(context, &follows) else {
+        let last = context[len - 1];
+        // (tokens matched, where what follows starts), in the context's order; an occurrence
+        // ends before the context does, so something follows each.
+        let occurrences: Vec<(usize, usize)> = context[..len - 1]
+            .iter()
+            .enumerate()
+            .filter(|&(_, &t)| t == last)
+            .map(|(end, _)| {
+                let matched = 1
+                    + (1..longest.min(end + 1))
+                        .take_while(|&back| context[end - back] == context[len - 1 - back])
+                        .count();
+                (matched, end + 1)
+            })
+            .collect();
+        let mut votes = Vec::with_capacity(occurrences.len());
+        for n in (shortest..=longest).rev() {
+            let before = votes.len();
+            votes.clear();
+            votes.extend(
+                occurrences
+                    .iter()
+                    .filter(|&&(matched, _)| matched >= n)
+                    .map(|&(_, f)| (context[f], f)),
+            );
+            // The same occurrences as the longer suffix's: the same vote, which found nothing.
+            if votes.len() == before && n < longest {
                 continue;
-            };
-            return context[from..(from + k).min(len)].to_vec();
+            }
+            if let Some(from) = most_common_next(&mut votes) {
+                return context[from..(from + k).min(len)].to_vec();
+            }
         }
         Vec::new()
     }
@@ -70,22 +91,28 @@ impl NgramProposer {
     }
 }
 
-/// Of the positions `follows`, the first whose token follows more than half of them all;
-/// `None` where no token does (the context does not say what comes next).
-fn most_common_next(context: &[u32], follows: &[usize]) -> Option<usize> {
-    // token -> (how often, where first)
-    let mut votes: HashMap<u32, (usize, usize)> = HashMap::new();
-    for &f in follows {
-        votes.entry(context[f]).or_insert((0, f)).0 += 1;
+/// Of the occurrences `votes` (the token that followed each, and where), the first place of
+/// the token that followed more than half of them; `None` where none did (the context does not
+/// say what comes next). Sorted rather than counted in a map: there are few, and this runs for
+/// every request every step.
+fn most_common_next(votes: &mut [(u32, usize)]) -> Option<usize> {
+    votes.sort_unstable();
+    // (how often, where first) of the most common token, the earliest of equals.
+    let mut best: Option<(usize, usize)> = None;
+    for run in votes.chunk_by(|a, b| a.0 == b.0) {
+        let (count, first) = (run.len(), run[0].1);
+        if best.is_none_or(|(c, f)| count > c || (count == c && first < f)) {
+            best = Some((count, first));
+        }
     }
-    // The earliest of equals: ordered by count, then by the earlier position.
-    let (count, first) = votes.into_values().max_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)))?;
-    (2 * count > follows.len()).then_some(first)
+    let (count, first) = best?;
+    (2 * count > votes.len()).then_some(first)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::HashMap;
 
     #[test]
     fn the_longest_suffix_seen_before_proposes_what_followed_it() {
@@ -135,5 +162,58 @@ mod tests {
         let p = NgramProposer { min_n: 1, max_n: 3 };
         // "a b a b a": the suffix "a b a" first occurs at 0; "b a" followed it.
         assert_eq!(p.propose(&[1, 2, 1, 2, 1], 2), vec![2, 1]);
+    }
+
+    /// The definition `propose` implements: each suffix, longest first, looked up by comparing
+    /// it with every window of the context before its last token.
+    fn by_windows(p: &NgramProposer, context: &[u32], k: usize) -> Vec<u32> {
+        let len = context.len();
+        if k == 0 {
+            return Vec::new();
+        }
+        for n in (p.min_n.max(1)..=p.max_n.min(len.saturating_sub(1))).rev() {
+            let suffix = &context[len - n..];
+            let follows: Vec<usize> = context[..len - 1]
+                .windows(n)
+                .enumerate()
+                .filter(|(_, w)| *w == suffix)
+                .map(|(at, _)| at + n)
+                .collect();
+            // token -> (how often, where first); the earliest of equals.
+            let mut votes: HashMap<u32, (usize, usize)> = HashMap::new();
+            for &f in &follows {
+                votes.entry(context[f]).or_insert((0, f)).0 += 1;
+            }
+            let best = votes.into_values().max_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
+            if let Some((_, first)) = best.filter(|&(count, _)| 2 * count > follows.len()) {
+                return context[first..(first + k).min(len)].to_vec();
+            }
+        }
+        Vec::new()
+    }
+
+    proptest::proptest! {
+        /// Over few distinct tokens, so that suffixes recur at every length and their
+        /// followers split and agree.
+        #[test]
+        fn one_pass_finds_what_comparing_every_window_does(
+            context in proptest::collection::vec(0u32..4, 0..80),
+            min_n in 0usize..4,
+            max_n in 0usize..7,
+            k in 0usize..10,
+        ) {
+            let p = NgramProposer { min_n, max_n };
+            proptest::prop_assert_eq!(p.propose(&context, k), by_windows(&p, &context, k));
+        }
+
+        /// Longer contexts over more tokens, as a document's: long matches, rare splits.
+        #[test]
+        fn one_pass_finds_what_comparing_every_window_does_in_long_contexts(
+            context in proptest::collection::vec(0u32..40, 0..400),
+            k in 1usize..10,
+        ) {
+            let p = NgramProposer::default();
+            proptest::prop_assert_eq!(p.propose(&context, k), by_windows(&p, &context, k));
+        }
     }
 }
