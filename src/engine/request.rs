@@ -77,9 +77,17 @@ impl Request {
         }
     }
 
-    /// Tokens `range` of prompt-then-output.
+    /// Tokens `range` of prompt-then-output (copied as two slices: a speculating step asks for
+    /// every request's whole context).
     pub fn tokens(&self, range: std::ops::Range<usize>) -> Vec<u32> {
-        range.map(|i| self.token(i)).collect()
+        if range.is_empty() {
+            return Vec::new();
+        }
+        let p = self.prompt.len();
+        let mut out = Vec::with_capacity(range.len());
+        out.extend_from_slice(&self.prompt[range.start.min(p)..range.end.min(p)]);
+        out.extend_from_slice(&self.output[range.start.max(p) - p..range.end.max(p) - p]);
+        out
     }
 
     /// Every token, prompt then output.
@@ -104,5 +112,24 @@ impl Request {
     /// sampled after them.
     pub fn is_prefill_chunk(&self, num_new: usize) -> bool {
         self.num_computed + num_new < self.num_tokens()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_range_of_tokens_reads_across_the_prompt_and_the_output() {
+        let mut r = Request::new(1, vec![10, 11, 12], 0, 0);
+        r.output = vec![20, 21];
+        let each = |range: std::ops::Range<usize>| range.map(|i| r.token(i)).collect::<Vec<_>>();
+        for start in 0..=5 {
+            for end in start..=5 {
+                assert_eq!(r.tokens(start..end), each(start..end), "{start}..{end}");
+            }
+        }
+        assert_eq!(r.all_tokens(), [10, 11, 12, 20, 21]);
+        assert_eq!(r.span(1, 3, 0), [11, 12, 20]);
     }
 }
