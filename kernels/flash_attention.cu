@@ -16,9 +16,12 @@
 // none of its keys leaves its state exactly as it was, so where a row's tile ends does not
 // matter.
 //
-// Partitions. Keys are also cut into fixed partitions of FA_PART at absolute positions. Each
-// partition's (max, sum, unnormalized values) is computed from scratch and folded into the
-// row's total, partition after partition, by `fold`. A block either walks all partitions itself
+// Partitions. Keys are also cut into fixed partitions at absolute positions: FA_SMALL keys each
+// below FA_SMALL_KEYS, FA_PART keys each after (`fa_part_of`, `fa_part_start`). A split block
+// walks one partition, so its chain of tiles sets the latency of a short context decoding alone
+// (few blocks, the GPU mostly idle); long contexts have partitions enough to fill the GPU, and
+// large ones keep their merge short. Each partition's (max, sum, unnormalized values) is
+// computed from scratch and folded into the row's total, partition after partition, by `fold`. A block either walks all partitions itself
 // (whole mode: `partials` null) or computes one (split mode: blockIdx.z, for few rows over long
 // contexts) and writes it for flash_merge, which folds them in the same order with the same
 // arithmetic: the two modes give the same bits. A token's records follow those of the tokens
@@ -30,6 +33,19 @@
 #define FA_ROWS (16 * FA_WARPS)
 #define FA_KEYS 64
 #define FA_PART 512
+#define FA_SMALL 128
+#define FA_SMALL_KEYS 1024
+
+// The partition of the key at absolute position `key`, and where partition `z` starts. The host
+// (attention.rs) numbers partitions the same way.
+__host__ __device__ __forceinline__ int fa_part_of(int key) {
+    return key < FA_SMALL_KEYS ? key / FA_SMALL : FA_SMALL_KEYS / FA_SMALL + (key - FA_SMALL_KEYS) / FA_PART;
+}
+
+__host__ __device__ __forceinline__ int fa_part_start(int z) {
+    const int small = FA_SMALL_KEYS / FA_SMALL;
+    return z < small ? z * FA_SMALL : FA_SMALL_KEYS + (z - small) * FA_PART;
+}
 
 // 16 bytes global -> shared; bytes = 0 writes zeros and reads nothing.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
@@ -202,8 +218,8 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
     int last = positions[token0 + (row0 + rows_here - 1) / group];
     bool split = partials != nullptr;
     int z_begin = split ? (int)blockIdx.z : 0;
-    int z_end = split ? z_begin + 1 : last / FA_PART + 1;
-    if (z_begin * FA_PART > last) return;
+    int z_end = split ? z_begin + 1 : fa_part_of(last) + 1;
+    if (fa_part_start(z_begin) > last) return;
     // Only now wait for the kernel before (the items and positions are uploads, which no
     // kernel writes): a split grid is as deep as the longest context, and under programmatic
     // launch every one of a short row's empty partitions would otherwise sit out that kernel's
@@ -248,8 +264,8 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
 
     u32 kv_size = (u32)num_kv_heads * D;
     const u32* table = block_tables + (size_t)seq * max_blocks;
-    int first_key = z_begin * FA_PART;
-    int end_key = min(z_end * FA_PART, last + 1);
+    int first_key = fa_part_start(z_begin);
+    int end_key = min(fa_part_start(z_end), last + 1);
     int tiles = (end_key - first_key + FA_KEYS - 1) / FA_KEYS;
 
     float M[2] = {NEG_INF, NEG_INF}, L[2] = {0.0f, 0.0f};  // the total of partitions folded so far
@@ -344,7 +360,7 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
             for (int rr = 0; rr < 2; rr++) l[rr] = __fmaf_rn(l[rr], corr[rr], row_reduce<false>(s, rr));
             // Once the rows' maxima settle, the correction is 1 and leaves the values as they
             // are, and a partition's first tile finds them zero: the warp skips it together.
-            if (k0 % FA_PART != 0 && __any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
+            if (k0 != fa_part_start(fa_part_of(k0)) && __any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
 #pragma unroll
                 for (int j = 0; j < NT; j++) {
                     acc[j][0] = __fmul_rn(acc[j][0], corr[0]);
@@ -395,9 +411,9 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
         }
         __syncthreads();
 
-        bool partition_ends = i + 1 == tiles || (k0 + FA_KEYS) % FA_PART == 0;
+        bool partition_ends = i + 1 == tiles || fa_part_start(fa_part_of(k0) + 1) == k0 + FA_KEYS;
         if (partition_ends && warp_active) {
-            int z = k0 / FA_PART;
+            int z = fa_part_of(k0);
             float lp[2];
 #pragma unroll
             for (int rr = 0; rr < 2; rr++) {
@@ -407,7 +423,7 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
             if (split) {
 #pragma unroll
                 for (int rr = 0; rr < 2; rr++) {
-                    if (pos[rr] < z * FA_PART) continue;  // no key of this partition
+                    if (pos[rr] < fa_part_start(z)) continue;  // no key of this partition
                     float* rec = partials + ((size_t)(part_bases[tok[rr]] + z) * num_heads + head[rr]) * (D + 2);
                     if (t == 0) {
                         rec[0] = m[rr];
@@ -483,7 +499,7 @@ extern "C" __global__ void flash_merge(const float* __restrict__ partials, const
     after_previous_kernel();
     int tok = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
     if (d >= head_dim) return;
-    int parts = (int)positions[tok] / FA_PART + 1;
+    int parts = fa_part_of((int)positions[tok]) + 1;
     // Partition p's record of this head: part_bases[tok] + p in the step's numbering.
     const size_t stride = (size_t)num_heads * (head_dim + 2);
     const float* recs = partials + ((size_t)part_bases[tok] * num_heads + head) * (head_dim + 2);

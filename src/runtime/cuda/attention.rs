@@ -17,11 +17,14 @@ use crate::runtime::error::{Result, RuntimeError};
 /// kernels/attention.cu's MAX_PARTS.
 const MAX_PARTS: u32 = 1024;
 
-/// kernels/flash_attention.cu's FA_BLOCK, FA_ROWS, FA_KEYS, FA_PART and FA_THREADS.
+/// kernels/flash_attention.cu's FA_BLOCK, FA_ROWS, FA_KEYS, FA_PART, FA_SMALL, FA_SMALL_KEYS
+/// and FA_THREADS.
 pub const FLASH_BLOCK: usize = 16;
 const FLASH_ROWS: usize = 64;
 const FLASH_KEYS: usize = 64;
 pub const FLASH_PART: usize = 512;
+const FLASH_SMALL: usize = 128;
+const FLASH_SMALL_KEYS: usize = 1024;
 const FLASH_THREADS: u32 = 128;
 
 /// Floats of scratch for split attention's partitions.
@@ -118,9 +121,24 @@ pub struct Split {
     pub bases: u64,
 }
 
+/// The partition of the key at `position`, numbered as the kernel's `fa_part_of` does:
+/// `FLASH_SMALL` keys each below `FLASH_SMALL_KEYS`, `FLASH_PART` after.
+fn part_of(position: usize) -> usize {
+    if position < FLASH_SMALL_KEYS {
+        position / FLASH_SMALL
+    } else {
+        FLASH_SMALL_KEYS / FLASH_SMALL + (position - FLASH_SMALL_KEYS) / FLASH_PART
+    }
+}
+
 /// The partitions a query token at `position` reads: those its keys reach.
 pub fn partitions(position: u32) -> usize {
-    position as usize / FLASH_PART + 1
+    part_of(position as usize) + 1
+}
+
+/// The partitions that a context of `len` keys spans.
+pub fn partitions_within(len: usize) -> usize {
+    part_of(len.max(1) - 1) + 1
 }
 
 /// Split attention's record bases for query tokens at `positions`, written to `bases` (one
@@ -141,6 +159,7 @@ pub fn part_bases(positions: &[u32], bases: &mut [u32]) -> usize {
 /// rest are done (a long document decoding among short requests). Splitting then spreads its
 /// partitions over blocks of their own, at the cost of a merge.
 pub fn long_rows_dominate(context_lens: &[u32], kv_heads: usize, target_blocks: usize) -> bool {
+    // Chains in units of FLASH_PART keys: a whole block walks every tile, whatever the partitions.
     let parts = |len: u32| (len as usize).max(1).div_ceil(FLASH_PART);
     let longest = context_lens.iter().map(|&l| parts(l)).max().unwrap_or(0);
     let total: usize = context_lens.iter().map(|&l| parts(l)).sum();
@@ -191,7 +210,7 @@ impl Plan {
                 part_keys: partition_keys(tokens, heads, max_len, target_blocks),
             };
         }
-        let parts = max_len.max(1).div_ceil(FLASH_PART);
+        let parts = partitions_within(max_len);
         let split = split.filter(|_| parts > 1).map(|bases| Split { parts, bases });
         Plan::Flash { items, count, split }
     }
@@ -394,7 +413,34 @@ mod tests {
         assert_eq!(kernel_define(source, "FA_ROWS"), FLASH_ROWS);
         assert_eq!(kernel_define(source, "FA_KEYS"), FLASH_KEYS);
         assert_eq!(kernel_define(source, "FA_PART"), FLASH_PART);
+        assert_eq!(kernel_define(source, "FA_SMALL"), FLASH_SMALL);
+        assert_eq!(kernel_define(source, "FA_SMALL_KEYS"), FLASH_SMALL_KEYS);
         assert_eq!(kernel_define(source, "FA_THREADS"), FLASH_THREADS as usize);
+    }
+
+    #[test]
+    fn partitions_are_small_up_to_1024_keys_and_large_after() {
+        let starts: Vec<u32> = (0..12u32)
+            .map(|z| if z < 8 { z * 128 } else { 1024 + (z - 8) * 512 })
+            .collect();
+        for (z, &start) in starts.iter().enumerate() {
+            assert_eq!(partitions(start), z + 1, "the key at {start} opens partition {z}");
+            if start > 0 {
+                assert_eq!(
+                    partitions(start - 1),
+                    z,
+                    "the key before {start} closes partition {}",
+                    z - 1
+                );
+            }
+        }
+        assert_eq!(partitions_within(1), 1);
+        assert_eq!(partitions_within(128), 1);
+        assert_eq!(partitions_within(576), 5);
+        assert_eq!(partitions_within(1024), 8);
+        assert_eq!(partitions_within(16384), 38);
+        // Every partition is whole tiles: a tile never straddles two.
+        assert!(starts.iter().all(|&s| s as usize % FLASH_KEYS == 0));
     }
 
     #[test]
@@ -456,26 +502,29 @@ mod tests {
         let longest = lens.iter().copied().max().unwrap_or(1) as usize;
         let partitions = lens.iter().map(|&l| partitions(l - 1)).sum();
         let skewed = long_rows_dominate(lens, 8, 528);
-        rule.split(lens.len(), longest.div_ceil(FLASH_PART), partitions, skewed)
+        rule.split(lens.len(), partitions_within(longest), partitions, skewed)
     }
 
     #[test]
     fn split_only_where_whole_blocks_would_not_fill_the_gpu() {
-        // One decode token over 16k keys: 8 blocks whole, 32 partitions split.
+        // One decode token over 16k keys: 8 blocks whole, 38 partitions split.
         assert!(decode_split(&[16384], 32));
-        // 64 decode tokens at 2k: 512 blocks whole, still under 528: split in 4.
+        // 64 decode tokens at 2k: 512 blocks whole, still under 528: split in 10.
         assert!(decode_split(&[2048; 64], 32));
         // 72 decode tokens at 2k: 576 blocks whole fill the GPU.
         assert!(!decode_split(&[2048; 72], 32));
         // One partition: nothing to split.
-        assert!(!decode_split(&[200], 32));
+        assert!(!decode_split(&[100], 32));
+        // One decode token over 576 keys: 8 blocks whole, a chain of 9 tiles; split, chains of
+        // at most 2.
+        assert!(decode_split(&[576], 32));
         // 72 decoders, most short: whole, unless a long one would set the pace.
         assert!(!decode_split(&[700; 72], 32));
         let mut lens = vec![700; 70];
         lens.extend([8200, 8300]);
         assert!(decode_split(&lens, 32));
-        // The records count what the rows reach: 72 rows of 32 heads under a longest context
-        // of 32 partitions would need 9.6M floats as rows times that; these need 0.5M.
+        // The records count what the rows reach: 73 rows of 32 heads under a longest context
+        // of 38 partitions would need 11.5M floats as rows times that; these need 2.1M.
         lens.extend([16000]);
         assert!(decode_split(&lens, 32));
         // Past the scratch: whole mode.
@@ -499,7 +548,7 @@ mod tests {
             Plan::Flash {
                 items: 0,
                 count: 1,
-                split: Some(Split { parts: 32, bases: 7 })
+                split: Some(Split { parts: 38, bases: 7 })
             }
         );
     }

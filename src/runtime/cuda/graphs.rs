@@ -59,7 +59,7 @@ pub struct Shape {
     pub seqs: usize,
     /// Query tokens of each.
     pub per_seq: usize,
-    /// Attention partitions of `FLASH_PART` keys that the longest context may fill.
+    /// The longest context it takes, in units of `FLASH_PART` keys (a power of two).
     pub parts: usize,
     /// Rows of logits.
     pub rows: usize,

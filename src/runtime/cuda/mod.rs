@@ -482,7 +482,8 @@ impl CudaBackend {
     fn splits(&self, shape: &Shape, partitions: usize, skewed: bool) -> bool {
         let group = self.config.num_heads / self.config.num_kv_heads;
         let items = shape.seqs * attention::items_of(shape.per_seq, group);
-        self.split_rule().split(items, shape.parts, partitions, skewed)
+        let parts = attention::partitions_within(shape.max_len());
+        self.split_rule().split(items, parts, partitions, skewed)
     }
 
     /// A step over the backend's buffers with `meta`; `timed`: with `QUARRY_CUDA_TIMING`'s
@@ -591,7 +592,7 @@ impl CudaBackend {
             None => {
                 let max_len = batch.context_lens.iter().copied().max().unwrap_or(1) as usize;
                 let skewed = attention::long_rows_dominate(&batch.context_lens, cfg.num_kv_heads, self.target_blocks);
-                let parts = max_len.div_ceil(attention::FLASH_PART);
+                let parts = attention::partitions_within(max_len);
                 (
                     max_len,
                     self.split_rule()

@@ -301,7 +301,7 @@ impl DeviceBatch {
             kv_heads,
             target_blocks,
         };
-        let parts = self.max_len.div_ceil(attention::FLASH_PART);
+        let parts = attention::partitions_within(self.max_len);
         let split = rule.split(count, parts, self.partitions, false);
         attention::Plan::new(
             head_dim,
@@ -443,7 +443,7 @@ impl KvFixture {
         }
         let d = DeviceBatch::new(g, &batch, self.heads / self.kv_heads);
         let chosen = d.plan(g, self.head_dim, self.heads, self.kv_heads, 528);
-        let parts = d.max_len.div_ceil(attention::FLASH_PART);
+        let parts = attention::partitions_within(d.max_len);
         let plan = match (mode, chosen) {
             (Mode::Chosen, plan) => plan,
             (Mode::Split, attention::Plan::Flash { items, count, .. }) => attention::Plan::Flash {
