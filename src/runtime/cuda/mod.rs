@@ -482,8 +482,8 @@ impl CudaBackend {
     fn splits(&self, shape: &Shape, partitions: usize, skewed: bool) -> bool {
         let group = self.config.num_heads / self.config.num_kv_heads;
         let items = shape.seqs * attention::items_of(shape.per_seq, group);
-        let parts = attention::partitions_within(shape.max_len());
-        self.split_rule().split(items, parts, partitions, skewed)
+        self.split_rule()
+            .split(items, shape.seqs, shape.max_len(), partitions, skewed)
     }
 
     /// A step over the backend's buffers with `meta`; `timed`: with `QUARRY_CUDA_TIMING`'s
@@ -592,11 +592,10 @@ impl CudaBackend {
             None => {
                 let max_len = batch.context_lens.iter().copied().max().unwrap_or(1) as usize;
                 let skewed = attention::long_rows_dominate(&batch.context_lens, cfg.num_kv_heads, self.target_blocks);
-                let parts = attention::partitions_within(max_len);
+                let (items, seqs) = (flash_items.len() / 4, batch.num_seqs());
                 (
                     max_len,
-                    self.split_rule()
-                        .split(flash_items.len() / 4, parts, partitions, skewed),
+                    self.split_rule().split(items, seqs, max_len, partitions, skewed),
                 )
             }
         };

@@ -260,6 +260,7 @@ struct DeviceBatch {
     partitions: usize,
     max_blocks: usize,
     tokens: usize,
+    num_seqs: usize,
     max_len: usize,
 }
 
@@ -288,6 +289,7 @@ impl DeviceBatch {
             partitions,
             max_blocks,
             tokens: batch.num_tokens(),
+            num_seqs: batch.num_seqs(),
             max_len: *batch.context_lens.iter().max().unwrap() as usize,
         }
     }
@@ -301,8 +303,7 @@ impl DeviceBatch {
             kv_heads,
             target_blocks,
         };
-        let parts = attention::partitions_within(self.max_len);
-        let split = rule.split(count, parts, self.partitions, false);
+        let split = rule.split(count, self.num_seqs, self.max_len, self.partitions, false);
         attention::Plan::new(
             head_dim,
             heads,
