@@ -181,6 +181,35 @@ impl Acceptance {
     }
 }
 
+/// How often a request that wants drafts gets any (prompt lookup finds its last tokens
+/// earlier; the grammar forces text after them), over its recent tries, starting from even
+/// odds. Drafts that never come are never kept: `speculation_pays` weighs a request's expected
+/// kept drafts by it, since in a large batch most requests wanting drafts find none in a step.
+#[derive(Debug, Clone, Default)]
+pub struct Availability {
+    got: f64,
+    tried: f64,
+}
+
+impl Availability {
+    pub fn rate(&self) -> f64 {
+        (self.got + 1.0) / (self.tried + 2.0)
+    }
+
+    /// The proposers were asked for the request's drafts; `got`: they gave at least one.
+    pub fn record(&mut self, got: bool) {
+        self.got = self.got * ACCEPTANCE_DECAY + f64::from(u8::from(got));
+        self.tried = self.tried * ACCEPTANCE_DECAY + 1.0;
+    }
+
+    /// A step in which nobody asked: the evidence ages, so that a request judged to find no
+    /// drafts is tried again later, as `Acceptance::forget` does.
+    pub fn forget(&mut self) {
+        self.got *= FORGET_DECAY;
+        self.tried *= FORGET_DECAY;
+    }
+}
+
 /// How many drafts a request should have checked: the largest `k` (at most `max`) whose
 /// chance of being kept, `rate^k`, exceeds its cost: `share` of a step for each of the
 /// `waiting` requests the step serves, and `per_draft` of a step more to make each guess (a
@@ -242,7 +271,8 @@ impl HostTime {
 
 /// Whether the coming step should speculate rather than be pipelined, for `n` decoding
 /// requests that want `drafts` drafts in all, of which `kept` are expected to be kept
-/// (`drafts_worth`'s sums of each request's acceptance rate to the k-th power). Drafting
+/// (the sum over requests of their acceptance rate to the k-th power, `expected_kept`,
+/// weighed by how often each gets drafts, `Availability`). Drafting
 /// makes `n + kept` tokens in a step of `n + drafts` rows, after proposing; a pipelined step
 /// makes `n` tokens, less the rows it drops, in the time pipelined steps of `n` rows were
 /// measured to take (`pipelined`), or before any was, in the unpipelined step without the
@@ -307,6 +337,25 @@ mod tests {
             flat.record(1, 0.005);
         }
         assert!((flat.marginal_share(1) - PRIOR_SHARE).abs() < 1e-9);
+    }
+
+    #[test]
+    fn availability_follows_recent_tries_and_ages_without_them() {
+        let mut a = Availability::default();
+        assert_eq!(a.rate(), 0.5);
+        for _ in 0..20 {
+            a.record(false);
+        }
+        // About five tries weigh: the rate settles near 1/7 and 6/7.
+        assert!(a.rate() < 0.15, "{}", a.rate());
+        for _ in 0..20 {
+            a.record(true);
+        }
+        assert!(a.rate() > 0.84, "{}", a.rate());
+        for _ in 0..200 {
+            a.forget();
+        }
+        assert!((a.rate() - 0.5).abs() < 0.05, "back near even odds: {}", a.rate());
     }
 
     #[test]

@@ -33,7 +33,7 @@ use super::kv_cache_manager::{KvCacheManager, RequestId};
 use super::proposers::forced_after;
 use super::proposers::{DraftModel, NgramProposer};
 use super::scheduler::{AdmitError, Scheduled, Scheduler, SchedulerConfig};
-use super::speculation::{Acceptance, DraftCounts, HostTime, SpeculativeConfig, StepCost};
+use super::speculation::{Acceptance, Availability, DraftCounts, HostTime, SpeculativeConfig, StepCost};
 use super::stop::StopStrings;
 use super::structured::CompiledConstraint;
 use super::BlockPool;
@@ -288,6 +288,7 @@ impl EngineCore {
             },
             draft_sources: Vec::new(),
             acceptance: Acceptance::default(),
+            availability: Availability::default(),
         };
         let shadow = r.params.contrast.as_ref().map(|c| c.prompt.clone());
         let max_output = r.params.max_tokens;

@@ -48,11 +48,15 @@ impl EngineCore {
     }
 
     /// Whether drafting for `wanted` gains more than pipelining the step would
-    /// (`speculation_pays`), judged from the requests' acceptance and the steps measured.
+    /// (`speculation_pays`), judged from the requests' acceptance, how often they get drafts
+    /// at all, and the steps measured.
     pub(super) fn speculation_pays(&self, wanted: &[(RequestId, usize)]) -> bool {
         let kept: f64 = wanted
             .iter()
-            .filter_map(|&(id, k)| Some(expected_kept(self.scheduler.state(id)?.acceptance.rate(), k)))
+            .filter_map(|&(id, k)| {
+                let state = self.scheduler.state(id)?;
+                Some(state.availability.rate() * expected_kept(state.acceptance.rate(), k))
+            })
             .sum();
         let drafts = wanted.iter().map(|&(_, k)| k).sum();
         speculation_pays(
@@ -71,6 +75,7 @@ impl EngineCore {
         for &(id, _) in wanted {
             if let Some(state) = self.scheduler.state_mut(id) {
                 state.draft_sources.clear();
+                state.availability.forget();
             }
             self.scheduler.set_drafts(id, Vec::new());
         }
@@ -87,6 +92,7 @@ impl EngineCore {
             let (drafts, sources) = self.drafts(id, k, config);
             if let Some(state) = self.scheduler.state_mut(id) {
                 state.draft_sources = sources;
+                state.availability.record(!drafts.is_empty());
             }
             self.scheduler.set_drafts(id, drafts);
         }

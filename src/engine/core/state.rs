@@ -6,7 +6,7 @@ use std::time::Instant;
 use super::RequestMetrics;
 use crate::engine::contained::ContainedMatcher;
 use crate::engine::detokenizer::Detokenizer;
-use crate::engine::speculation::{Acceptance, Proposer};
+use crate::engine::speculation::{Acceptance, Availability, Proposer};
 use crate::engine::stop::StopStrings;
 use crate::sampling::Sampler;
 
@@ -22,4 +22,6 @@ pub(super) struct State {
     /// Who proposed each of the request's current drafts.
     pub(super) draft_sources: Vec<Proposer>,
     pub(super) acceptance: Acceptance,
+    /// How often proposing gave it drafts when it wanted some.
+    pub(super) availability: Availability,
 }
