@@ -457,9 +457,10 @@ fn speculation_changes_no_output() {
 }
 
 /// Where steps may be pipelined, a speculating engine pipelines the steps in which drafting
-/// would gain less (at 32 requests nobody's drafts pay on the CPU, whose step grows with every
-/// row) and drafts in the others (the last few requests): both kinds of step run, and the
-/// records are those of each request alone.
+/// would gain less (at 32 requests, where most requests find no drafts in a step) and drafts in
+/// the others (its first step, before any is measured; the last few requests): both kinds of
+/// step run, and the records are those of each request alone. Alone, requests copying from
+/// their documents draft in most steps.
 #[test]
 fn speculation_pipelines_the_steps_its_drafts_would_not_pay_for() {
     let Some((backend, tok)) = common::load_backend(8192) else {
@@ -496,7 +497,7 @@ fn speculation_pipelines_the_steps_its_drafts_would_not_pay_for() {
         d.checks
     );
     assert!(stats.pipelined_steps > 0, "no step was pipelined: {stats:?}");
-    assert!(d.checks > 0 && d.accepted() > 0, "no step drafted: {stats:?}");
+    assert!(d.checks > 0, "no step drafted: {stats:?}");
 
     // Alone, an extraction copying from its document drafts in most of its steps on the GPU,
     // whose step costs next to the same for 3 rows or 27: the choice that pipelines a full
@@ -509,10 +510,14 @@ fn speculation_pipelines_the_steps_its_drafts_would_not_pay_for() {
     let after = done.stats();
     let (steps, pipelined) = (after.steps - stats.steps, after.pipelined_steps - stats.pipelined_steps);
     let checks = (after.drafts.checks - d.checks) as u64;
-    eprintln!("alone: {pipelined} of {steps} steps pipelined, {checks} checks");
+    let kept = after.drafts.accepted() - d.accepted();
+    eprintln!("alone: {pipelined} of {steps} steps pipelined, {checks} checks, {kept} drafts kept");
     assert_eq!(out.len(), copying.len());
     if common::test_device() != quarry::runtime::DeviceChoice::Cpu {
-        assert!(pipelined * 2 < steps && checks * 4 > steps, "alone: {after:?}");
+        assert!(
+            pipelined * 2 < steps && checks * 4 > steps && kept > 0,
+            "alone: {after:?}"
+        );
     }
 }
 

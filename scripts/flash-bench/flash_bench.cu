@@ -73,7 +73,8 @@ int main(int argc, char** argv) {
     int count = items.size() / 4, parts = BENCH_PART_OF(maxlen - 1) + 1;
     int sms; CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     bool split = parts > 1 && count * kvh < 4 * sms;
-    CK(cudaMalloc(&part, (size_t)8 << 22));
+    // Every token's partitions (the backend's split rule would refuse what its scratch cannot hold).
+    CK(cudaMalloc(&part, std::max<size_t>((size_t)total_parts * heads * (D + 2) * 4, 4)));
     int smem = 4 * 64 * (D + 8) * 2 + (split ? 0 : FA_WARPS * 16 * (D + 8) * 4);
     CK(cudaFuncSetAttribute(FA_ENTRY, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     float scale = 1.0f / sqrtf((float)D) * 1.4426950408889634f;

@@ -2,9 +2,9 @@
 //! jump-forward's known tokens. Such a step is padded to a shape: its sequences up a ladder of
 //! counts, each sequence's tokens to the step's most, its contexts up powers of two of attention
 //! partitions and its rows of logits to one a sequence or all, so that a few shapes cover every
-//! step. Each shape's forward is captured once and replayed with its metadata copied to one
-//! fixed device buffer, which is what makes a replay valid: a graph's kernels keep the
-//! addresses, grids and sizes of their capture.
+//! step. Each shape's forward is captured once the shape recurs (its first steps run eagerly)
+//! and replayed with its metadata copied to one fixed device buffer, which is what makes a
+//! replay valid: a graph's kernels keep the addresses, grids and sizes of their capture.
 //!
 //! A sequence's padding goes before its tokens, at position 0, so that its real rows stay last
 //! and keep their keys (the attention kernel reads an item's keys up to its last row's
@@ -51,6 +51,27 @@ pub fn free_padding(macs_per_token: usize) -> usize {
 /// meets a few hundred shapes at most (sequences x tokens each x partitions x rows); shapes
 /// past this run eagerly.
 const MAX_GRAPHS: usize = 1024;
+
+/// Steps of a shape not captured yet that run eagerly before it is captured. A capture takes
+/// what a dozen eager steps of a small model take (10-15 ms for SmolLM2 on an H200), and a
+/// shape met once or twice (a rare mix of drafts or known tokens, the tail of a batch) would
+/// never repay it: 71-122 shapes were captured during a benchmark of SmolLM2's speculative
+/// extraction at batch 32, 0.7-1.0 s in all, against runs of about 3 s.
+const EAGER_BEFORE_CAPTURE: u32 = 2;
+
+/// How often each shape has been met while not captured.
+#[derive(Debug, Default)]
+struct Sightings(HashMap<Shape, u32>);
+
+impl Sightings {
+    /// Counts a step of `shape`; whether the shape is now worth capturing. Counts are kept
+    /// after the capture, so that a shape whose graph is forgotten is captured again at once.
+    fn due(&mut self, shape: Shape) -> bool {
+        let seen = self.0.entry(shape).or_insert(0);
+        *seen += 1;
+        *seen > EAGER_BEFORE_CAPTURE
+    }
+}
 
 /// A captured step's shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -194,6 +215,9 @@ pub struct Graphs {
     captured: HashMap<Shape, Captured>,
     /// Shapes whose capture failed: they run eagerly.
     refused: HashSet<Shape>,
+    sightings: Sightings,
+    /// Steps run eagerly while their shape was not yet worth capturing.
+    eager_before_capture: u64,
     replays: u64,
     capture_time: Duration,
     /// The fixed home of a replayed step's metadata (every shape's layout starts at word 0).
@@ -217,6 +241,8 @@ impl Graphs {
             free_padding,
             captured: HashMap::new(),
             refused: HashSet::new(),
+            sightings: Sightings::default(),
+            eager_before_capture: 0,
             replays: 0,
             capture_time: Duration::ZERO,
             meta,
@@ -231,10 +257,17 @@ impl Graphs {
         self.meta.device_ptr(stream).0
     }
 
-    /// The shape `batch` replays as, unless it runs eagerly (no shape covers it, or its
-    /// shape is refused).
-    pub fn shape_for(&self, batch: &ForwardBatch, split: impl FnOnce(&Shape) -> bool) -> Option<Shape> {
-        shape_of(batch, &self.ladder, self.max_parts, self.free_padding, split).filter(|&s| !self.refused(s))
+    /// The shape `batch` replays as (captured first where it is new), unless it runs eagerly:
+    /// no shape covers it, its shape is refused, or it is not yet worth capturing
+    /// (`EAGER_BEFORE_CAPTURE`).
+    pub fn shape_for(&mut self, batch: &ForwardBatch, split: impl FnOnce(&Shape) -> bool) -> Option<Shape> {
+        let shape =
+            shape_of(batch, &self.ladder, self.max_parts, self.free_padding, split).filter(|&s| !self.refused(s))?;
+        if self.ready(shape) || self.sightings.due(shape) {
+            return Some(shape);
+        }
+        self.eager_before_capture += 1;
+        None
     }
 
     pub fn ready(&self, shape: Shape) -> bool {
@@ -262,11 +295,12 @@ impl Graphs {
     /// What the graphs cost and did so far, for the timing report.
     pub fn report(&self) -> String {
         format!(
-            "CUDA graphs: {} captured in {:.0} ms, {} refused, {} steps replayed",
+            "CUDA graphs: {} captured in {:.0} ms, {} refused, {} steps replayed, {} run eagerly before their shape's capture",
             self.captured.len(),
             self.capture_time.as_secs_f64() * 1e3,
             self.refused.len(),
-            self.replays
+            self.replays,
+            self.eager_before_capture
         )
     }
 
@@ -332,6 +366,24 @@ mod tests {
         }
         b.logits_rows = (0..b.num_tokens() as u32).collect();
         b
+    }
+
+    #[test]
+    fn a_shape_is_captured_once_it_recurs() {
+        let shape = |per_seq| Shape {
+            seqs: 8,
+            per_seq,
+            parts: 1,
+            rows: 8 * per_seq,
+            split: false,
+        };
+        let mut seen = Sightings::default();
+        for _ in 0..EAGER_BEFORE_CAPTURE {
+            assert!(!seen.due(shape(3)), "met too rarely yet");
+        }
+        assert!(!seen.due(shape(4)), "each shape counts apart");
+        assert!(seen.due(shape(3)));
+        assert!(seen.due(shape(3)), "and stays due, should its graph be forgotten");
     }
 
     #[test]

@@ -869,7 +869,7 @@ impl Backend for CudaBackend {
         self.run_since_draw = true;
         let mut graphs = self.graphs.take();
         let shape = graphs
-            .as_ref()
+            .as_mut()
             .and_then(|g| g.shape_for(batch, |s| self.shape_splits(batch, s)));
         let padded = shape.map(|s| graphs::padded(batch, s, self.reserved_block()));
         let step_batch = padded.as_ref().unwrap_or(batch);
