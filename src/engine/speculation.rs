@@ -182,8 +182,8 @@ impl Acceptance {
 }
 
 /// How often a request that wants drafts gets any (prompt lookup finds its last tokens
-/// earlier; the grammar forces text after them), over its recent tries, starting from even
-/// odds. Drafts that never come are never kept: `speculation_pays` weighs a request's expected
+/// earlier; the grammar forces text after them), over its recent tries, from even odds once
+/// tried. Drafts that never come are never kept: `speculation_pays` weighs a request's expected
 /// kept drafts by it, since in a large batch most requests wanting drafts find none in a step.
 #[derive(Debug, Clone, Default)]
 pub struct Availability {
@@ -192,7 +192,13 @@ pub struct Availability {
 }
 
 impl Availability {
+    /// A request never tried counts as getting drafts: one try tells, and one judged by the
+    /// prior alone might never be tried (three requests copying from their documents, after a
+    /// batch of 32 had taught the engine to pipeline, never drafted).
     pub fn rate(&self) -> f64 {
+        if self.tried == 0.0 {
+            return 1.0;
+        }
         (self.got + 1.0) / (self.tried + 2.0)
     }
 
@@ -342,8 +348,10 @@ mod tests {
     #[test]
     fn availability_follows_recent_tries_and_ages_without_them() {
         let mut a = Availability::default();
-        assert_eq!(a.rate(), 0.5);
-        for _ in 0..20 {
+        assert_eq!(a.rate(), 1.0, "untried");
+        a.record(false);
+        assert!((a.rate() - 1.0 / 3.0).abs() < 1e-9, "{}", a.rate());
+        for _ in 0..19 {
             a.record(false);
         }
         // About five tries weigh: the rate settles near 1/7 and 6/7.
