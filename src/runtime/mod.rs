@@ -104,8 +104,9 @@ pub trait Backend: Send {
         0
     }
 
-    /// Whether the last `run` paid a one-time cost (capturing a CUDA graph for its shape), so
-    /// that its time says nothing of what such a step costs.
+    /// Whether the last `run` paid a one-time cost (capturing a CUDA graph for its shape, or
+    /// running eagerly while its shape waits to be captured), so that its time says nothing of
+    /// what such a step costs.
     fn last_run_warmed_up(&self) -> bool {
         false
     }

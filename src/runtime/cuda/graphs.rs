@@ -224,6 +224,8 @@ pub struct Graphs {
     sightings: Sightings,
     /// Steps run eagerly while their shape was not yet worth capturing.
     eager_before_capture: u64,
+    /// Whether the last `shape_for` left its step eager to wait for its shape's capture.
+    awaited_last: bool,
     replays: u64,
     capture_time: Duration,
     /// The fixed home of a replayed step's metadata (every shape's layout starts at word 0).
@@ -249,6 +251,7 @@ impl Graphs {
             refused: HashSet::new(),
             sightings: Sightings::default(),
             eager_before_capture: 0,
+            awaited_last: false,
             replays: 0,
             capture_time: Duration::ZERO,
             meta,
@@ -267,13 +270,21 @@ impl Graphs {
     /// no shape covers it, its shape is refused, or it is not yet worth capturing
     /// (`EAGER_BEFORE_CAPTURE`).
     pub fn shape_for(&mut self, batch: &ForwardBatch, split: impl FnOnce(&Shape) -> bool) -> Option<Shape> {
+        self.awaited_last = false;
         let shape =
             shape_of(batch, &self.ladder, self.max_parts, self.free_padding, split).filter(|&s| !self.refused(s))?;
         if self.ready(shape) || self.sightings.due(shape) {
             return Some(shape);
         }
         self.eager_before_capture += 1;
+        self.awaited_last = true;
         None
+    }
+
+    /// Whether the last step asked of `shape_for` ran eagerly while its shape waits to be
+    /// captured: a step that costs more than its shape's replays will.
+    pub fn awaited_last(&self) -> bool {
+        self.awaited_last
     }
 
     pub fn ready(&self, shape: Shape) -> bool {

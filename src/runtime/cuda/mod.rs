@@ -146,7 +146,7 @@ pub struct CudaBackend {
     /// None: every step runs eagerly (`--enforce-eager`, per-kernel timing, or heads the
     /// tensor-core attention does not take).
     graphs: Option<Graphs>,
-    /// The last `run` captured its shape's graph.
+    /// The last `run` captured its shape's graph, or ran eagerly while its shape waits for one.
     captured_last_run: bool,
     /// This GPU's place in a tensor-parallel group (its shard of the model, the all-reduce).
     rank: Option<RankLink>,
@@ -898,7 +898,9 @@ impl Backend for CudaBackend {
         }
         let before = graphs.as_ref().map_or(0, Graphs::count);
         let result = self.queue_step(step_batch, shape, graphs.as_mut(), true);
-        self.captured_last_run = graphs.as_ref().map_or(0, Graphs::count) > before;
+        // A capture, or an eager step while its shape waits for one, costs more than the
+        // shape's replays will: the speculation choice's fits leave both out.
+        self.captured_last_run = graphs.as_ref().is_some_and(|g| g.count() > before || g.awaited_last());
         self.graphs = graphs;
         result?;
         self.rows = batch.logits_rows.len();
