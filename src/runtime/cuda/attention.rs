@@ -450,7 +450,7 @@ mod tests {
         assert_eq!(partitions_within(1024), 8);
         assert_eq!(partitions_within(16384), 38);
         // Every partition is whole tiles: a tile never straddles two.
-        assert!(starts.iter().all(|&s| s as usize % FLASH_KEYS == 0));
+        assert!(starts.iter().all(|&s| (s as usize).is_multiple_of(FLASH_KEYS)));
     }
 
     #[test]
