@@ -2,9 +2,10 @@
 //! jump-forward's known tokens. Such a step is padded to a shape: its sequences up a ladder of
 //! counts, each sequence's tokens to the step's most, its contexts up powers of two of attention
 //! partitions and its rows of logits to one a sequence or all, so that a few shapes cover every
-//! step. Each shape's forward is captured once the shape recurs (its first steps run eagerly)
-//! and replayed with its metadata copied to one fixed device buffer, which is what makes a
-//! replay valid: a graph's kernels keep the addresses, grids and sizes of their capture.
+//! step. Each shape's forward is captured (a check's once its shape recurs, its first steps
+//! eager; any other's at once) and replayed with its metadata copied to one fixed device
+//! buffer, which is what makes a replay valid: a graph's kernels keep the addresses, grids and
+//! sizes of their capture.
 //!
 //! A sequence's padding goes before its tokens, at position 0, so that its real rows stay last
 //! and keep their keys (the attention kernel reads an item's keys up to its last row's
