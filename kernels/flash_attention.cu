@@ -21,10 +21,10 @@
 // walks one partition, so its chain of tiles sets the latency of a short context decoding alone
 // (few blocks, the GPU mostly idle); long contexts have partitions enough to fill the GPU, and
 // large ones keep their merge short. Each partition's (max, sum, unnormalized values) is
-// computed from scratch and folded into the row's total, partition after partition, by `fold`. A block either walks all partitions itself
-// (whole mode: `partials` null) or computes one (split mode: blockIdx.z, for few rows over long
-// contexts) and writes it for flash_merge, which folds them in the same order with the same
-// arithmetic: the two modes give the same bits. A token's records follow those of the tokens
+// computed from scratch and folded into the row's total, partition after partition, by `fold`.
+// A block either walks all partitions itself (whole mode: `partials` null) or computes one
+// (split mode: blockIdx.z, for few rows over long contexts) and writes it for flash_merge, which
+// folds them in the same order with the same arithmetic: the two modes give the same bits. A token's records follow those of the tokens
 // before it (`part_bases`, from the host), so the scratch holds the partitions the step's rows
 // reach, not every row times the longest context.
 #define FA_BLOCK 16  // tokens per KV block: the host sends only such caches here

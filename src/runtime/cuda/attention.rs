@@ -141,6 +141,12 @@ pub fn partitions_within(len: usize) -> usize {
     part_of(len.max(1) - 1) + 1
 }
 
+/// A context of `len` keys in units of `FLASH_PART` keys, rounded up (at least one): the
+/// measure of a whole block's chain, of a prefill's split, and of a captured shape's contexts.
+pub fn part_units(len: usize) -> usize {
+    len.max(1).div_ceil(FLASH_PART)
+}
+
 /// Split attention's record bases for query tokens at `positions`, written to `bases` (one
 /// word a token): each token's partitions numbered after those of the tokens before it. The
 /// partitions of all of them.
@@ -160,7 +166,7 @@ pub fn part_bases(positions: &[u32], bases: &mut [u32]) -> usize {
 /// partitions over blocks of their own, at the cost of a merge.
 pub fn long_rows_dominate(context_lens: &[u32], kv_heads: usize, target_blocks: usize) -> bool {
     // Chains in units of FLASH_PART keys: a whole block walks every tile, whatever the partitions.
-    let parts = |len: u32| (len as usize).max(1).div_ceil(FLASH_PART);
+    let parts = |len: u32| part_units(len as usize);
     let longest = context_lens.iter().map(|&l| parts(l)).max().unwrap_or(0);
     let total: usize = context_lens.iter().map(|&l| parts(l)).sum();
     // The GPU's share of every partition, against the longest chain a block walks alone.
@@ -192,7 +198,7 @@ impl SplitRule {
     pub fn split(&self, items: usize, seqs: usize, max_len: usize, partitions: usize, skewed: bool) -> bool {
         let parts = match items <= seqs {
             true => partitions_within(max_len),
-            false => max_len.max(1).div_ceil(FLASH_PART),
+            false => part_units(max_len),
         };
         let few_blocks = items * self.kv_heads < self.target_blocks;
         let records = partitions * self.heads * (self.head_dim + 2);

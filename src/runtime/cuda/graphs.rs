@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, DevicePtr};
 
-use super::attention::{FLASH_BLOCK, FLASH_PART};
+use super::attention::{part_units, FLASH_BLOCK, FLASH_PART};
 use crate::runtime::batch::ForwardBatch;
 use crate::runtime::error::{Result, RuntimeError};
 
@@ -148,7 +148,7 @@ pub fn shape_of(
         return None;
     }
     let longest = batch.context_lens.iter().copied().max().unwrap_or(1) as usize;
-    let parts = longest.max(1).div_ceil(FLASH_PART).next_power_of_two();
+    let parts = part_units(longest).next_power_of_two();
     if parts > max_parts {
         return None;
     }

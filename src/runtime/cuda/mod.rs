@@ -147,7 +147,7 @@ pub struct CudaBackend {
     /// tensor-core attention does not take).
     graphs: Option<Graphs>,
     /// The last `run` captured its shape's graph, or ran eagerly while its shape waits for one.
-    captured_last_run: bool,
+    warmed_up_last_run: bool,
     /// This GPU's place in a tensor-parallel group (its shard of the model, the all-reduce).
     rank: Option<RankLink>,
     /// The next pass's tokens drawn on another GPU (a tensor-parallel group's first rank):
@@ -378,10 +378,7 @@ impl CudaBackend {
             && timing.as_ref().is_none_or(|t| !t.per_phase())
         {
             let (seqs, group) = (options.max_num_seqs.max(1), config.num_heads / config.num_kv_heads);
-            let max_parts = config
-                .context_length
-                .div_ceil(attention::FLASH_PART)
-                .next_power_of_two();
+            let max_parts = attention::part_units(config.context_length).next_power_of_two();
             let tokens = seqs * graphs::MAX_PER_SEQ;
             // Ids, positions, slots, sequences, picked rows and split attention's bases, and
             // the places and words of tokens the last draw decided; tables; flash items.
@@ -432,7 +429,7 @@ impl CudaBackend {
             kv_ports: Vec::new(),
             timing,
             graphs,
-            captured_last_run: false,
+            warmed_up_last_run: false,
             rank,
             remote_draw: None,
         };
@@ -900,7 +897,7 @@ impl Backend for CudaBackend {
         let result = self.queue_step(step_batch, shape, graphs.as_mut(), true);
         // A capture, or an eager step while its shape waits for one, costs more than the
         // shape's replays will: the speculation choice's fits leave both out.
-        self.captured_last_run = graphs.as_ref().is_some_and(|g| g.count() > before || g.awaited_last());
+        self.warmed_up_last_run = graphs.as_ref().is_some_and(|g| g.count() > before || g.awaited_last());
         self.graphs = graphs;
         result?;
         self.rows = batch.logits_rows.len();
@@ -943,7 +940,7 @@ impl Backend for CudaBackend {
     }
 
     fn last_run_warmed_up(&self) -> bool {
-        self.captured_last_run
+        self.warmed_up_last_run
     }
 
     fn graph_steps(&self) -> u64 {
