@@ -116,6 +116,10 @@ pub struct CudaBackend {
     /// rows with a mask (only a constrained row is ever drawn again), at their own offsets.
     redraw_logits: CudaSlice<f32>,
     redraw_rows: Vec<bool>,
+    /// An event after the copy into `redraw_logits`, and the stream a pipelined draw's redraws
+    /// run on behind it (`sample::redraw`).
+    redraw_ready: Option<CudaEvent>,
+    redraw_stream: Arc<CudaStream>,
     /// The logits rows the last draw left to the engine, and which rows they are.
     host_logits: (Vec<f32>, Vec<bool>),
     /// The last draw was launched pipelined; it was not read yet; the run it drew; when.
@@ -373,6 +377,7 @@ impl CudaBackend {
         let sample_staging = Staging::new(&ctx, &stream, 1 << 16, "sampling inputs")?;
         let redraw_logits = stream.alloc_zeros::<f32>(1).map_err(device_err("sampling"))?;
         let redraw_staging = Staging::new(&ctx, &stream, 1 << 12, "a redraw's inputs")?;
+        let redraw_stream = ctx.new_stream().map_err(device_err("sampling"))?;
         let graphs = if options.graphs
             && attention::flash_head(config.head_dim)
             && timing.as_ref().is_none_or(|t| !t.per_phase())
@@ -411,6 +416,8 @@ impl CudaBackend {
             readback_done: None,
             redraw_logits,
             redraw_rows: Vec::new(),
+            redraw_ready: None,
+            redraw_stream,
             host_logits: Default::default(),
             draw_pipelined: false,
             draw_unread: false,

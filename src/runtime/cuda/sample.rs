@@ -5,7 +5,9 @@
 //! log-probabilities and confidences come back, and the logits of the rows the engine keeps for
 //! itself.
 
-use cudarc::driver::{CudaSlice, DevicePtr};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
 use super::kernels::SampleParams;
 use super::staging::Staging;
@@ -129,7 +131,7 @@ impl CudaBackend {
             .collect();
         let base = self.ptr(&self.buffers.logits);
         let queued = match specs.iter().any(Option::is_some) {
-            true => Some(self.queue_draws(base, &mut specs, false)?),
+            true => Some(self.queue_draws(&s, base, &mut specs, false)?),
             false => None,
         };
         drop(specs);
@@ -181,6 +183,12 @@ impl CudaBackend {
                     s.memcpy_dtod(&src, &mut dst)
                         .map_err(device_err("keeping logits for a redraw"))?;
                 }
+                let kept = match self.redraw_ready.take() {
+                    Some(e) => e,
+                    None => s.record_event(None).map_err(device_err("sampling"))?,
+                };
+                kept.record(&s).map_err(device_err("sampling"))?;
+                self.redraw_ready = Some(kept);
             }
         }
         if pipelined {
@@ -283,7 +291,18 @@ impl CudaBackend {
             )));
         };
         let vocab = self.config.vocab_size;
-        let s = self.stream.clone();
+        // A pipelined draw's redraw runs on its own stream, behind the copy of its logits only:
+        // on the backend's stream it would wait for the pass queued since, most of a step.
+        let s = match self.draw_pipelined {
+            true => {
+                let side = self.redraw_stream.clone();
+                if let Some(kept) = &self.redraw_ready {
+                    side.wait(kept).map_err(device_err("sampling"))?;
+                }
+                side
+            }
+            false => self.stream.clone(),
+        };
         let all = match self.draw_pipelined {
             true => self.ptr(&self.redraw_logits),
             false => self.ptr(&self.buffers.logits),
@@ -308,10 +327,12 @@ impl CudaBackend {
             drawn: &mut drawn,
         })];
         // The row keeps its first draw's record: another redraw restores from the same values.
-        let (decided, _scratch, _) = self.draw_rows(at, &mut specs, true)?;
+        let (decided, _scratch, _) = self.draw_rows(&s, at, &mut specs, true)?;
         drop(specs);
         s.synchronize().map_err(device_err("sampling"))?;
-        self.passed_run = self.run_index;
+        if !self.draw_pipelined {
+            self.passed_run = self.run_index;
+        }
         decided
             .into_iter()
             .next()
@@ -325,25 +346,28 @@ impl CudaBackend {
     /// penalties are; a redraw uploads through its own staging, so that the step's stay.
     fn draw_rows(
         &mut self,
+        s: &Arc<CudaStream>,
         logits: u64,
         specs: &mut [Option<RowSpec<'_>>],
         redraw: bool,
     ) -> Result<(Vec<Option<RowDraw>>, CudaSlice<u32>, PenaltyArrays)> {
-        let q = self.queue_draws(logits, specs, redraw)?;
-        let back: Vec<u32> = self
-            .stream
-            .clone_dtoh(&q.scratch)
-            .map_err(device_err("copying sampled tokens"))?;
+        let q = self.queue_draws(s, logits, specs, redraw)?;
+        let back: Vec<u32> = s.clone_dtoh(&q.scratch).map_err(device_err("copying sampled tokens"))?;
         let drawn: Vec<Option<&Drawn>> = specs.iter().map(|s| s.as_ref().map(|s| &*s.drawn)).collect();
         Ok((q.read.decided(&drawn, &back), q.scratch, q.penalties))
     }
 
     /// `draw_rows`' work queued on the stream, nothing read back.
-    fn queue_draws(&mut self, logits: u64, specs: &mut [Option<RowSpec<'_>>], redraw: bool) -> Result<Queued> {
+    fn queue_draws(
+        &mut self,
+        s: &Arc<CudaStream>,
+        logits: u64,
+        specs: &mut [Option<RowSpec<'_>>],
+        redraw: bool,
+    ) -> Result<Queued> {
         let vocab = self.config.vocab_size;
         let rows = specs.len();
         let words = vocab.div_ceil(32);
-        let s = self.stream.clone();
 
         // Everything the kernels read, in one upload.
         let st = if redraw {
@@ -452,7 +476,7 @@ impl CudaBackend {
                 st.push(&params_words(p))?;
             }
         }
-        let base = st.send(&s)?;
+        let base = st.send(s)?;
         let at = |offset: usize| Staging::addr(base, offset);
 
         // Scratch on the device: token ids, the penalties' saved values, logprob records, the
@@ -476,7 +500,7 @@ impl CudaBackend {
         let k = &self.kernels;
         if contrasted {
             launch(
-                &s,
+                s,
                 &k.contrast_rows,
                 (rows as u32, cols),
                 THREADS,
@@ -486,7 +510,7 @@ impl CudaBackend {
         if let Some(m) = masks_at {
             let grid = (rows as u32, cols);
             launch(
-                &s,
+                s,
                 &k.apply_bitmask,
                 grid,
                 THREADS,
@@ -495,7 +519,7 @@ impl CudaBackend {
         }
         if let Some(b) = bias_at {
             launch(
-                &s,
+                s,
                 &k.add_bias_where,
                 (rows as u32, cols),
                 THREADS,
@@ -506,7 +530,7 @@ impl CudaBackend {
             let n = stat_n as i32;
             let grid = (stat_rows.len() as u32, 1);
             launch(
-                &s,
+                s,
                 &k.logprob_stats,
                 grid,
                 1024,
@@ -517,7 +541,7 @@ impl CudaBackend {
         if !p_rows.is_empty() {
             let count = p_rows.len() as i32;
             launch_items(
-                &s,
+                s,
                 &k.apply_penalties,
                 p_rows.len(),
                 &[&logits, &v, &pr, &pt, &pf, &pa, &saved, &count],
@@ -529,17 +553,17 @@ impl CudaBackend {
             saved,
         };
         if specs.iter().flatten().any(|x| x.drawn.seeded.is_none()) {
-            launch(&s, &k.argmax, (rows as u32, 1), 1024, &[&logits, &v, &out])?;
+            launch(s, &k.argmax, (rows as u32, 1), 1024, &[&logits, &v, &out])?;
         }
         if !seeded_rows.is_empty() {
             let grid = (seeded_rows.len() as u32, 1);
             let args: [&dyn super::Arg; 5] = [&logits, &at(seeded_rows_at), &v, &at(params_at), &word(rows)];
-            launch(&s, &k.sample_rows, grid, 1024, &args)?;
+            launch(s, &k.sample_rows, grid, 1024, &args)?;
         }
         if !stat_rows.is_empty() {
             let count = stat_rows.len() as i32;
             launch_items(
-                &s,
+                s,
                 &k.chosen_values,
                 stat_rows.len(),
                 &[&logits, &v, &at(stat_rows_at), &at(token_at_at), &out, &values, &count],
@@ -549,7 +573,7 @@ impl CudaBackend {
             let grid = (conf_rows.len() as u32, 1);
             let records = word(conf_base);
             launch(
-                &s,
+                s,
                 &k.drawn_confidence,
                 grid,
                 1024,
