@@ -24,9 +24,9 @@
 // computed from scratch and folded into the row's total, partition after partition, by `fold`.
 // A block either walks all partitions itself (whole mode: `partials` null) or computes one
 // (split mode: blockIdx.z, for few rows over long contexts) and writes it for flash_merge, which
-// folds them in the same order with the same arithmetic: the two modes give the same bits. A token's records follow those of the tokens
-// before it (`part_bases`, from the host), so the scratch holds the partitions the step's rows
-// reach, not every row times the longest context.
+// folds them in the same order with the same arithmetic: the two modes give the same bits. A
+// token's records follow those of the tokens before it (`part_bases`, from the host), so the
+// scratch holds the partitions the step's rows reach, not every row times the longest context.
 #define FA_BLOCK 16  // tokens per KV block: the host sends only such caches here
 #define FA_WARPS 4
 #define FA_THREADS (32 * FA_WARPS)

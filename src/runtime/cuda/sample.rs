@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr};
 
 use super::kernels::SampleParams;
 use super::staging::Staging;
@@ -90,6 +90,18 @@ fn fill_mask(dst: &mut [u32], mask: &[u32]) {
     dst[n..].fill(0);
 }
 
+/// Records `slot`'s event on `s`, making it on first use: a step reuses its events rather
+/// than creating them.
+fn record_into(slot: &mut Option<CudaEvent>, s: &CudaStream) -> Result<()> {
+    let event = match slot.take() {
+        Some(e) => e,
+        None => s.record_event(None).map_err(device_err("sampling"))?,
+    };
+    event.record(s).map_err(device_err("sampling"))?;
+    *slot = Some(event);
+    Ok(())
+}
+
 impl CudaBackend {
     pub(super) fn sample_rows(&mut self, requests: &[RowRequest<'_>]) -> Result<Sampled> {
         self.launch_rows(requests, false)?;
@@ -163,12 +175,7 @@ impl CudaBackend {
             // SAFETY: `dst` is page-locked and not read before `readback_done` has passed.
             unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src, s.cu_stream()) }
                 .map_err(device_err("copying sampled tokens"))?;
-            let done = match self.readback_done.take() {
-                Some(e) => e,
-                None => s.record_event(None).map_err(device_err("sampling"))?,
-            };
-            done.record(&s).map_err(device_err("sampling"))?;
-            self.readback_done = Some(done);
+            record_into(&mut self.readback_done, &s)?;
             self.redraw_rows = requests.iter().map(|r| r.mask.is_some()).collect();
             if self.redraw_rows.iter().any(|&m| m) {
                 let n = rows * vocab;
@@ -183,12 +190,7 @@ impl CudaBackend {
                     s.memcpy_dtod(&src, &mut dst)
                         .map_err(device_err("keeping logits for a redraw"))?;
                 }
-                let kept = match self.redraw_ready.take() {
-                    Some(e) => e,
-                    None => s.record_event(None).map_err(device_err("sampling"))?,
-                };
-                kept.record(&s).map_err(device_err("sampling"))?;
-                self.redraw_ready = Some(kept);
+                record_into(&mut self.redraw_ready, &s)?;
             }
         }
         if pipelined {
@@ -293,19 +295,15 @@ impl CudaBackend {
         let vocab = self.config.vocab_size;
         // A pipelined draw's redraw runs on its own stream, behind the copy of its logits only:
         // on the backend's stream it would wait for the pass queued since, most of a step.
-        let s = match self.draw_pipelined {
+        let (s, all) = match self.draw_pipelined {
             true => {
                 let side = self.redraw_stream.clone();
                 if let Some(kept) = &self.redraw_ready {
                     side.wait(kept).map_err(device_err("sampling"))?;
                 }
-                side
+                (side, self.ptr(&self.redraw_logits))
             }
-            false => self.stream.clone(),
-        };
-        let all = match self.draw_pipelined {
-            true => self.ptr(&self.redraw_logits),
-            false => self.ptr(&self.buffers.logits),
+            false => (self.stream.clone(), self.ptr(&self.buffers.logits)),
         };
         let (start, count) = drawn.penalty_span;
         if count > 0 {
