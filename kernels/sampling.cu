@@ -1,43 +1,37 @@
-// The grammar's mask on the logits: one packed u32 word per 32 tokens (bit t % 32 of word
-// t / 32), a cleared bit sets the logit to -inf. mask_rows[r] is the mask row of logits row r,
-// or -1 for a row without a constraint (it is skipped). Grid: (rows, ceil(vocab / blockDim)).
-// This thread's token and what the mask row of its logits row says of it: -1 where the row has
-// no mask or the token is past the vocabulary, else the token's bit. Grid: (rows,
-// ceil(vocab / blockDim)).
-__device__ __forceinline__ int mask_bit(const u32* masks, const int* mask_rows, int vocab, int words, int* t) {
-    int m = mask_rows[blockIdx.x];
-    *t = blockIdx.y * blockDim.x + threadIdx.x;
-    if (m < 0 || *t >= vocab) return -1;
-    return (masks[(size_t)m * words + (*t >> 5)] >> (*t & 31)) & 1u;
-}
-
-// Context-aware decoding: row r becomes (1 + w) * row - w * row twins[r] (-1: no twin), with
-// one_plus[r] = 1 + w and weight[r] = w as the host rounds them, each product and the
-// difference rounded as the engine's `contrast` rounds them. Twins are rows no other row turns
-// into. Grid: (rows, ceil(vocab / blockDim)).
-extern "C" __global__ void contrast_rows(float* logits, const int* twins, const float* one_plus, const float* weight,
-                                         int vocab) {
+// What the sampler's options make of a row's scores before the draw, in one pass over every row
+// that has any of them (block (b, y) takes row rows[b] and every gridDim.y-th stretch of
+// blockDim.x tokens from the y-th), so that a batch is a few thousand blocks, not one per 256
+// tokens of every row of the logits, twins included, once per option:
+// - context-aware decoding where twins[r] >= 0: the row becomes (1 + w) * row - w * row
+//   twins[r], with one_plus[r] = 1 + w and weight[r] = w as the host rounds them, each product
+//   and the difference rounded as the engine's `contrast` rounds them. Twins are rows no listed
+//   row is: they are read, never written;
+// - the grammar's mask where mask_rows[r] >= 0: one packed u32 word per 32 tokens (bit t % 32 of
+//   word t / 32) of mask row mask_rows[r]; a cleared bit sets the score to -inf;
+// - the copy bias where bias_rows[r] >= 0: bias[r] added to the tokens that bias mask row
+//   bias_rows[r] allows (a token the grammar refused stays -inf, as -inf + bias is).
+extern "C" __global__ void shape_scores(float* logits, const u32* rows, const int* twins, const float* one_plus,
+                                        const float* weight, const u32* masks, const int* mask_rows,
+                                        const u32* bias_masks, const int* bias_rows, const float* bias, int vocab,
+                                        int words) {
     after_previous_kernel();
-    int r = blockIdx.x, t = blockIdx.y * blockDim.x + threadIdx.x, twin = twins[r];
-    if (twin < 0 || t >= vocab) return;
-    float* row = logits + (size_t)r * vocab;
-    row[t] = __fsub_rn(__fmul_rn(one_plus[r], row[t]), __fmul_rn(weight[r], logits[(size_t)twin * vocab + t]));
-}
-
-extern "C" __global__ void apply_bitmask(float* logits, const u32* masks, const int* mask_rows,
-                                         int vocab, int words) {
-    after_previous_kernel();
-    int t;
-    if (mask_bit(masks, mask_rows, vocab, words, &t) == 0) logits[(size_t)blockIdx.x * vocab + t] = NEG_INF;
-}
-
-// The copy bias: bias[r] added to the logits of row r that mask row mask_rows[r] allows (-1: the
-// row has no bias). Grid: (rows, ceil(vocab / blockDim)).
-extern "C" __global__ void add_bias_where(float* logits, const u32* masks, const int* mask_rows, const float* bias,
-                                          int vocab, int words) {
-    after_previous_kernel();
-    int t;
-    if (mask_bit(masks, mask_rows, vocab, words, &t) == 1) logits[(size_t)blockIdx.x * vocab + t] += bias[blockIdx.x];
+    int r = rows[blockIdx.x], twin = twins[r], m = mask_rows[r], b = bias_rows[r];
+    float* __restrict__ row = logits + (size_t)r * vocab;
+    const float* __restrict__ other = twin >= 0 ? logits + (size_t)twin * vocab : nullptr;
+    const u32* mask = m >= 0 ? masks + (size_t)m * words : nullptr;
+    const u32* allow = b >= 0 ? bias_masks + (size_t)b * words : nullptr;
+    float op = other ? one_plus[r] : 0.0f, w = other ? weight[r] : 0.0f, add = allow ? bias[r] : 0.0f;
+    int stride = gridDim.y * blockDim.x;
+#pragma unroll 4
+    for (int t = blockIdx.y * blockDim.x + threadIdx.x; t < vocab; t += stride) {
+        float x = row[t];
+        if (other) x = __fsub_rn(__fmul_rn(op, x), __fmul_rn(w, other[t]));
+        if (mask && !((mask[t >> 5] >> (t & 31)) & 1u))
+            x = NEG_INF;
+        else if (allow && ((allow[t >> 5] >> (t & 31)) & 1u))
+            x += add;
+        row[t] = x;
+    }
 }
 
 // Penalties, one thread per (row, token): the repetition factor divides a positive logit and
@@ -134,13 +128,14 @@ extern "C" __global__ void chosen_values(const float* logits, int vocab, const u
     values[i] = logits[(size_t)rows[i] * vocab + out[token_at[i]]];
 }
 
-// Greedy: the index of each row's largest logit, the lowest index among equals (as the CPU
-// sampler's argmax). One block per row.
-extern "C" __global__ void argmax(const float* logits, int vocab, u32* out) {
+// Greedy: the index of each listed row's largest logit, the lowest index among equals (as the
+// CPU sampler's argmax). Block b takes row rows[b] and writes out[rows[b]].
+extern "C" __global__ void argmax(const float* logits, const u32* rows, int vocab, u32* out) {
     after_previous_kernel();
     __shared__ float best_v[32];
     __shared__ int best_i[32];
-    const float* row = logits + (size_t)blockIdx.x * vocab;
+    const u32 r = rows[blockIdx.x];
+    const float* row = logits + (size_t)r * vocab;
     float v = NEG_INF;
     int idx = 0x7fffffff;
     for (int t = threadIdx.x; t < vocab; t += blockDim.x) {
@@ -164,7 +159,7 @@ extern "C" __global__ void argmax(const float* logits, int vocab, u32* out) {
             int oi = __shfl_xor_sync(0xffffffffu, idx, o);
             if (ov > v || (ov == v && oi < idx)) { v = ov; idx = oi; }
         }
-        if (lane == 0) out[blockIdx.x] = idx == 0x7fffffff ? 0u : (u32)idx;
+        if (lane == 0) out[r] = idx == 0x7fffffff ? 0u : (u32)idx;
     }
 }
 

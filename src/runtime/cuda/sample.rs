@@ -408,7 +408,12 @@ impl CudaBackend {
                 (twins[i], one_plus[i], weights[i]) = (twin as i32, 1.0 + w, w);
             }
         }
-        let contrasted = twins.iter().any(|&t| t >= 0);
+        // The rows whose scores an option changes before the draw.
+        let shaped: Vec<u32> = (0..rows)
+            .filter(|&i| twins[i] >= 0 || mask_rows[i] >= 0 || bias_rows[i] >= 0)
+            .map(|i| i as u32)
+            .collect();
+        let shaped_at = st.push(&shaped)?;
         let twins_at = st.push_i32(&twins)?;
         let one_plus_at = st.push_f32(&one_plus)?;
         let weights_at = st.push_f32(&weights)?;
@@ -433,12 +438,13 @@ impl CudaBackend {
             st.push_f32(&p_factors)?,
             st.push_f32(&p_adds)?,
         ];
-        let (mut seeded_rows, mut stat_rows, mut stat_n) = (Vec::new(), Vec::new(), 0usize);
-        let mut conf_rows = Vec::new();
+        let (mut seeded_rows, mut greedy_rows) = (Vec::new(), Vec::new());
+        let (mut stat_rows, mut stat_n, mut conf_rows) = (Vec::new(), 0usize, Vec::new());
         for (i, spec) in specs.iter().enumerate() {
             let Some(spec) = spec else { continue };
-            if spec.drawn.seeded.is_some() {
-                seeded_rows.push(i as u32);
+            match spec.drawn.seeded {
+                Some(_) => seeded_rows.push(i as u32),
+                None => greedy_rows.push(i as u32),
             }
             if let Some(n) = spec.drawn.logprobs {
                 stat_rows.push(i as u32);
@@ -463,6 +469,7 @@ impl CudaBackend {
         };
         let (stat_token_at, conf_token_at) = (token_at(&stat_rows), token_at(&conf_rows));
         let seeded_rows_at = st.push(&seeded_rows)?;
+        let greedy_rows_at = st.push(&greedy_rows)?;
         let stat_rows_at = st.push(&stat_rows)?;
         let token_at_at = st.push(&stat_token_at)?;
         let conf_rows_at = st.push(&conf_rows)?;
@@ -494,34 +501,30 @@ impl CudaBackend {
         );
 
         let (v, w) = (vocab as i32, words as i32);
-        let cols = (vocab as u32).div_ceil(THREADS);
         let k = &self.kernels;
-        if contrasted {
+        if !shaped.is_empty() {
+            // Each thread takes about eight of a row's tokens.
+            let slices = (vocab as u32).div_ceil(THREADS * 8);
+            let (masks, bias_masks) = (masks_at.map_or(0, at), bias_at.map_or(0, at));
             launch(
                 s,
-                &k.contrast_rows,
-                (rows as u32, cols),
+                &k.shape_scores,
+                (shaped.len() as u32, slices),
                 THREADS,
-                &[&logits, &at(twins_at), &at(one_plus_at), &at(weights_at), &v],
-            )?;
-        }
-        if let Some(m) = masks_at {
-            let grid = (rows as u32, cols);
-            launch(
-                s,
-                &k.apply_bitmask,
-                grid,
-                THREADS,
-                &[&logits, &at(m), &at(mask_rows_at), &v, &w],
-            )?;
-        }
-        if let Some(b) = bias_at {
-            launch(
-                s,
-                &k.add_bias_where,
-                (rows as u32, cols),
-                THREADS,
-                &[&logits, &at(b), &at(bias_rows_at), &at(bias_values_at), &v, &w],
+                &[
+                    &logits,
+                    &at(shaped_at),
+                    &at(twins_at),
+                    &at(one_plus_at),
+                    &at(weights_at),
+                    &masks,
+                    &at(mask_rows_at),
+                    &bias_masks,
+                    &at(bias_rows_at),
+                    &at(bias_values_at),
+                    &v,
+                    &w,
+                ],
             )?;
         }
         if !stat_rows.is_empty() {
@@ -550,8 +553,9 @@ impl CudaBackend {
             tokens: pt,
             saved,
         };
-        if specs.iter().flatten().any(|x| x.drawn.seeded.is_none()) {
-            launch(s, &k.argmax, (rows as u32, 1), 1024, &[&logits, &v, &out])?;
+        if !greedy_rows.is_empty() {
+            let grid = (greedy_rows.len() as u32, 1);
+            launch(s, &k.argmax, grid, 1024, &[&logits, &at(greedy_rows_at), &v, &out])?;
         }
         if !seeded_rows.is_empty() {
             let grid = (seeded_rows.len() as u32, 1);

@@ -973,51 +973,88 @@ fn fused_gemv_epilogues_give_the_bits_of_the_separate_kernels() {
 }
 
 #[test]
-fn bitmask_clears_exactly_the_refused_tokens_and_argmax_picks_the_first_best() {
+fn shaping_contrasts_masks_and_biases_the_listed_rows_and_argmax_picks_the_first_best() {
     let Some(g) = gpu() else { return };
     let vocab = 49155usize; // not a multiple of 32: the last word is partial
     let words = vocab.div_ceil(32);
-    let rows = 3;
+    let rows = 4;
     let mut logits = values(rows * vocab, 12);
     // Ties: row 1's best value at two places; the lower index must win.
     logits[vocab + 40000] = 5.0;
     logits[vocab + 30000] = 5.0;
-    let masks: Vec<u32> = values(2 * words, 13)
-        .iter()
-        .map(|v| v.to_bits() ^ 0x5555_5555)
-        .collect();
-    let mask_rows = [1i32, -1, 0];
-    let (ld, md, rd) = (g.f32s(&logits), g.u32s(&masks), g.i32s(&mask_rows));
+    let bits_of =
+        |seed: u64, flip: u32| -> Vec<u32> { values(2 * words, seed).iter().map(|v| v.to_bits() ^ flip).collect() };
+    let (masks, bias_masks) = (bits_of(13, 0x5555_5555), bits_of(14, 0x3333_3333));
+    // Row 0: a mask and the copy bias; row 1: nothing (not listed); row 2: a mask, contrasted
+    // with row 3, its twin.
+    let listed = [0u32, 2];
+    let twins = [-1i32, -1, 3, -1];
+    let (one_plus, weight) = ([0f32, 0.0, 1.5, 0.0], [0f32, 0.0, 0.5, 0.0]);
+    let (mask_rows, bias_rows) = ([1i32, -1, 0, -1], [0i32, -1, -1, -1]);
+    let bias = [0.75f32, 0.0, 0.0, 0.0];
+    let ld = g.f32s(&logits);
     let (v, wds) = (vocab as i32, words as i32);
+    let (lr, tw, op, wt) = (g.u32s(&listed), g.i32s(&twins), g.f32s(&one_plus), g.f32s(&weight));
+    let (md, mr, bd, br, bv) = (
+        g.u32s(&masks),
+        g.i32s(&mask_rows),
+        g.u32s(&bias_masks),
+        g.i32s(&bias_rows),
+        g.f32s(&bias),
+    );
     g.run(
-        &g.k.apply_bitmask,
-        (rows as u32, (vocab as u32).div_ceil(THREADS)),
+        &g.k.shape_scores,
+        (listed.len() as u32, (vocab as u32).div_ceil(THREADS * 8)),
         THREADS,
-        &[&g.p(&ld), &g.p(&md), &g.p(&rd), &v, &wds],
+        &[
+            &g.p(&ld),
+            &g.p(&lr),
+            &g.p(&tw),
+            &g.p(&op),
+            &g.p(&wt),
+            &g.p(&md),
+            &g.p(&mr),
+            &g.p(&bd),
+            &g.p(&br),
+            &g.p(&bv),
+            &v,
+            &wds,
+        ],
     );
     let got = g.read_f32(&ld);
+    let allows = |m: &[u32], row: i32, t: usize| m[row as usize * words + t / 32] >> (t % 32) & 1 == 1;
     for r in 0..rows {
+        let mut want = logits[r * vocab..][..vocab].to_vec();
+        if twins[r] >= 0 {
+            let twin = &logits[twins[r] as usize * vocab..][..vocab];
+            want = crate::engine::contrast::contrast(&want, twin, weight[r]);
+        }
+        for (t, x) in want.iter_mut().enumerate() {
+            if mask_rows[r] >= 0 && !allows(&masks, mask_rows[r], t) {
+                *x = f32::NEG_INFINITY;
+            } else if bias_rows[r] >= 0 && allows(&bias_masks, bias_rows[r], t) {
+                *x += bias[r];
+            }
+        }
         for t in 0..vocab {
-            let allowed = match mask_rows[r] {
-                -1 => true,
-                m => masks[m as usize * words + t / 32] >> (t % 32) & 1 == 1,
-            };
-            let want = if allowed {
-                logits[r * vocab + t]
-            } else {
-                f32::NEG_INFINITY
-            };
-            assert_eq!(got[r * vocab + t], want, "row {r} token {t}");
+            assert_eq!(got[r * vocab + t].to_bits(), want[t].to_bits(), "row {r} token {t}");
         }
     }
-    let out = g.u32s(&[0; 3]);
-    g.run(&g.k.argmax, (rows as u32, 1), 1024, &[&g.p(&ld), &v, &g.p(&out)]);
+    assert!(
+        got[..vocab].iter().any(|x| x.is_infinite()),
+        "row 0's mask refuses some tokens"
+    );
+    // Greedy draws for rows 0 to 2; row 3's slot is left alone.
+    let out = g.u32s(&[7; 4]);
+    let greedy = g.u32s(&[0, 1, 2]);
+    g.run(&g.k.argmax, (3, 1), 1024, &[&g.p(&ld), &g.p(&greedy), &v, &g.p(&out)]);
     let ids: Vec<u32> = g.stream.clone_dtoh(&out).unwrap();
-    for r in 0..rows {
+    for r in 0..3 {
         let row = &got[r * vocab..][..vocab];
         assert_eq!(ids[r], crate::sampling::argmax(row), "row {r}");
     }
     assert_eq!(ids[1], 30000, "ties go to the lowest index");
+    assert_eq!(ids[3], 7, "an unlisted row's slot is not written");
 }
 
 #[test]
