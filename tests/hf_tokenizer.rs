@@ -1,6 +1,7 @@
 //! A model directory's tokenizer (tokenizer.json, tokenizer_config.json) against the GGUF's:
 //! the default model's tokenizer written out as Hugging Face files and read back encodes,
-//! renders chat prompts and ends generations exactly as the GGUF's does.
+//! renders chat prompts and ends generations exactly as the GGUF's does; and the tokens of a
+//! text after a given token, as jump-forward asks for them.
 
 mod common;
 
@@ -66,4 +67,51 @@ fn a_tokenizer_written_as_hugging_face_files_reads_back_the_same() {
     let err = Tokenizer::from_model_file(&dir).err().expect("refused").to_string();
     assert!(err.contains("byte-level"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Jump-forward's tokens after a request's last token: the remembered answer is the one a
+/// fresh tokenization gives, a token that would merge with the text gives none, and a text
+/// whose tokens all stand apart from `last` gives them.
+#[test]
+fn text_after_a_token_is_its_tokenization_with_the_token_and_remembered_alike() {
+    let Some(path) = common::model_path() else { return };
+    let tok = Tokenizer::from_model_file(&path).unwrap();
+    let fresh = |last: u32, text: &str| -> Vec<u32> {
+        let before = tok.decode(&[last], false).unwrap();
+        let all = tok.encode_fragment(&format!("{before}{text}"), false).unwrap();
+        match all.split_first() {
+            Some((&first, rest)) if first == last => rest.to_vec(),
+            _ => Vec::new(),
+        }
+    };
+    let quote = tok.encode_fragment("\"", false).unwrap();
+    let name = tok.encode_fragment("name", false).unwrap();
+    let space_total = tok.encode_fragment(" total", false).unwrap();
+    assert_eq!(quote.len(), 1, "{quote:?}");
+    let cases = [
+        (quote[0], "name\":\""),
+        (quote[0], ",\"total\":"),
+        (name[0], "\":"),
+        (space_total[0], "\": 55.50}"),
+        (quote[0], "\u{e9}t\u{e9}"),
+    ];
+    for round in 0..2 {
+        for &(last, text) in &cases {
+            assert_eq!(
+                tok.encode_after(last, text),
+                fresh(last, text),
+                "round {round}: {last} then {text:?}"
+            );
+        }
+    }
+    // `last`'s text must stay a token of its own: " tot" before "al" merges into " total".
+    let tot = tok.encode_fragment(" tot", false).unwrap();
+    assert_eq!((tot.len(), space_total.len()), (1, 1), "{tot:?} {space_total:?}");
+    assert!(
+        tok.encode_after(tot[0], "al").is_empty(),
+        "a merged token gives no tokens"
+    );
+    let after_quote = tok.encode_after(quote[0], "name\":\"");
+    assert!(!after_quote.is_empty());
+    assert_eq!(tok.decode(&after_quote, false).unwrap(), "name\":\"");
 }

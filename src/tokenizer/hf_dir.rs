@@ -142,6 +142,7 @@ pub fn load(dir: &Path) -> Result<Tokenizer, TokenizerError> {
         end_of_generation,
         control_ids,
         chat_template,
+        after: Default::default(),
     })
 }
 

@@ -5,7 +5,9 @@ mod chat;
 mod gguf_vocab;
 mod hf_dir;
 
+use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Mutex;
 
 pub use chat::{ChatMessage, ChatTemplate};
 
@@ -52,7 +54,19 @@ pub struct Tokenizer {
     /// Control tokens (turn markers and the like): never text a grammar can produce.
     control_ids: Vec<u32>,
     chat_template: Option<ChatTemplate>,
+    after: AfterMemo,
 }
+
+/// `encode_after`'s answers so far. Jump-forward asks for the grammar's forced text after a
+/// request's last token every step the grammar forces any, and the same (token, text) pairs (a
+/// schema's keys and punctuation after common value endings) recur across requests and steps:
+/// 93% of the asks in a CPU run of 64 extraction requests were repeats. Jump-forward's work,
+/// tokenizing included, had taken 1.3-2.1 ms of the engine thread a step at 256 requests.
+#[derive(Default)]
+struct AfterMemo(Mutex<HashMap<(u32, String), Vec<u32>>>);
+
+/// Answers kept at most; past it the memo starts again (a few schemas' worth of forced texts).
+const AFTER_MEMO_ENTRIES: usize = 16_384;
 
 impl Tokenizer {
     /// The tokenizer of a GGUF file or of a Hugging Face model directory.
@@ -112,6 +126,7 @@ impl Tokenizer {
             end_of_generation,
             control_ids: vocab.control_ids,
             chat_template,
+            after: AfterMemo::default(),
         })
     }
 
@@ -141,6 +156,43 @@ impl Tokenizer {
             .encode(text, false)
             .map_err(|e| TokenizerError::Encode(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// The tokens of `text` as they follow token `last` in a longer text, where `last` stays a
+    /// token of its own: `text` is tokenized together with `last`'s text, and the answer is empty
+    /// unless that tokenization starts with `last` (or where `last` has no text, or ends inside
+    /// a character). Remembered, since the same few (token, text) pairs recur.
+    pub fn encode_after(&self, last: u32, text: &str) -> Vec<u32> {
+        let key = (last, text.to_string());
+        if let Some(known) = self.after_memo().get(&key) {
+            return known.clone();
+        }
+        let tokens = self.encode_after_uncached(last, text);
+        let mut memo = self.after_memo();
+        if memo.len() >= AFTER_MEMO_ENTRIES {
+            memo.clear();
+        }
+        memo.insert(key, tokens.clone());
+        tokens
+    }
+
+    fn after_memo(&self) -> std::sync::MutexGuard<'_, HashMap<(u32, String), Vec<u32>>> {
+        // The memo holds only finished answers, so one left by a panicking thread is sound.
+        self.after.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn encode_after_uncached(&self, last: u32, text: &str) -> Vec<u32> {
+        let before = match self.decode(&[last], false) {
+            Ok(b) if !b.is_empty() && !b.ends_with('\u{FFFD}') => b,
+            _ => return Vec::new(),
+        };
+        match self.encode_fragment(&format!("{before}{text}"), false) {
+            Ok(mut t) if t.first() == Some(&last) => {
+                t.remove(0);
+                t
+            }
+            _ => Vec::new(),
+        }
     }
 
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, TokenizerError> {

@@ -12,20 +12,8 @@ pub fn forced_after(tokenizer: &Tokenizer, matcher: &mut ContainedMatcher, last:
     if room == 0 {
         return Vec::new();
     }
-    // Called only when the grammar forces some text, so most steps decode nothing here.
-    let mut forced = matcher.forced_tokens(&|text: &str| {
-        let before = match tokenizer.decode(&[last], false) {
-            Ok(b) if !b.is_empty() && !b.ends_with('\u{FFFD}') => b,
-            _ => return Vec::new(),
-        };
-        match tokenizer.encode_fragment(&format!("{before}{text}"), false) {
-            Ok(mut t) if t.first() == Some(&last) => {
-                t.remove(0);
-                t
-            }
-            _ => Vec::new(),
-        }
-    });
+    // Called only when the grammar forces some text, so most steps tokenize nothing here.
+    let mut forced = matcher.forced_tokens(&|text: &str| tokenizer.encode_after(last, text));
     forced.truncate(room);
     forced
 }
