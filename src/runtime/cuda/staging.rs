@@ -17,9 +17,27 @@ use crate::runtime::error::{Result, RuntimeError};
 pub struct Staging {
     ctx: Arc<CudaContext>,
     host: PinnedHostSlice<u32>,
+    /// `host`'s words, taken once: cudarc's accessors synchronize an event of their own on every
+    /// call, a driver call for each of the hundreds of pushes a step of many sequences makes,
+    /// while what keeps writes behind the stream's copy is this module's protocol (above).
+    words: HostWords,
     len: usize,
     device: CudaSlice<u32>,
     what: &'static str,
+}
+
+/// The address and length of a page-locked buffer's words.
+struct HostWords(*mut u32, usize);
+
+// SAFETY: the words belong to the `PinnedHostSlice` kept beside them, which may move between
+// threads; they are reached only through the `Staging` that owns both.
+unsafe impl Send for HostWords {}
+
+impl HostWords {
+    fn of(host: &mut PinnedHostSlice<u32>, what: &'static str) -> Result<Self> {
+        let words = host.as_mut_slice().map_err(err(what))?;
+        Ok(HostWords(words.as_mut_ptr(), words.len()))
+    }
 }
 
 fn err(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> RuntimeError {
@@ -31,10 +49,11 @@ impl Staging {
         let words = words.max(1024);
         // SAFETY: words are written before they are read (`push` writes, `send` copies the
         // written prefix).
-        let host = unsafe { ctx.alloc_pinned::<u32>(words) }.map_err(err(what))?;
+        let mut host = unsafe { ctx.alloc_pinned::<u32>(words) }.map_err(err(what))?;
         let device = stream.alloc_zeros::<u32>(words).map_err(err(what))?;
         Ok(Staging {
             ctx: ctx.clone(),
+            words: HostWords::of(&mut host, what)?,
             host,
             len: 0,
             device,
@@ -73,7 +92,7 @@ impl Staging {
     pub fn push_with(&mut self, words: usize, fill: impl FnOnce(&mut [u32])) -> Result<usize> {
         let at = self.len;
         self.reserve(words)?;
-        fill(&mut self.slice()?[at..at + words]);
+        fill(&mut self.slice()[at..at + words]);
         self.len += words;
         Ok(at)
     }
@@ -91,7 +110,7 @@ impl Staging {
         }
         let dst = self.device.device_ptr(stream).0;
         let len = self.len;
-        let src = &self.slice()?[..len];
+        let src = &self.slice()[..len];
         // SAFETY: `dst` holds at least `len` words; `src` stays allocated and unwritten until the
         // stream has passed the copy (see the module's comment).
         unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, stream.cu_stream()) }.map_err(err(self.what))?;
@@ -108,7 +127,7 @@ impl Staging {
             )));
         }
         let len = self.len;
-        let src = &self.slice()?[..len];
+        let src = &self.slice()[..len];
         // SAFETY: as in `send`; the caller vouches for `dst`'s size.
         unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, stream.cu_stream()) }.map_err(err(self.what))?;
         Ok(dst)
@@ -119,8 +138,10 @@ impl Staging {
         base + (offset * std::mem::size_of::<u32>()) as u64
     }
 
-    fn slice(&mut self) -> Result<&mut [u32]> {
-        self.host.as_mut_slice().map_err(err(self.what))
+    fn slice(&mut self) -> &mut [u32] {
+        // SAFETY: `words` is `host`'s buffer, alive as long as `self`; `&mut self` makes this
+        // the only view of it.
+        unsafe { std::slice::from_raw_parts_mut(self.words.0, self.words.1) }
     }
 
     fn reserve(&mut self, more: usize) -> Result<()> {
@@ -130,10 +151,11 @@ impl Staging {
         }
         // SAFETY: as in `new`; the written prefix is carried over.
         let mut bigger = unsafe { self.ctx.alloc_pinned::<u32>(need.next_power_of_two()) }.map_err(err(self.what))?;
+        let words = HostWords::of(&mut bigger, self.what)?;
         let len = self.len;
-        let old = self.host.as_slice().map_err(err(self.what))?[..len].to_vec();
-        bigger.as_mut_slice().map_err(err(self.what))?[..len].copy_from_slice(&old);
-        self.host = bigger;
+        // SAFETY: `words` is `bigger`'s buffer, just allocated and not shared.
+        unsafe { std::slice::from_raw_parts_mut(words.0, len) }.copy_from_slice(&self.slice()[..len]);
+        (self.host, self.words) = (bigger, words);
         Ok(())
     }
 }
