@@ -8,6 +8,7 @@
 //! outputs; `state` is a request's engine-side state.
 
 mod handoff;
+mod host_phases;
 mod output;
 mod pipeline;
 mod propose;
@@ -142,6 +143,8 @@ pub struct EngineCore {
     pipelined_cost: StepCost,
     /// The host's exposed share of a step and what proposing takes, measured as steps run.
     host_time: HostTime,
+    /// `QUARRY_ENGINE_TIMING`'s sums.
+    host_phases: host_phases::HostPhases,
     async_scheduling: AsyncScheduling,
     /// The pipelined step whose tokens are not read yet.
     in_flight: Option<pipeline::InFlight>,
@@ -185,6 +188,7 @@ impl EngineCore {
             step_cost: StepCost::default(),
             pipelined_cost: StepCost::default(),
             host_time: HostTime::default(),
+            host_phases: host_phases::HostPhases::from_env(),
             async_scheduling: config.async_scheduling,
             in_flight: None,
             pipelined_steps: 0,

@@ -21,6 +21,7 @@ use std::time::Instant;
 
 use quarry_grammar::bitmask_words;
 
+use super::host_phases::Part;
 use super::verify::RowGrammar;
 use super::{EngineCore, RequestOutput, Sampling};
 use crate::engine::kv_cache_manager::RequestId;
@@ -77,11 +78,14 @@ impl EngineCore {
 
     fn pipelined(&mut self) -> Result<Vec<RequestOutput>, RuntimeError> {
         let started = Instant::now();
+        self.host_phases.start();
         let next = self.plan_next()?;
+        self.host_phases.lap(Part::Plan);
         let queue_first = self.backend.pipelines() && self.in_flight.as_ref().is_none_or(|f| f.drawn_on_device);
         if let (Some(n), true) = (&next, queue_first) {
             self.backend.run(&n.batch)?;
         }
+        self.host_phases.lap(Part::Queue);
         let steady = next.is_some() && self.in_flight.is_some();
         if steady {
             self.pipelined_steps += 1;
@@ -91,6 +95,7 @@ impl EngineCore {
             None => (Vec::new(), HashMap::new()),
         };
         let Some(mut next) = next else {
+            self.host_phases.end(0);
             return Ok(outputs);
         };
         let planned = next.sampling.len();
@@ -107,11 +112,14 @@ impl EngineCore {
             }
         }
         let grammar = self.forward_with_masks(&next.batch, &standing, !queue_first)?;
+        self.host_phases.lap(Part::Masks);
         // A step in the pipeline's stride (one before it in flight) takes what the pipeline
         // gives a step: decoding steps only, as `StepCost` is fitted in `step`.
         let stride = steady && !self.backend.last_run_warmed_up();
         let decoding = planned > 0 && next.batch.token_ids.len() <= 2 * planned;
         self.launch_draws(standing, grammar)?;
+        self.host_phases.lap(Part::Draws);
+        self.host_phases.end(planned);
         if stride && decoding {
             self.pipelined_cost.record(planned, started.elapsed().as_secs_f64());
         }
@@ -190,6 +198,7 @@ impl EngineCore {
             Some(s) => s,
             None => self.backend.collect()?,
         };
+        self.host_phases.lap(Part::Wait);
         self.steps += 1;
         let words = bitmask_words(self.tokenizer.vocab_size());
         let mut outputs = Vec::new();
@@ -209,6 +218,7 @@ impl EngineCore {
             self.scheduler.resolve(id, token, redo);
             outputs.extend(self.commit(id, run));
         }
+        self.host_phases.lap(Part::Commit);
         Ok((outputs, tokens))
     }
 }
