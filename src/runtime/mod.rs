@@ -350,6 +350,7 @@ pub struct LoadOptions {
     pub cpu: cpu::CpuOptions,
     pub gpu_memory_utilization: Option<f32>,
     pub max_num_batched_tokens: usize,
+    /// The scheduler's: a pass may hold twice as many sequences, a contrast twin beside each.
     pub max_num_seqs: usize,
     /// The GPU runs every step eagerly, without CUDA graphs (vLLM's --enforce-eager).
     pub enforce_eager: bool,
@@ -397,7 +398,9 @@ pub fn load(device: DeviceChoice, model: &Path, options: LoadOptions) -> Result<
                 kv_cache_bytes: options.kv_cache_bytes,
                 gpu_memory_utilization: options.gpu_memory_utilization.unwrap_or(0.9),
                 max_num_batched_tokens: options.max_num_batched_tokens.max(1),
-                max_num_seqs: options.max_num_seqs.max(1),
+                // Sized for every request contrasting (extraction's default), so that such
+                // passes replay graphs and never grow the buffers (which forgets every graph).
+                max_num_seqs: 2 * options.max_num_seqs.max(1),
                 graphs: !options.enforce_eager,
                 batch_invariant: options.batch_invariant,
             };

@@ -54,6 +54,7 @@ pub struct CudaOptions {
     /// The largest batch the engine will send: activation buffers are taken for it at load,
     /// before the KV cache is sized.
     pub max_num_batched_tokens: usize,
+    /// Sequences a pass may hold: its graphs go up to this many, its logits are taken for them.
     pub max_num_seqs: usize,
     /// Replay regular steps from CUDA graphs (graphs.rs); off: `--enforce-eager`.
     pub graphs: bool,
