@@ -2,10 +2,10 @@
 //! jump-forward's known tokens. Such a step is padded to a shape: its sequences up a ladder of
 //! counts, each sequence's tokens to the step's most, its contexts up powers of two of attention
 //! partitions and its rows of logits to one a sequence or all, so that a few shapes cover every
-//! step. Each shape's forward is captured (a decode step's at once, any other's once its shape
-//! recurs, its first steps eager) and replayed with its metadata copied to one fixed device
-//! buffer, which is what makes a replay valid: a graph's kernels keep the addresses, grids and
-//! sizes of their capture.
+//! step. Each shape's forward is captured (a check's once its shape recurs, its first steps
+//! eager; any other's at once, but one with known tokens on a model that keeps the device
+//! busier than the host once it recurs too) and replayed with its metadata copied to one fixed device buffer, which is what makes
+//! a replay valid: a graph's kernels keep the addresses, grids and sizes of their capture.
 //!
 //! A sequence's padding goes before its tokens, at position 0, so that its real rows stay last
 //! and keep their keys (the attention kernel reads an item's keys up to its last row's
@@ -53,16 +53,18 @@ pub fn free_padding(macs_per_token: usize) -> usize {
 /// past this run eagerly.
 const MAX_GRAPHS: usize = 1024;
 
-/// Steps of a shape not captured yet that run eagerly before it is captured, unless it is a
-/// decode step's. A capture takes what a dozen eager steps of a small model take (10-25 ms for
-/// SmolLM2 on an H200, 3-4 ms for an 8B one, whose eager steps cost what replays do). A check's
-/// shape follows how many drafts each of its requests got that step, and a step with known
-/// tokens (jump-forward's forced text, twins joining) the longest run of them: most such shapes
-/// are met a few times. 71-122 check shapes were captured during a benchmark of SmolLM2's
-/// speculative extraction at batch 32, 0.7-1.0 s in all, against runs of about 3 s; 25 known-token
-/// shapes during a 6.8 s pass of the 8B shape's extraction, 93 ms. Decode steps follow the
-/// batch's sequences alone and recur: theirs are captured at once (delayed too, plain decoding
-/// lost 3-4%).
+/// Steps of a check's shape not captured yet that run eagerly before it is captured. A capture
+/// takes what a dozen eager steps of a small model take (10-25 ms for SmolLM2 on an H200), and
+/// a check's shape follows how many drafts each of its requests got that step, so most are met
+/// a few times: 71-122 shapes were captured during a benchmark of SmolLM2's speculative
+/// extraction at batch 32, 0.7-1.0 s in all, against runs of about 3 s. Steps of one logits
+/// row a sequence (decode, known tokens) follow the batch's sequences and the grammar's forced
+/// text, and recur: theirs are captured at once (delayed too, SmolLM2's plain decoding lost
+/// 3-4%), except a step's with known tokens on a model whose steps keep the device busier than
+/// the host (`Graphs::device_bound`): a replay there saves nothing the pipelined host does not
+/// already hide, a capture costs 3-4 ms, and such a shape follows the longest run of known
+/// tokens: 25 were captured during one 6.8 s pass of the 8B shape's extraction at 256
+/// requests, most met once or twice. It waits as a check's does.
 const EAGER_BEFORE_CAPTURE: u32 = 2;
 
 /// How often each shape has been met while not captured.
@@ -70,11 +72,13 @@ const EAGER_BEFORE_CAPTURE: u32 = 2;
 struct Sightings(HashMap<Shape, u32>);
 
 impl Sightings {
-    /// Counts a step of `shape`; whether the shape is now worth capturing: a decode step's at
-    /// once, any other once it recurs. Counts are kept after the capture, so that a shape whose
-    /// graph is forgotten is captured again at once.
-    fn due(&mut self, shape: Shape) -> bool {
-        if shape.per_seq == 1 {
+    /// Counts a step of `shape`; whether the shape is now worth capturing: a check's once it
+    /// recurs; a step's of one row a sequence at once, but one with known tokens on a model
+    /// whose steps keep the device busier than the host (`device_bound`) once it recurs. Counts
+    /// are kept after the capture, so that a shape whose graph is forgotten is captured again
+    /// at once.
+    fn due(&mut self, shape: Shape, device_bound: bool) -> bool {
+        if shape.rows == shape.seqs && (shape.per_seq == 1 || !device_bound) {
             return true;
         }
         let seen = self.0.entry(shape).or_insert(0);
@@ -277,12 +281,19 @@ impl Graphs {
         self.awaited_last = false;
         let shape =
             shape_of(batch, &self.ladder, self.max_parts, self.free_padding, split).filter(|&s| !self.refused(s))?;
-        if self.ready(shape) || self.sightings.due(shape) {
+        if self.ready(shape) || self.sightings.due(shape, self.device_bound()) {
             return Some(shape);
         }
         self.eager_before_capture += 1;
         self.awaited_last = true;
         None
+    }
+
+    /// Whether this model's steps keep the device busier than the host: padding a step by a
+    /// few dozen tokens is not free (`free_padding`), as for an 8B model, whose steps of many
+    /// sequences are GPU-bound; a small one's (SmolLM2: hundreds of tokens) are host-bound.
+    fn device_bound(&self) -> bool {
+        self.free_padding < FREE_PADDING
     }
 
     /// Whether the last step asked of `shape_for` ran eagerly while its shape waits to be
@@ -390,7 +401,7 @@ mod tests {
     }
 
     #[test]
-    fn a_decode_shape_is_captured_at_once_and_others_once_they_recur() {
+    fn a_checks_shape_is_captured_once_it_recurs_and_known_tokens_where_the_host_is_slower() {
         let shape = |per_seq, rows| Shape {
             seqs: 8,
             per_seq,
@@ -400,17 +411,30 @@ mod tests {
         };
         let check = |per_seq| shape(per_seq, 8 * per_seq);
         let mut seen = Sightings::default();
-        for _ in 0..EAGER_BEFORE_CAPTURE {
-            assert!(!seen.due(check(3)), "met too rarely yet");
+        for device_bound in [false, true] {
+            let mut seen = Sightings::default();
+            for _ in 0..EAGER_BEFORE_CAPTURE {
+                assert!(!seen.due(check(3), device_bound), "met too rarely yet");
+            }
+            assert!(!seen.due(check(4), device_bound), "each shape counts apart");
+            assert!(seen.due(check(3), device_bound));
+            assert!(
+                seen.due(check(3), device_bound),
+                "and stays due, should its graph be forgotten"
+            );
+            assert!(seen.due(shape(1, 8), device_bound), "decode");
         }
-        assert!(!seen.due(check(4)), "each shape counts apart");
-        assert!(seen.due(check(3)));
-        assert!(seen.due(check(3)), "and stays due, should its graph be forgotten");
-        assert!(seen.due(shape(1, 8)), "decode");
+        assert!(
+            seen.due(shape(5, 8), false),
+            "known tokens where the host is the slower"
+        );
         for _ in 0..EAGER_BEFORE_CAPTURE {
-            assert!(!seen.due(shape(5, 8)), "known tokens, one row a sequence: not yet");
+            assert!(!seen.due(shape(5, 8), true), "known tokens on a busy device: not yet");
         }
-        assert!(seen.due(shape(5, 8)), "known tokens, once they recur");
+        assert!(
+            seen.due(shape(5, 8), true),
+            "known tokens on a busy device, once they recur"
+        );
     }
 
     #[test]
@@ -499,7 +523,7 @@ mod tests {
     }
 
     #[test]
-    fn a_small_model_pads_hundreds_of_tokens_and_an_8b_one_a_few() {
+    fn a_small_model_pads_hundreds_of_tokens_and_an_8b_one_a_few_and_is_device_bound() {
         use crate::runtime::config::ModelConfig;
         let llama = ModelConfig::preset("llama-3.1-8b").expect("a preset");
         // Llama-3.1-8B's 8.03 billion parameters less its 525 million-entry embedding table,
@@ -516,6 +540,9 @@ mod tests {
         )
         .expect("SmolLM2's config");
         assert!((300..450).contains(&free_padding(smol.macs_per_token())));
+        // So the 8B model's steps count as device-bound (`Graphs::device_bound`), SmolLM2's not.
+        assert!(free_padding(macs) < FREE_PADDING);
+        assert!(free_padding(smol.macs_per_token()) >= FREE_PADDING);
     }
 
     #[test]
