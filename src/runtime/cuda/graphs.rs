@@ -4,8 +4,9 @@
 //! partitions and its rows of logits to one a sequence or all, so that a few shapes cover every
 //! step. Each shape's forward is captured (a check's once its shape recurs, its first steps
 //! eager; any other's at once, but one with known tokens on a model that keeps the device
-//! busier than the host once it recurs too) and replayed with its metadata copied to one fixed device buffer, which is what makes
-//! a replay valid: a graph's kernels keep the addresses, grids and sizes of their capture.
+//! busier than the host once it recurs too) and replayed with its metadata copied to one fixed
+//! device buffer, which is what makes a replay valid: a graph's kernels keep the addresses,
+//! grids and sizes of their capture.
 //!
 //! A sequence's padding goes before its tokens, at position 0, so that its real rows stay last
 //! and keep their keys (the attention kernel reads an item's keys up to its last row's
@@ -410,7 +411,6 @@ mod tests {
             split: false,
         };
         let check = |per_seq| shape(per_seq, 8 * per_seq);
-        let mut seen = Sightings::default();
         for device_bound in [false, true] {
             let mut seen = Sightings::default();
             for _ in 0..EAGER_BEFORE_CAPTURE {
@@ -424,6 +424,7 @@ mod tests {
             );
             assert!(seen.due(shape(1, 8), device_bound), "decode");
         }
+        let mut seen = Sightings::default();
         assert!(
             seen.due(shape(5, 8), false),
             "known tokens where the host is the slower"
