@@ -1,0 +1,47 @@
+// Every kernel a process runs, as the GPU ran it: CUPTI's concurrent-kernel records (start and
+// end on the GPU's clock, grid, graph node), written one line each to $KERNEL_TRACE_OUT at exit.
+// Loaded into any CUDA program by CUDA_INJECTION64_PATH, so a captured graph's nodes are timed
+// with their overlapped launches intact, which events between kernels and ncu's serialized
+// replays do not give (scripts/flash-bench/step-trace builds it and reads the lines).
+#include <cupti.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#ifndef KERNEL_RECORD
+#define KERNEL_RECORD CUpti_ActivityKernel9
+#endif
+
+static FILE* out;
+
+static void CUPTIAPI give_buffer(uint8_t** buffer, size_t* size, size_t* max_records) {
+    *size = (size_t)16 << 20;
+    *buffer = aligned_alloc(8, *size);
+    *max_records = 0;
+}
+
+static void CUPTIAPI take_buffer(CUcontext ctx, uint32_t stream, uint8_t* buffer, size_t size, size_t valid) {
+    (void)ctx; (void)stream; (void)size;
+    CUpti_Activity* record = NULL;
+    while (cuptiActivityGetNextRecord(buffer, valid, &record) == CUPTI_SUCCESS) {
+        if (record->kind != CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL && record->kind != CUPTI_ACTIVITY_KIND_KERNEL) continue;
+        const KERNEL_RECORD* k = (const KERNEL_RECORD*)record;
+        fprintf(out, "%llu %llu %d %d %d %d %llu %s\n", (unsigned long long)k->start, (unsigned long long)k->end,
+                k->gridX, k->gridY, k->gridZ, k->blockX, (unsigned long long)k->graphNodeId, k->name ? k->name : "?");
+    }
+    free(buffer);
+}
+
+static void flush(void) {
+    cuptiActivityFlushAll(1);
+    if (out) fclose(out);
+}
+
+int InitializeInjection(void) {
+    const char* path = getenv("KERNEL_TRACE_OUT");
+    out = fopen(path ? path : "/tmp/kernel-trace.txt", "w");
+    if (!out) return 0;
+    if (cuptiActivityRegisterCallbacks(give_buffer, take_buffer) != CUPTI_SUCCESS) return 0;
+    if (cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) != CUPTI_SUCCESS) return 0;
+    atexit(flush);
+    return 1;
+}
