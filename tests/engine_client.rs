@@ -497,7 +497,12 @@ fn speculation_pipelines_the_steps_its_drafts_would_not_pay_for() {
         d.checks
     );
     assert!(stats.pipelined_steps > 0, "no step was pipelined: {stats:?}");
-    assert!(d.checks > 0, "no step drafted: {stats:?}");
+    // On the CPU a check's rows cost what plain rows do, so whether any step of the batch
+    // drafts turns on the measured timings (on CI's two shared cores one run pipelined 126 of
+    // 131 steps and checked no draft): there only the outputs and the pipelining are asserted.
+    if common::test_device() != quarry::runtime::DeviceChoice::Cpu {
+        assert!(d.checks > 0, "no step drafted: {stats:?}");
+    }
 
     // Alone, extractions copying from their documents draft on the GPU, whose step costs next
     // to the same for 3 rows or 27, in a larger share of their steps than the batch of 32 did,
