@@ -500,7 +500,8 @@ fn speculation_pipelines_the_steps_its_drafts_would_not_pay_for() {
     // On the CPU a check's rows cost what plain rows do, so whether any step of the batch
     // drafts turns on the measured timings (on CI's two shared cores one run pipelined 126 of
     // 131 steps and checked no draft): there only the outputs and the pipelining are asserted.
-    if common::test_device() != quarry::runtime::DeviceChoice::Cpu {
+    let on_gpu = common::test_device() != quarry::runtime::DeviceChoice::Cpu;
+    if on_gpu {
         assert!(d.checks > 0, "no step drafted: {stats:?}");
     }
 
@@ -524,7 +525,7 @@ fn speculation_pipelines_the_steps_its_drafts_would_not_pay_for() {
         unpipelined(steps, pipelined),
         unpipelined(stats.steps, stats.pipelined_steps),
     );
-    if common::test_device() != quarry::runtime::DeviceChoice::Cpu {
+    if on_gpu {
         assert!(
             alone > batch && kept > 0,
             "alone {alone:.2} against {batch:.2}: {after:?}"

@@ -88,23 +88,19 @@ __device__ __forceinline__ Tile tile_of(int g) {
     return r;
 }
 
-// The weight row behind row `row` (0..15) of a tile, and that row's length.
-__device__ __forceinline__ const bf16* tile_row(const bf16* w, Tile t, int row, int* k) {
-    if (t.op == HEAD) {
-        *k = D;
-        return w + LAYERS * LAYER_ELEMS + (size_t)min(t.t * COLS + row, VOCAB - 1) * D;
-    }
+// The weight row behind row `row` (0..15) of a tile.
+__device__ __forceinline__ const bf16* tile_row(const bf16* w, Tile t, int row) {
+    if (t.op == HEAD) return w + LAYERS * LAYER_ELEMS + (size_t)min(t.t * COLS + row, VOCAB - 1) * D;
     const bf16* l = w + t.layer * LAYER_ELEMS;
     switch (t.op) {
-    case QKV: *k = D; return l + (size_t)(t.t * COLS + row) * D;
-    case O: *k = D; return l + (size_t)QKV_N * D + (size_t)(t.t * COLS + row) * D;
+    case QKV: return l + (size_t)(t.t * COLS + row) * D;
+    case O: return l + (size_t)QKV_N * D + (size_t)(t.t * COLS + row) * D;
     case GU: {
         // gate rows 8t..8t+7 then the same columns' up rows, so a tile can finish SiLU x up.
         int r = row < 8 ? t.t * 8 + row : INTER + t.t * 8 + row - 8;
-        *k = D;
         return l + (size_t)(QKV_N + D) * D + (size_t)r * D;
     }
-    default: *k = INTER; return l + (size_t)(QKV_N + D + 2 * INTER) * D + (size_t)(t.t * COLS + row) * INTER;
+    default: return l + (size_t)(QKV_N + D + 2 * INTER) * D + (size_t)(t.t * COLS + row) * INTER;
     }
 }
 
@@ -253,8 +249,8 @@ __global__ void __launch_bounds__(THREADS, 1) mega_step(Params p) {
             Tile t = tile_of(pg);
             unsigned char* dst = ring + (size_t)stage * CHUNK_BYTES;
             for (int piece = threadIdx.x; piece < CHUNK_BYTES / 16; piece += THREADS) {
-                int row = piece >> 7, off = piece & 127, k;
-                const bf16* src = tile_row(p.w, t, row, &k) + pc * CHUNK_K + off * 8;
+                int row = piece >> 7, off = piece & 127;
+                const bf16* src = tile_row(p.w, t, row) + pc * CHUNK_K + off * 8;
                 cp_async16(dst + row * (CHUNK_K * 2) + off * 16, src);
             }
             if (++pc == t.chunks) { pc = 0; pg += G; }
@@ -365,7 +361,7 @@ static float median(std::vector<float> v) { std::sort(v.begin(), v.end()); retur
 struct Run { float ms; float phase_us[5]; unsigned error; };
 
 template <int S>
-static Run run(Params p, int sms, size_t ncounters) {
+static Run run(Params p, int sms) {
     size_t smem = (size_t)S * CHUNK_BYTES + D * 4 + INTER * 2 + 1024 * 4 + 32 * 4;
     CK(cudaFuncSetAttribute(mega_step<S>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     int per = 0;
@@ -378,7 +374,7 @@ static Run run(Params p, int sms, size_t ncounters) {
     int phases = 0;
     void* args[] = {&p};
     for (int r = 0; r < 12; r++) {
-        CK(cudaMemset(p.counters, 0, ncounters * 4));
+        CK(cudaMemset(p.counters, 0, LAYERS * 5 * 4));
         CK(cudaMemset(p.stamps, 0, LAYERS * 5 * 8));
         cudaEventRecord(a);
         CK(cudaLaunchCooperativeKernel((void*)mega_step<S>, sms, THREADS, args, smem, 0));
@@ -441,7 +437,7 @@ int main(int argc, char** argv) {
     struct V { int stages, wait; long long pad; } vs[] = {{3, 0, 0}, {5, 0, 0}, {3, 1, 0}, {4, 1, 0}, {5, 1, 0}, {5, 1, 6000}, {5, 1, 9000}, {4, 1, 6000}};
     for (auto v : vs) {
         p.wait = v.wait; p.pad_ns = v.pad;
-        Run r = v.stages == 3 ? run<3>(p, sms, LAYERS * 5) : v.stages == 4 ? run<4>(p, sms, LAYERS * 5) : run<5>(p, sms, LAYERS * 5);
+        Run r = v.stages == 3 ? run<3>(p, sms) : v.stages == 4 ? run<4>(p, sms) : run<5>(p, sms);
         printf("stages %d, %-17s attention at least %4.1f us: %.3f ms a step, %.3fx the roofline", v.stages,
                v.wait ? "waits," : "no waits (stream),", v.pad / 1e3, r.ms, r.ms / roof);
         if (v.wait) printf("; a layer from what each follows: q|k|v %.1f us, attention %.1f, o %.1f, gate|up %.1f, down %.1f",
