@@ -220,8 +220,25 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
     int z_begin = split ? (int)blockIdx.z : 0;
     int z_end = split ? z_begin + 1 : fa_part_of(last) + 1;
     if (fa_part_start(z_begin) > last) return;
-    // Only now wait for the kernel before (the items and positions are uploads, which no
-    // kernel writes): a split grid is as deep as the longest context, and under programmatic
+    u32 kv_size = (u32)num_kv_heads * D;
+    const u32* table = block_tables + (size_t)seq * max_blocks;
+    int first_key = fa_part_start(z_begin);
+    int end_key = min(fa_part_start(z_end), last + 1);
+    int tiles = (end_key - first_key + FA_KEYS - 1) / FA_KEYS;
+    // A tile's KV blocks are read from the table a tile ahead of its copy, so the copy never
+    // waits on that read.
+    auto blocks_of = [&](int k0) { return *reinterpret_cast<const uint4*>(table + k0 / FA_BLOCK); };
+    // Keys before the sequence's first position in this step were written by earlier steps,
+    // which are done once this kernel runs: the kernel before it (the one writing this step's
+    // keys and the queries) started only after everything before it had ended. Such a first
+    // tile is copied before the wait, so its read overlaps that kernel's end.
+    auto load_first = [&]() {
+        load_tile<D>(stages, stages + TILE, k_cache, v_cache, blocks_of(first_key), kv_size, kv_head, first_key, last);
+    };
+    bool early = first_key + FA_KEYS <= (int)positions[token0];
+    if (early) load_first();
+    // Only now wait for the kernel before (the items, positions and tables are uploads, which
+    // no kernel writes): a split grid is as deep as the longest context, and under programmatic
     // launch every one of a short row's empty partitions would otherwise sit out that kernel's
     // end holding an SM slot and its shared memory (64 decoders beside one 8k document: 16
     // partitions a row, 14 of them empty).
@@ -262,12 +279,6 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
         }
     }
 
-    u32 kv_size = (u32)num_kv_heads * D;
-    const u32* table = block_tables + (size_t)seq * max_blocks;
-    int first_key = fa_part_start(z_begin);
-    int end_key = min(fa_part_start(z_end), last + 1);
-    int tiles = (end_key - first_key + FA_KEYS - 1) / FA_KEYS;
-
     float M[2] = {NEG_INF, NEG_INF}, L[2] = {0.0f, 0.0f};  // the total of partitions folded so far
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};  // the current partition's
     float acc[NT][4];
@@ -277,10 +288,7 @@ __device__ __forceinline__ void flash_attention(const bf16* __restrict__ q, bf16
         for (int e = 0; e < 4; e++) acc[j][e] = 0.0f;
     float* run = running + (size_t)warp * 16 * RUN_STRIDE;
 
-    // A tile's KV blocks are read from the table a tile ahead of its copy, so the copy never
-    // waits on that read.
-    auto blocks_of = [&](int k0) { return *reinterpret_cast<const uint4*>(table + k0 / FA_BLOCK); };
-    load_tile<D>(stages, stages + TILE, k_cache, v_cache, blocks_of(first_key), kv_size, kv_head, first_key, last);
+    if (!early) load_first();
     cp_async_commit();
     uint4 upcoming = tiles > 1 ? blocks_of(first_key + FA_KEYS) : make_uint4(0, 0, 0, 0);
     for (int i = 0; i < tiles; i++) {
@@ -496,13 +504,15 @@ FLASH_ENTRY(128)
 extern "C" __global__ void flash_merge(const float* __restrict__ partials, const u32* __restrict__ positions,
                                        const u32* __restrict__ part_bases, bf16* __restrict__ out, int num_heads,
                                        int head_dim) {
-    after_previous_kernel();
     int tok = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
-    if (d >= head_dim) return;
+    // Positions and bases are uploads, which no kernel writes: read before the wait, they leave
+    // the records' reads the only round trip after it.
     int parts = fa_part_of((int)positions[tok]) + 1;
     // Partition p's record of this head: part_bases[tok] + p in the step's numbering.
     const size_t stride = (size_t)num_heads * (head_dim + 2);
     const float* recs = partials + ((size_t)part_bases[tok] * num_heads + head) * (head_dim + 2);
+    after_previous_kernel();
+    if (d >= head_dim) return;
     float M = NEG_INF, L = 0.0f, A = 0.0f;
     for (int p0 = 0; p0 < parts; p0 += MERGE_AHEAD) {
         float m[MERGE_AHEAD], l[MERGE_AHEAD], a[MERGE_AHEAD];

@@ -228,25 +228,47 @@ extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, GEMV_MMA_M
         ca = (heads + kv_heads) * head_dim + 2 * (p - rotated);
         cb = ca + 1;
     }
+    int q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+    // What the sums are finished with (the bias, the rotation's angles, the slots: weights,
+    // tables and uploads, which no kernel writes) is read before the product, by the warp that
+    // finishes them, so that the blocks of the last wave end without two more round trips
+    // (position, then angle) after their last mma.
+    float bias_a = 0.0f, bias_b = 0.0f, cos_r[2] = {1.0f, 1.0f}, sin_r[2] = {0.0f, 0.0f};
+    size_t slot_r[2] = {0, 0};
+    if (threadIdx.x < 32 && real) {
+        if (bias) {
+            bias_a = bias[ca];
+            bias_b = bias[cb];
+        }
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            int row = 2 * t + e;
+            if (row >= rows) continue;
+            slot_r[e] = (size_t)slots[row] * kv_size;
+            if (p < rotated) {
+                size_t at = (size_t)positions[row] * half + j;
+                cos_r[e] = cos_t[at];
+                sin_r[e] = sin_t[at];
+            }
+        }
+    }
     float s[4];
     if (!gemv_mma_pair(x, w + (size_t)ca * k, w + (size_t)cb * k, rows, k, s)) return;
     if (!real) return;
-    int q_size = heads * head_dim, kv_size = kv_heads * head_dim;
 #pragma unroll
     for (int e = 0; e < 2; e++) {
         int row = 2 * t + e;
         if (row >= rows) continue;
         float x0 = s[e], x1 = s[2 + e];
         if (bias) {
-            x0 += bias[ca];
-            x1 += bias[cb];
+            x0 += bias_a;
+            x1 += bias_b;
         }
-        size_t slot = (size_t)slots[row] * kv_size;
+        size_t slot = slot_r[e];
         if (p < rotated) {
-            size_t at = (size_t)positions[row] * half + j;
             bf16* dst = h < heads ? q_out + (size_t)row * q_size + h * head_dim
                                   : k_cache + slot + (h - heads) * head_dim;
-            rotate_pair(x0, x1, cos_t[at], sin_t[at], dst + a, dst + b);
+            rotate_pair(x0, x1, cos_r[e], sin_r[e], dst + a, dst + b);
         } else {
             bf16* dst = v_cache + slot + (ca - (heads + kv_heads) * head_dim);
             dst[0] = f32_to_bf16(x0);

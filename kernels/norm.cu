@@ -7,23 +7,43 @@
 // the scaled write (at most NORM_PIECES a thread: rows up to 16,384 wide in a block of 1,024);
 // a wider row, or one of a width not a multiple of 4, is read twice, a value at a time. Either
 // way a row's sum runs in an order set by its width and the block alone, never by the batch.
+// The host launches blocks of 1,024 threads (ROW_THREADS): the bound keeps a thread's registers
+// within what such a block may take.
 #define NORM_PIECES 4
-extern "C" __global__ void add_rms_norm(float* x, const float* y, const u32* rows, int write_back,
-                                        const float* weight, bf16* out, int d, float eps) {
-    after_previous_kernel();
+extern "C" __global__ void __launch_bounds__(1024)
+    add_rms_norm(float* x, const float* y, const u32* rows, int write_back, const float* weight, bf16* out, int d,
+                 float eps) {
+    int pieces = d >> 2;
+    bool fast = (d & 3) == 0 && pieces <= NORM_PIECES * (int)blockDim.x;
+    // Rows to read (uploads), the weight, and the stream where a branch is added (its last
+    // writer, the norm before, ran two or more kernels back: only norms write x, and a product
+    // lies between any two) are no output of the kernel just before. They are asked for before
+    // the wait for it, so that neither x (gone from L2 after a layer's weights) nor the weight
+    // is a round trip from memory on the step's critical path; only the branch (y, that
+    // kernel's output) is read after it. Without a branch, x is the embedding's output, just
+    // written, and waits like y.
     size_t in_row = rows ? rows[blockIdx.x] : blockIdx.x;
     float* xr = x + in_row * d;
     const float* yr = y ? y + in_row * d : 0;
     bf16* o = out + (size_t)blockIdx.x * d;
-    float ss = 0.0f;
-    int pieces = d >> 2;
-    if ((d & 3) == 0 && pieces <= NORM_PIECES * (int)blockDim.x) {
-        float4 v[NORM_PIECES];
+    float4 v[NORM_PIECES], w[NORM_PIECES];
+    if (fast) {
 #pragma unroll
         for (int j = 0; j < NORM_PIECES; j++) {
             int c = threadIdx.x + j * blockDim.x;
             if (c >= pieces) continue;
-            float4 a = reinterpret_cast<const float4*>(xr)[c];
+            w[j] = reinterpret_cast<const float4*>(weight)[c];
+            if (yr) v[j] = reinterpret_cast<const float4*>(xr)[c];
+        }
+    }
+    after_previous_kernel();
+    float ss = 0.0f;
+    if (fast) {
+#pragma unroll
+        for (int j = 0; j < NORM_PIECES; j++) {
+            int c = threadIdx.x + j * blockDim.x;
+            if (c >= pieces) continue;
+            float4 a = yr ? v[j] : reinterpret_cast<const float4*>(xr)[c];
             if (yr) {
                 float4 b = reinterpret_cast<const float4*>(yr)[c];
                 a.x += b.x;
@@ -43,10 +63,9 @@ extern "C" __global__ void add_rms_norm(float* x, const float* y, const u32* row
         for (int j = 0; j < NORM_PIECES; j++) {
             int c = threadIdx.x + j * blockDim.x;
             if (c >= pieces) continue;
-            float4 w = reinterpret_cast<const float4*>(weight)[c];
             uint2 packed;
-            packed.x = (u32)f32_to_bf16(v[j].x * scale * w.x) | ((u32)f32_to_bf16(v[j].y * scale * w.y) << 16);
-            packed.y = (u32)f32_to_bf16(v[j].z * scale * w.z) | ((u32)f32_to_bf16(v[j].w * scale * w.w) << 16);
+            packed.x = (u32)f32_to_bf16(v[j].x * scale * w[j].x) | ((u32)f32_to_bf16(v[j].y * scale * w[j].y) << 16);
+            packed.y = (u32)f32_to_bf16(v[j].z * scale * w[j].z) | ((u32)f32_to_bf16(v[j].w * scale * w[j].w) << 16);
             reinterpret_cast<uint2*>(o)[c] = packed;
         }
         return;

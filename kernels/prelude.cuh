@@ -9,9 +9,12 @@ typedef unsigned long long u64;
 // Programmatic dependent launch (sm_90 on; src/runtime/cuda/launcher.rs): a kernel may be started
 // while the one before it in the stream is still running, so that its launch and the reads that
 // depend on no earlier kernel (weights) overlap that kernel's end. Every kernel calls this before
-// it touches memory an earlier kernel writes or reads (activations, the KV cache, logits,
-// scratch): it waits for the earlier kernels to finish and their writes to be visible, then lets
-// the next kernel start. Launched without the attribute, or before sm_90, it costs nothing.
+// it reads what the kernel just before it writes, or writes what that kernel reads or writes
+// (activations, this step's KV slots, logits, scratch): it waits for that kernel to finish and
+// its writes to be visible, then lets the next kernel start. What only kernels further back
+// wrote may be read before it: a kernel starts once the one before has passed this call, so
+// everything before that one has finished. Launched without the attribute, or before sm_90, it
+// costs nothing.
 __device__ __forceinline__ void after_previous_kernel() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -129,7 +129,17 @@ extern "C" __global__ void chosen_values(const float* logits, int vocab, const u
 }
 
 // Greedy: the index of each listed row's largest logit, the lowest index among equals (as the
-// CPU sampler's argmax). Block b takes row rows[b] and writes out[rows[b]].
+// CPU sampler's argmax). Block b takes row rows[b] and writes out[rows[b]]. At batch 1 this one
+// block reading a 128k-entry row sits between the head and the next step: a row whose width is a
+// multiple of 4 is read in 16-byte pieces, four a thread in flight, each thread's indices
+// rising so that its first best is its lowest.
+__device__ __forceinline__ void argmax_take(float4 q, int at, float& v, int& idx) {
+    if (q.x > v) { v = q.x; idx = at; }
+    if (q.y > v) { v = q.y; idx = at + 1; }
+    if (q.z > v) { v = q.z; idx = at + 2; }
+    if (q.w > v) { v = q.w; idx = at + 3; }
+}
+
 extern "C" __global__ void argmax(const float* logits, const u32* rows, int vocab, u32* out) {
     after_previous_kernel();
     __shared__ float best_v[32];
@@ -138,9 +148,22 @@ extern "C" __global__ void argmax(const float* logits, const u32* rows, int voca
     const float* row = logits + (size_t)r * vocab;
     float v = NEG_INF;
     int idx = 0x7fffffff;
-    for (int t = threadIdx.x; t < vocab; t += blockDim.x) {
-        float x = row[t];
-        if (x > v) { v = x; idx = t; }
+    if ((vocab & 3) == 0) {
+        const float4* row4 = reinterpret_cast<const float4*>(row);
+        int n4 = vocab >> 2, step = blockDim.x, c = threadIdx.x;
+        for (; c + 3 * step < n4; c += 4 * step) {
+            float4 q[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) q[u] = row4[c + u * step];
+#pragma unroll
+            for (int u = 0; u < 4; u++) argmax_take(q[u], 4 * (c + u * step), v, idx);
+        }
+        for (; c < n4; c += step) argmax_take(row4[c], 4 * c, v, idx);
+    } else {
+        for (int t = threadIdx.x; t < vocab; t += blockDim.x) {
+            float x = row[t];
+            if (x > v) { v = x; idx = t; }
+        }
     }
     for (int o = 16; o > 0; o >>= 1) {
         float ov = __shfl_xor_sync(0xffffffffu, v, o);
