@@ -511,7 +511,9 @@ extern "C" __global__ void flash_merge(const float* __restrict__ partials, const
     // Partition p's record of this head: part_bases[tok] + p in the step's numbering.
     const size_t stride = (size_t)num_heads * (head_dim + 2);
     const float* recs = partials + ((size_t)part_bases[tok] * num_heads + head) * (head_dim + 2);
-    after_previous_kernel();
+    // The o projection follows: its blocks start now and read their first weights while
+    // attention and this merge run (H200: the step's span 0.9% shorter, "Reads before the wait").
+    let_next_start_then_wait();
     if (d >= head_dim) return;
     float M = NEG_INF, L = 0.0f, A = 0.0f;
     for (int p0 = 0; p0 < parts; p0 += MERGE_AHEAD) {

@@ -22,6 +22,17 @@ __device__ __forceinline__ void after_previous_kernel() {
 #endif
 }
 
+// The same, but the next kernel may start before this one waits: for a short kernel whose
+// successor reads nothing before its own wait but weights (flash_merge, then the o projection,
+// whose first weights are then read while attention runs). That successor is the one kernel
+// started before the kernels two back have finished, so it must not use the rule above.
+__device__ __forceinline__ void let_next_start_then_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float bf16_to_f32(bf16 h) {
     return __uint_as_float(((u32)h) << 16);
 }
