@@ -511,7 +511,10 @@ fn speculation_pipelines_the_steps_its_drafts_would_not_pay_for() {
     // drafting gains most. (The shares move with the measured timings: on an H200, 0.20-0.54
     // of the steps alone against 0.11-0.13 in the batch, over ten runs.) On the CPU a check of 27 rows costs several plain steps, and whether
     // drafting pays turns on the machine's measured timings (CI's two shared cores once chose
-    // to pipeline all 245), so there the counts are only printed.
+    // to pipeline all 245), so there the counts are only printed. So too on a batch-invariant
+    // GPU, whose products sum every row in one order at a cost per row of their own, which the
+    // policy measures like any other (an H100 pipelined 226 of 247 steps of the three alone,
+    // with one check, where the plain backend in the same run checked in 27 of 125).
     let copying: Vec<Job> = jobs.iter().filter(|j| j.schema.is_some()).take(3).cloned().collect();
     let (out, _, done) = run(done, &copying, &structured, false);
     let after = done.stats();
@@ -525,7 +528,7 @@ fn speculation_pipelines_the_steps_its_drafts_would_not_pay_for() {
         unpipelined(steps, pipelined),
         unpipelined(stats.steps, stats.pipelined_steps),
     );
-    if on_gpu {
+    if on_gpu && !common::batch_invariant_asked() {
         assert!(
             alone > batch && kept > 0,
             "alone {alone:.2} against {batch:.2}: {after:?}"
