@@ -21,23 +21,26 @@ pub(super) enum Part {
     Commit,
     /// The next step's masks (filled on the pool) and the queued pass's host side.
     Masks,
-    /// Queueing the next step's draws.
+    /// What each row's draw asks for (its penalties, its twin), built on the engine thread.
+    Asks,
+    /// Queueing the next step's draws (the backend's staging and launches).
     Draws,
 }
 
-const PARTS: [(&str, Part); 6] = [
+const PARTS: [(&str, Part); 7] = [
     ("plan", Part::Plan),
     ("queue pass", Part::Queue),
     ("wait for draws", Part::Wait),
     ("commit", Part::Commit),
     ("masks", Part::Masks),
+    ("draws' asks", Part::Asks),
     ("queue draws", Part::Draws),
 ];
 
 #[derive(Default)]
 pub(super) struct HostPhases {
     on: bool,
-    totals: [Duration; 6],
+    totals: [Duration; 7],
     rows: usize,
     steps: u32,
     mark: Option<Instant>,

@@ -170,6 +170,7 @@ impl EngineCore {
         for (back, wanted) in asks.logits_back.iter_mut().zip(&wanted) {
             *back &= *wanted;
         }
+        self.host_phases.lap(Part::Asks);
         let drawn_on_device = sampling.iter().all(|v| asks.draws[v.first_row].is_some());
         let sampled = match self.backend.pipelines() {
             true => {
