@@ -40,7 +40,7 @@ const PARTS: [(&str, Part); 7] = [
 #[derive(Default)]
 pub(super) struct HostPhases {
     on: bool,
-    totals: [Duration; 7],
+    totals: [Duration; PARTS.len()],
     rows: usize,
     steps: u32,
     mark: Option<Instant>,
