@@ -129,8 +129,13 @@ pub fn ladder(max: usize) -> Vec<usize> {
 /// Where a step has few tokens per sequence, the shape that covers it: its sequences padded up
 /// `ladder`, its tokens per sequence to the most any has, its longest context up powers of two
 /// of partitions (at most `max_parts`), its rows to one a sequence or all; `split` decides its
-/// attention's split. None where padding would add more work than the replay saves: more than
-/// the step's own tokens, past the free ones, and more than `free_padding` tokens.
+/// attention's split. None where padding would add more work than the replay saves: past the
+/// free ones, more than `free_padding` tokens and, on a model whose launches outlast its
+/// products (`free_padding` of `FREE_PADDING` or more), more than the step's own tokens. On
+/// one whose steps keep the device busy, a replay saves nothing the pipelined host does not
+/// hide, and doubling a step's tokens is dearer: 512 sequences of the 8B shape, a few with
+/// jump-forward's known tokens, took 32-35 ms a step padded to two tokens each, 26-30 eagerly,
+/// against 22-24 for a decode step of as many sequences (one H100 lease, `scripts/step-shapes.py`).
 pub fn shape_of(
     batch: &ForwardBatch,
     ladder: &[usize],
@@ -152,7 +157,13 @@ pub fn shape_of(
     // padding is for steps of one row a sequence (known tokens beside decode tokens).
     let real = batch.num_tokens();
     let free = if rows == seqs { free_padding } else { 0 };
-    if tokens > FREE_PADDING.max(2 * real) && tokens - real > free {
+    let doubling_pays = free_padding >= FREE_PADDING;
+    let allowed = if doubling_pays {
+        FREE_PADDING.max(2 * real)
+    } else {
+        FREE_PADDING
+    };
+    if tokens > allowed && tokens - real > free {
         return None;
     }
     let longest = batch.context_lens.iter().copied().max().unwrap_or(1) as usize;
@@ -521,6 +532,32 @@ mod tests {
         assert_eq!(shape_of(&step(&[300; 40], &lopsided), &l, 16, 585, |_| false), None);
         assert_eq!(shape(&[10; 65], &[1; 65]), None);
         assert_eq!(shape(&[9000], &[1]), None);
+    }
+
+    #[test]
+    fn only_a_model_whose_launches_outlast_its_products_doubles_a_step_to_replay_it() {
+        let l = ladder(512);
+        // 512 sequences, eleven of them with jump-forward's second known token: 523 tokens,
+        // 1,024 once every sequence is padded to two. Each sequence's last row wanted.
+        let mut q = vec![1; 512];
+        q[..11].fill(2);
+        let mut known = step(&[600; 512], &q);
+        known.logits_rows = known.query_start[1..].iter().map(|&end| end - 1).collect();
+        let (eight_b, smol) = (6, 370);
+        assert_eq!(shape_of(&known, &l, 16, eight_b, |_| false), None);
+        let doubled = shape_of(&known, &l, 16, smol, |_| false).expect("a small model replays it");
+        assert_eq!((doubled.seqs, doubled.per_seq, doubled.rows), (512, 2, 512));
+        // Checks of up to five tokens in 32 sequences, 88 in all, padded to 160 (every row drawn,
+        // so no padding is free): a small model replays them, an 8B one runs them eagerly.
+        let drafts: Vec<usize> = (0..32).map(|i| if i % 4 == 0 { 5 } else { 2 }).collect();
+        let checks = step(&[300; 32], &drafts);
+        assert_eq!(checks.num_tokens(), 88);
+        assert_eq!(shape_of(&checks, &l, 16, eight_b, |_| false), None);
+        let replayed = shape_of(&checks, &l, 16, smol, |_| false).expect("a small model replays them");
+        assert_eq!((replayed.seqs, replayed.per_seq, replayed.rows), (32, 5, 160));
+        // However large the model, a step of at most FREE_PADDING tokens padded is replayed.
+        let few = step(&[300; 8], &[1, 1, 1, 1, 1, 1, 1, 5]);
+        assert!(shape_of(&few, &l, 16, eight_b, |_| false).is_some());
     }
 
     #[test]

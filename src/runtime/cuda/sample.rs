@@ -11,7 +11,7 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr};
 
 use super::kernels::SampleParams;
 use super::staging::Staging;
-use super::timing::Phase;
+use super::timing::{Phase, StepShape};
 use super::{device_err, launch, launch_items, CudaBackend, THREADS};
 use crate::runtime::batch::Logits;
 use crate::runtime::error::{Result, RuntimeError};
@@ -196,7 +196,7 @@ impl CudaBackend {
         if pipelined {
             // The draws' interval closes here: the next pass is queued before they are read.
             if let Some(timing) = &self.timing {
-                timing.finish(&s, self.draw_started, true, 0, false);
+                timing.finish(&s, self.draw_started, true, StepShape::default());
             }
         }
         if let Some(q) = &queued {
@@ -246,7 +246,7 @@ impl CudaBackend {
             self.passed_run = self.run_index;
         }
         if let (Some(timing), false) = (&self.timing, self.draw_pipelined) {
-            timing.finish(&s, self.draw_started, true, 0, false);
+            timing.finish(&s, self.draw_started, true, StepShape::default());
         }
         self.draw_unread = false;
         let (data, has_logits) = std::mem::take(&mut self.host_logits);

@@ -8,9 +8,12 @@
 //! the forward and its sampling. That mode reads each step's events a step later, so that
 //! measuring does not make the host wait. A pipelined draw's interval closes when it is
 //! launched, since the next pass is queued before the draw is read; its wall time is then the
-//! launch's alone.
+//! launch's alone. In step mode `QUARRY_CUDA_TIMING_STEPS=<file>` also writes each forward as
+//! a line (its tokens, sequences, longest sequence, whether a graph ran it, its span and the
+//! idle gap before it), so that steps of a kind can be set against steps of as many rows.
 
 use std::cell::RefCell;
+use std::io::Write;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -59,6 +62,16 @@ struct Deferred {
     marks: Vec<(Phase, CudaEvent)>,
     sampling: bool,
     decode: bool,
+    shape: StepShape,
+}
+
+/// What a forward carried, for the per-step log.
+#[derive(Clone, Copy, Default)]
+pub struct StepShape {
+    pub tokens: usize,
+    pub seqs: usize,
+    pub longest: usize,
+    pub graph: bool,
 }
 
 pub struct Timing {
@@ -70,6 +83,8 @@ pub struct Timing {
     deferred: RefCell<Option<Deferred>>,
     /// Step mode: the end of the last interval read, where the device's idle gap starts.
     last_end: RefCell<Option<CudaEvent>>,
+    /// `QUARRY_CUDA_TIMING_STEPS`: a line per forward; passes between reports are numbered.
+    steps_log: RefCell<Option<(std::io::BufWriter<std::fs::File>, usize)>>,
 }
 
 impl Timing {
@@ -82,7 +97,23 @@ impl Timing {
             totals: RefCell::new(Totals::default()),
             deferred: RefCell::new(None),
             last_end: RefCell::new(None),
+            steps_log: RefCell::new(Self::open_steps_log(mode == "step")),
         })
+    }
+
+    fn open_steps_log(whole_steps: bool) -> Option<(std::io::BufWriter<std::fs::File>, usize)> {
+        let path = std::env::var("QUARRY_CUDA_TIMING_STEPS").ok().filter(|_| whole_steps)?;
+        match std::fs::File::create(&path) {
+            Ok(f) => {
+                let mut w = std::io::BufWriter::new(f);
+                let _ = writeln!(w, "pass\ttokens\tseqs\tlongest\tgraph\tspan_ms\tidle_before_ms");
+                Some((w, 0))
+            }
+            Err(e) => {
+                eprintln!("QUARRY_CUDA_TIMING_STEPS: {path}: {e}; no step log");
+                None
+            }
+        }
     }
 
     /// Events between kernels (`QUARRY_CUDA_TIMING=1`), not only around steps.
@@ -106,9 +137,10 @@ impl Timing {
     }
 
     /// Closes the step: waits for the GPU (step mode: for the one before), then adds each
-    /// interval to its phase. `decode`: each of the step's sequences had one query token
-    /// (ignored for sampling, which follows its run).
-    pub fn finish(&self, stream: &CudaStream, started: Instant, sampling: bool, tokens: usize, decode: bool) {
+    /// interval to its phase. A forward whose every sequence has one query token is a decode
+    /// step; a sampling (its shape left default) counts with the forward it follows.
+    pub fn finish(&self, stream: &CudaStream, started: Instant, sampling: bool, shape: StepShape) {
+        let (tokens, decode) = (shape.tokens, shape.tokens == shape.seqs && !sampling);
         self.mark(Phase::End, stream);
         let marks = std::mem::take(&mut *self.marks.borrow_mut());
         {
@@ -125,6 +157,7 @@ impl Timing {
             marks,
             sampling,
             decode,
+            shape,
         };
         if self.whole_steps {
             if let Some(before) = self.deferred.replace(Some(this)) {
@@ -146,13 +179,30 @@ impl Timing {
             t.last_decode = d.decode;
             t.decode_steps += d.decode as usize;
         }
-        if let (Some(before), Some((_, first))) = (self.last_end.borrow().as_ref(), d.marks.first()) {
-            if let (true, Ok(ms)) = (t.last_decode, before.elapsed_ms(first)) {
-                match d.sampling {
-                    true => t.decode_sample_gap_ms += ms as f64,
-                    false => t.decode_gap_ms += ms as f64,
-                }
+        let gap = match (self.last_end.borrow().as_ref(), d.marks.first()) {
+            (Some(before), Some((_, first))) => before.elapsed_ms(first).ok(),
+            _ => None,
+        };
+        if let (true, Some(ms)) = (t.last_decode, gap) {
+            match d.sampling {
+                true => t.decode_sample_gap_ms += ms as f64,
+                false => t.decode_gap_ms += ms as f64,
             }
+        }
+        if let (Some((w, pass)), false, Some((_, first)), Some((_, end))) = (
+            self.steps_log.borrow_mut().as_mut(),
+            d.sampling,
+            d.marks.first(),
+            d.marks.last(),
+        ) {
+            let s = d.shape;
+            let span = first.elapsed_ms(end).unwrap_or(f32::NAN);
+            let gap = gap.unwrap_or(f32::NAN);
+            let _ = writeln!(
+                w,
+                "{pass}\t{}\t{}\t{}\t{}\t{span:.4}\t{gap:.4}",
+                s.tokens, s.seqs, s.longest, s.graph as u8
+            );
         }
         for pair in d.marks.windows(2) {
             if let (Some(i), Ok(ms)) = (
@@ -180,6 +230,10 @@ impl Timing {
             self.read(last);
         }
         let line = self.report();
+        if let Some((w, pass)) = self.steps_log.borrow_mut().as_mut() {
+            let _ = w.flush();
+            *pass += 1;
+        }
         *self.totals.borrow_mut() = Totals::default();
         *self.last_end.borrow_mut() = None;
         line
