@@ -10,16 +10,20 @@
 //   word t / 32) of mask row mask_rows[r]; a cleared bit sets the score to -inf;
 // - the copy bias where bias_rows[r] >= 0: bias[r] added to the tokens that bias mask row
 //   bias_rows[r] allows (a token the grammar refused stays -inf, as -inf + bias is).
+// Where kept is not null, a masked row's shaped scores go to its row of kept as well: a
+// pipelined draw's redraw reads them there after the next pass has overwritten the logits, and
+// writing them here costs a row's write, where a copy afterwards read and wrote it again.
 extern "C" __global__ void shape_scores(float* logits, const u32* rows, const int* twins, const float* one_plus,
                                         const float* weight, const u32* masks, const int* mask_rows,
                                         const u32* bias_masks, const int* bias_rows, const float* bias, int vocab,
-                                        int words) {
+                                        int words, float* kept) {
     after_previous_kernel();
     int r = rows[blockIdx.x], twin = twins[r], m = mask_rows[r], b = bias_rows[r];
     float* __restrict__ row = logits + (size_t)r * vocab;
     const float* __restrict__ other = twin >= 0 ? logits + (size_t)twin * vocab : nullptr;
     const u32* mask = m >= 0 ? masks + (size_t)m * words : nullptr;
     const u32* allow = b >= 0 ? bias_masks + (size_t)b * words : nullptr;
+    float* __restrict__ keep = kept && mask ? kept + (size_t)r * vocab : nullptr;
     float op = other ? one_plus[r] : 0.0f, w = other ? weight[r] : 0.0f, add = allow ? bias[r] : 0.0f;
     int stride = gridDim.y * blockDim.x;
 #pragma unroll 4
@@ -31,6 +35,7 @@ extern "C" __global__ void shape_scores(float* logits, const u32* rows, const in
         else if (allow && ((allow[t >> 5] >> (t & 31)) & 1u))
             x += add;
         row[t] = x;
+        if (keep) keep[t] = x;
     }
 }
 

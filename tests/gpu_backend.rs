@@ -407,6 +407,22 @@ fn device_draws_match_the_host_on_the_same_logits() {
         host_logprobs(0, Some(&narrow), again),
     );
     check_confidence("redrawn row 0", redrawn.confidence, 0, Some(&narrow), again);
+    // Pipelined: the next pass (its rows reversed, so that row 0's logits are another
+    // sequence's) is queued before the draw is read; the redraw reads row 0's scores as the
+    // draw kept them, and row 1, without a mask, kept none.
+    gpu.run(&batch).unwrap();
+    gpu.launch_sample(&greedy).unwrap();
+    gpu.run(&decode(&[2, 1, 0])).unwrap();
+    let out = gpu.collect().unwrap();
+    assert_eq!(out.tokens[0], Some(host(0, None)), "pipelined row 0");
+    let redrawn = gpu.redraw_within(0, &narrow).unwrap();
+    assert_eq!(redrawn.token, again, "pipelined redraw of row 0");
+    check_logprobs(
+        "pipelined redraw of row 0",
+        &redrawn.logprobs.unwrap(),
+        host_logprobs(0, Some(&narrow), again),
+    );
+    assert!(gpu.redraw_within(1, &narrow).is_err(), "row 1 had no mask to keep");
 
     // Seeded draws: in order, then with the rows reversed, the same token per sequence.
     let seeded = |order: &[usize], gpu: &mut Box<dyn Backend>| -> Vec<u32> {

@@ -110,8 +110,8 @@ impl CudaBackend {
 
     /// Queues the draws of the last pass's rows, and copies back the logits of the rows left
     /// to the engine. `pipelined`: the tokens come back by an asynchronous copy that
-    /// `collect_rows` waits for, and the logits are kept aside for a redraw where a row has a
-    /// mask (the next pass, queued before the redraw, overwrites them).
+    /// `collect_rows` waits for, and a drawn row with a mask has its shaped scores kept aside
+    /// for a redraw (the next pass, queued before the redraw, overwrites the logits).
     pub(super) fn launch_rows(&mut self, requests: &[RowRequest<'_>], pipelined: bool) -> Result<()> {
         let (vocab, rows) = (self.config.vocab_size, self.rows);
         if requests.len() != rows {
@@ -142,8 +142,24 @@ impl CudaBackend {
             })
             .collect();
         let base = self.ptr(&self.buffers.logits);
+        // Where a pipelined draw's masked rows keep their scores: `shape_scores` writes them
+        // there as it writes the logits (redraws are read before the next launch, so none is
+        // still reading the last step's).
+        self.redraw_rows = specs
+            .iter()
+            .map(|r| pipelined && r.as_ref().is_some_and(|r| r.mask.is_some()))
+            .collect();
+        let keep = match self.redraw_rows.iter().any(|&m| m) {
+            true => {
+                if self.redraw_logits.len() < rows * vocab {
+                    self.redraw_logits = s.alloc_zeros::<f32>(rows * vocab).map_err(device_err("sampling"))?;
+                }
+                Some(self.ptr(&self.redraw_logits))
+            }
+            false => None,
+        };
         let queued = match specs.iter().any(Option::is_some) {
-            true => Some(self.queue_draws(&s, base, &mut specs, false)?),
+            true => Some(self.queue_draws(&s, base, &mut specs, false, keep)?),
             false => None,
         };
         drop(specs);
@@ -176,20 +192,7 @@ impl CudaBackend {
             unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src, s.cu_stream()) }
                 .map_err(device_err("copying sampled tokens"))?;
             record_into(&mut self.readback_done, &s)?;
-            self.redraw_rows = requests.iter().map(|r| r.mask.is_some()).collect();
-            if self.redraw_rows.iter().any(|&m| m) {
-                let n = rows * vocab;
-                if self.redraw_logits.len() < n {
-                    self.redraw_logits = s.alloc_zeros::<f32>(n).map_err(device_err("sampling"))?;
-                }
-                // One copy per run of masked rows.
-                for run in runs(&self.redraw_rows) {
-                    let span = run.start * vocab..run.end * vocab;
-                    let src = self.buffers.logits.slice(span.clone());
-                    let mut dst = self.redraw_logits.slice_mut(span);
-                    s.memcpy_dtod(&src, &mut dst)
-                        .map_err(device_err("keeping logits for a redraw"))?;
-                }
+            if keep.is_some() {
                 record_into(&mut self.redraw_ready, &s)?;
             }
         }
@@ -349,19 +352,21 @@ impl CudaBackend {
         specs: &mut [Option<RowSpec<'_>>],
         redraw: bool,
     ) -> Result<(Vec<Option<RowDraw>>, CudaSlice<u32>, PenaltyArrays)> {
-        let q = self.queue_draws(s, logits, specs, redraw)?;
+        let q = self.queue_draws(s, logits, specs, redraw, None)?;
         let back: Vec<u32> = s.clone_dtoh(&q.scratch).map_err(device_err("copying sampled tokens"))?;
         let drawn: Vec<Option<&Drawn>> = specs.iter().map(|s| s.as_ref().map(|s| &*s.drawn)).collect();
         Ok((q.read.decided(&drawn, &back), q.scratch, q.penalties))
     }
 
-    /// `draw_rows`' work queued on the stream, nothing read back.
+    /// `draw_rows`' work queued on the stream, nothing read back. `keep`: where the masked
+    /// rows' shaped scores go as well, a row of the vocabulary each.
     fn queue_draws(
         &mut self,
         s: &Arc<CudaStream>,
         logits: u64,
         specs: &mut [Option<RowSpec<'_>>],
         redraw: bool,
+        keep: Option<u64>,
     ) -> Result<Queued> {
         let vocab = self.config.vocab_size;
         let rows = specs.len();
@@ -506,6 +511,7 @@ impl CudaBackend {
             // Each thread takes about eight of a row's tokens.
             let slices = (vocab as u32).div_ceil(THREADS * 8);
             let (masks, bias_masks) = (masks_at.map_or(0, at), bias_at.map_or(0, at));
+            let kept = keep.unwrap_or(0);
             launch(
                 s,
                 &k.shape_scores,
@@ -524,6 +530,7 @@ impl CudaBackend {
                     &at(bias_values_at),
                     &v,
                     &w,
+                    &kept,
                 ],
             )?;
         }

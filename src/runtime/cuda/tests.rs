@@ -1002,6 +1002,8 @@ fn shaping_contrasts_masks_and_biases_the_listed_rows_and_argmax_picks_the_first
         g.i32s(&bias_rows),
         g.f32s(&bias),
     );
+    // The masked rows' shaped scores are kept aside as well, for a pipelined draw's redraw.
+    let kept = g.zeros_f32(rows * vocab);
     g.run(
         &g.k.shape_scores,
         (listed.len() as u32, (vocab as u32).div_ceil(THREADS * 8)),
@@ -1019,9 +1021,21 @@ fn shaping_contrasts_masks_and_biases_the_listed_rows_and_argmax_picks_the_first
             &g.p(&bv),
             &v,
             &wds,
+            &g.p(&kept),
         ],
     );
     let got = g.read_f32(&ld);
+    let kept = g.read_f32(&kept);
+    for r in 0..rows {
+        let (row, aside) = (&got[r * vocab..][..vocab], &kept[r * vocab..][..vocab]);
+        match mask_rows[r] >= 0 {
+            true => assert!(
+                row.iter().zip(aside).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "row {r}'s shaped scores kept"
+            ),
+            false => assert!(aside.iter().all(|&x| x == 0.0), "row {r} has no mask: nothing kept"),
+        }
+    }
     let allows = |m: &[u32], row: i32, t: usize| m[row as usize * words + t / 32] >> (t % 32) & 1 == 1;
     for r in 0..rows {
         let mut want = logits[r * vocab..][..vocab].to_vec();
