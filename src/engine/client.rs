@@ -11,7 +11,7 @@ use tokio::sync::{mpsc as async_mpsc, oneshot};
 
 use super::block_pool::BlockHash;
 use super::core::{AddError, Completion, Completions, EngineCore, EngineRequest, RequestOutput};
-use super::disaggregated::{Busy, KvLink, Route, Router};
+use super::disaggregated::{Busy, KvLink, Route, Router, SendClaim};
 use super::kv_cache_manager::{BlockHasher, PrefixCacheStats, RequestId};
 use super::placement::Placement;
 use crate::runtime::RuntimeError;
@@ -77,6 +77,7 @@ pub(super) enum Handoff {
     Send {
         link: usize,
         hashes: Vec<BlockHash>,
+        claim: Arc<SendClaim>,
         sent: oneshot::Sender<Result<usize, RuntimeError>>,
     },
     Cached {
@@ -704,8 +705,13 @@ fn run(mut core: EngineCore, commands: mpsc::Receiver<Command>, stats: Arc<Mutex
 /// router that gave up no longer listens, which changes nothing here).
 fn hand_off(core: &mut EngineCore, step: Handoff) {
     match step {
-        Handoff::Send { link, hashes, sent } => {
-            let _ = sent.send(core.send_blocks(link, &hashes));
+        Handoff::Send {
+            link,
+            hashes,
+            claim,
+            sent,
+        } => {
+            let _ = sent.send(claim.send(|| core.send_blocks(link, &hashes)));
         }
         Handoff::Cached { hashes, count } => {
             let _ = count.send(core.cached_blocks(&hashes));

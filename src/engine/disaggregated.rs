@@ -34,7 +34,7 @@ use super::block_pool::BlockHash;
 use super::client::{DecodeSide, Engine, Handoff};
 use super::core::{EngineRequest, FinishReason};
 use super::kv_cache_manager::{BlockHasher, RequestId};
-use crate::runtime::{kv_link, Backend, DeviceChoice};
+use crate::runtime::{kv_link, Backend, DeviceChoice, RuntimeError};
 use crate::sampling::SamplingParams;
 
 /// A KV link between prefill engine `prefill` and decode engine `decode` (their places in the
@@ -163,7 +163,7 @@ impl Route {
             decode: decode.clone(),
             link: self.decode_link,
             id,
-            sent: 0,
+            claim: None,
         };
         // The decode engine computes at least the last token itself (its logits are needed):
         // the blocks before it are what a cache can give.
@@ -190,14 +190,12 @@ impl Route {
         if wanted.is_empty() {
             return;
         }
-        pending.sent = match router.send(self.prefill_link, &wanted).await {
-            Ok(sent) => sent,
-            Err(()) => {
-                self.failed.store(true, Ordering::Relaxed);
-                0
-            }
-        };
-        let count = pending.sent;
+        let claim = Arc::new(SendClaim::default());
+        pending.claim = Some(claim.clone());
+        if router.send(self.prefill_link, &wanted, claim.clone()).await.is_err() {
+            self.failed.store(true, Ordering::Relaxed);
+        }
+        let count = claim.settle();
         pending.disarm();
         let link = self.decode_link;
         let received = ask(decode, |queued| Handoff::Receive {
@@ -240,17 +238,22 @@ impl Router {
     }
 
     /// Has the prefill engine send over its link `link` the blocks of `hashes` it still
-    /// caches; how many went, or `Err` where the link failed.
-    async fn send(&self, link: usize, hashes: &[BlockHash]) -> Result<usize, ()> {
+    /// caches (how many went is `claim`'s); `Err` where the link failed.
+    async fn send(&self, link: usize, hashes: &[BlockHash], claim: Arc<SendClaim>) -> Result<(), ()> {
         let hashes = hashes.to_vec();
-        let sent = ask(&PrefillSide(&self.prefill), |sent| Handoff::Send { link, hashes, sent }).await;
+        let sent = ask(&PrefillSide(&self.prefill), |sent| Handoff::Send {
+            link,
+            hashes,
+            claim,
+            sent,
+        })
+        .await;
         match sent {
-            Some(Ok(n)) => Ok(n),
             Some(Err(e)) => {
                 tracing::warn!("quarry: sending KV blocks failed: {e}");
                 Err(())
             }
-            None => Ok(0),
+            _ => Ok(()),
         }
     }
 }
@@ -284,6 +287,47 @@ async fn ask<T>(side: &impl Side, make: impl FnOnce(oneshot::Sender<T>) -> Hando
     rx.await.ok()
 }
 
+/// What became of a handoff's send, shared by its task and the prefill engine, so that the
+/// receive the task owes the decode engine counts exactly the blocks that went, even where the
+/// task is dropped while it waits for the send (at shutdown): dropped before the prefill
+/// engine takes the send, the task abandons it and the engine sends nothing; dropped after, it
+/// reads how many went.
+#[derive(Default)]
+pub(super) struct SendClaim(std::sync::Mutex<Claim>);
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum Claim {
+    #[default]
+    Asked,
+    Sent(usize),
+    Abandoned,
+}
+
+impl SendClaim {
+    /// The prefill engine's side: `send` runs unless the task has gone; how many went.
+    pub(super) fn send(&self, send: impl FnOnce() -> Result<usize, RuntimeError>) -> Result<usize, RuntimeError> {
+        let mut claim = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if *claim == Claim::Abandoned {
+            return Ok(0);
+        }
+        let sent = send();
+        *claim = Claim::Sent(*sent.as_ref().unwrap_or(&0));
+        sent
+    }
+
+    /// The task's side, once it waits no more: how many blocks went; none will after this.
+    fn settle(&self) -> usize {
+        let mut claim = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        match *claim {
+            Claim::Sent(n) => n,
+            _ => {
+                *claim = Claim::Abandoned;
+                0
+            }
+        }
+    }
+}
+
 /// A handoff's last step, taken when the task ends without it (the prompt failed on the
 /// prefill engine, nothing was wanted, or the task was dropped): the decode engine receives
 /// what was sent (a queued send must meet its receive), lets go of what it held and lets the
@@ -293,7 +337,8 @@ struct Pending {
     /// The link on the decode engine's end.
     link: usize,
     id: RequestId,
-    sent: usize,
+    /// The send, once asked for.
+    claim: Option<Arc<SendClaim>>,
 }
 
 impl Pending {
@@ -311,10 +356,38 @@ impl Drop for Pending {
             let step = Handoff::Receive {
                 link: self.link,
                 id: self.id,
-                count: self.sent,
+                count: self.claim.as_ref().map_or(0, |c| c.settle()),
                 queued,
             };
             let _ = self.decode.handoff(step);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_send_and_the_receive_owed_for_it_count_the_same_blocks_whoever_comes_first() {
+        // The prefill engine sends first: the task's end receives what went.
+        let claim = SendClaim::default();
+        assert_eq!(claim.send(|| Ok(5)).unwrap(), 5);
+        assert_eq!(claim.settle(), 5);
+        assert_eq!(claim.settle(), 5, "settling again reads the same count");
+        // The task ends first (dropped at shutdown): the engine then sends nothing.
+        let claim = SendClaim::default();
+        assert_eq!(claim.settle(), 0);
+        let mut ran = false;
+        let sent = claim.send(|| {
+            ran = true;
+            Ok(5)
+        });
+        assert_eq!((sent.unwrap(), ran), (0, false));
+        assert_eq!(claim.settle(), 0);
+        // A send that failed moved nothing.
+        let claim = SendClaim::default();
+        assert!(claim.send(|| Err(RuntimeError::Backend("link down".into()))).is_err());
+        assert_eq!(claim.settle(), 0);
     }
 }
