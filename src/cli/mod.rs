@@ -412,6 +412,7 @@ impl ModelArgs {
             gpu_memory_utilization: Some(self.gpu_memory_utilization),
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_num_seqs: self.max_num_seqs,
+            for_drafts: false,
             enforce_eager: self.enforce_eager,
             batch_invariant: self.batch_invariant,
             tensor_parallel_size: self.tensor_parallel_size.into(),
@@ -470,6 +471,7 @@ impl ModelArgs {
             kv_cache_tokens: Some(DRAFT_KV_TOKENS),
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_num_seqs: self.max_num_seqs,
+            for_drafts: true,
             enforce_eager: self.enforce_eager,
             ..Default::default()
         };

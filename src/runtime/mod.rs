@@ -350,8 +350,12 @@ pub struct LoadOptions {
     pub cpu: cpu::CpuOptions,
     pub gpu_memory_utilization: Option<f32>,
     pub max_num_batched_tokens: usize,
-    /// The scheduler's: a pass may hold twice as many sequences, a contrast twin beside each.
+    /// The scheduler's: a pass may hold twice as many sequences, a contrast twin beside each
+    /// (unless `for_drafts`).
     pub max_num_seqs: usize,
+    /// The backend of a draft model (`--speculative-model`): its passes hold the drafting
+    /// requests only, never a contrast twin, so it is sized for `max_num_seqs` sequences.
+    pub for_drafts: bool,
     /// The GPU runs every step eagerly, without CUDA graphs (vLLM's --enforce-eager).
     pub enforce_eager: bool,
     /// A request's output the same whatever else is in its batch (`--batch-invariant`): on the
@@ -400,7 +404,7 @@ pub fn load(device: DeviceChoice, model: &Path, options: LoadOptions) -> Result<
                 max_num_batched_tokens: options.max_num_batched_tokens.max(1),
                 // Sized for every request contrasting (extraction's default), so that such
                 // passes replay graphs and never grow the buffers (which forgets every graph).
-                max_num_seqs: 2 * options.max_num_seqs.max(1),
+                max_num_seqs: options.max_num_seqs.max(1) * if options.for_drafts { 1 } else { 2 },
                 graphs: !options.enforce_eager,
                 batch_invariant: options.batch_invariant,
             };
