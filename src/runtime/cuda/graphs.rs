@@ -129,11 +129,13 @@ pub fn ladder(max: usize) -> Vec<usize> {
 /// Where a step has few tokens per sequence, the shape that covers it: its sequences padded up
 /// `ladder`, its tokens per sequence to the most any has, its longest context up powers of two
 /// of partitions (at most `max_parts`), its rows to one a sequence or all; `split` decides its
-/// attention's split. None where padding would add more work than the replay saves: past the
-/// free ones, more than `free_padding` tokens and, on a model whose launches outlast its
-/// products (`free_padding` of `FREE_PADDING` or more), more than the step's own tokens. On
-/// one whose steps keep the device busy, a replay saves nothing the pipelined host does not
-/// hide, and doubling a step's tokens is dearer: 512 sequences of the 8B shape, a few with
+/// attention's split. None where padding would add more work than the replay saves: on a
+/// model whose launches outlast its products (`free_padding` of `FREE_PADDING` or more), past
+/// the free ones, more than `free_padding` tokens and more than the step's own tokens; on one
+/// whose steps keep the device busy, more than `free_padding` tokens within its sequences
+/// (those up the ladder are padded whole, as every decode step's are). There a replay saves
+/// nothing the pipelined host does not hide, and doubling a step's tokens is dearer: 512
+/// sequences of the 8B shape, a few with
 /// jump-forward's known tokens, took 32-35 ms a step padded to two tokens each, 26-30 eagerly,
 /// against 22-24 for a decode step of as many sequences (one H100 lease, `scripts/step-shapes.py`).
 pub fn shape_of(
@@ -157,13 +159,13 @@ pub fn shape_of(
     // padding is for steps of one row a sequence (known tokens beside decode tokens).
     let real = batch.num_tokens();
     let free = if rows == seqs { free_padding } else { 0 };
-    let doubling_pays = free_padding >= FREE_PADDING;
-    let allowed = if doubling_pays {
-        FREE_PADDING.max(2 * real)
-    } else {
-        FREE_PADDING
+    let refused = match free_padding >= FREE_PADDING {
+        true => tokens > FREE_PADDING.max(2 * real) && tokens - real > free,
+        // The sequences up the ladder are what every step of that many pays, decode steps
+        // among them; only the tokens padded within sequences are weighed.
+        false => tokens > FREE_PADDING && tokens - real - (seqs - n) * per_seq > free,
     };
-    if tokens > allowed && tokens - real > free {
+    if refused {
         return None;
     }
     let longest = batch.context_lens.iter().copied().max().unwrap_or(1) as usize;
@@ -555,9 +557,19 @@ mod tests {
         assert_eq!(shape_of(&checks, &l, 16, eight_b, |_| false), None);
         let replayed = shape_of(&checks, &l, 16, smol, |_| false).expect("a small model replays them");
         assert_eq!((replayed.seqs, replayed.per_seq, replayed.rows), (32, 5, 160));
-        // However large the model, a step of at most FREE_PADDING tokens padded is replayed.
+        // However large the model, a step of at most FREE_PADDING tokens padded is replayed,
+        // and a decode step's sequences go up the ladder whole: 249 of them as 256.
         let few = step(&[300; 8], &[1, 1, 1, 1, 1, 1, 1, 5]);
         assert!(shape_of(&few, &l, 16, eight_b, |_| false).is_some());
+        let decode = shape_of(&step(&[300; 249], &[1; 249]), &l, 16, eight_b, |_| false);
+        assert_eq!(decode.map(|s| (s.seqs, s.per_seq)), Some((256, 1)));
+        // A second known token in one of them pads the 248 others within: eager.
+        let mut q = vec![1; 249];
+        q[0] = 2;
+        let mut known = step(&[300; 249], &q);
+        known.logits_rows = known.query_start[1..].iter().map(|&end| end - 1).collect();
+        assert_eq!(known.num_tokens(), 250);
+        assert_eq!(shape_of(&known, &l, 16, eight_b, |_| false), None);
     }
 
     #[test]
