@@ -135,9 +135,9 @@ pub fn ladder(max: usize) -> Vec<usize> {
 /// whose steps keep the device busy, more than `free_padding` tokens within its sequences
 /// (those up the ladder are padded whole, as every decode step's are). There a replay saves
 /// nothing the pipelined host does not hide, and doubling a step's tokens is dearer: 512
-/// sequences of the 8B shape, a few with
-/// jump-forward's known tokens, took 32-35 ms a step padded to two tokens each, 26-30 eagerly,
-/// against 22-24 for a decode step of as many sequences (one H100 lease, `scripts/step-shapes.py`).
+/// sequences of the 8B shape, a few with jump-forward's known tokens, took 32-35 ms a step
+/// padded to two tokens each, 26-30 eagerly, against 22-24 for a decode step of as many
+/// sequences (one H100 lease, `scripts/step-shapes.py`).
 pub fn shape_of(
     batch: &ForwardBatch,
     ladder: &[usize],
