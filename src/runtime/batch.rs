@@ -45,6 +45,11 @@ impl ForwardBatch {
         self.query_start.len().saturating_sub(1)
     }
 
+    /// The most query tokens any sequence has; `None` for a batch of no sequences.
+    pub fn longest_query(&self) -> Option<usize> {
+        self.query_start.windows(2).map(|w| (w[1] - w[0]) as usize).max()
+    }
+
     /// Appends one sequence's query span. Slots are derived from the block table, so callers
     /// cannot get the two out of step.
     pub fn push_sequence(&mut self, tokens: &[u32], start_pos: usize, block_table: &[u32], block_size: usize) {

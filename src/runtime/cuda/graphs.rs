@@ -146,7 +146,7 @@ pub fn shape_of(
     split: impl FnOnce(&Shape) -> bool,
 ) -> Option<Shape> {
     let n = batch.num_seqs();
-    let per_seq = batch.query_start.windows(2).map(|w| (w[1] - w[0]) as usize).max()?;
+    let per_seq = batch.longest_query()?;
     if per_seq > MAX_PER_SEQ {
         return None;
     }

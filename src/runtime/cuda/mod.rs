@@ -910,11 +910,10 @@ impl Backend for CudaBackend {
         result?;
         self.rows = batch.logits_rows.len();
         if let Some(timing) = &self.timing {
-            let longest = batch.query_start.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
             let shape = timing::StepShape {
                 tokens: batch.num_tokens(),
                 seqs: batch.num_seqs(),
-                longest: longest as usize,
+                longest: batch.longest_query().unwrap_or(0),
                 graph: shape.is_some(),
             };
             timing.finish(&self.stream, started, false, shape);
