@@ -173,8 +173,8 @@ __device__ __forceinline__ bool gemv_mma_pair(const bf16* __restrict__ x, const 
     return true;
 }
 
-extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, GEMV_MMA_MIN_BLOCKS)
-    gemv_mma(const bf16* __restrict__ x, const bf16* __restrict__ w, float* __restrict__ y, int rows, int n, int k) {
+__device__ __forceinline__ void gemv_mma_cols(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                              float* __restrict__ y, int rows, int n, int k) {
     int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int ca = blockIdx.x * GEMV_MMA_COLS + g, cb = ca + 8;
     // Columns past n read the last one; their sums are never written.
@@ -185,6 +185,20 @@ extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, GEMV_MMA_M
         int row = 2 * t + (e & 1), col = e < 2 ? ca : cb;
         if (row < rows && col < n) y[(size_t)row * n + col] = s[e];
     }
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, GEMV_MMA_MIN_BLOCKS)
+    gemv_mma(const bf16* __restrict__ x, const bf16* __restrict__ w, float* __restrict__ y, int rows, int n, int k) {
+    gemv_mma_cols(x, w, y, rows, n, k);
+}
+
+// The same product with registers for two blocks an SM, for a product launched behind attention:
+// where its grid is at most two blocks an SM, all of it can sit beside attention's last kernel
+// and ask for its first weights, where one block an SM leaves half for a second wave. Back to
+// back it reads slower than gemv_mma (kernel_speeds), so only that product takes it.
+extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, 2)
+    gemv_mma_two_per_sm(const bf16* __restrict__ x, const bf16* __restrict__ w, float* __restrict__ y, int rows, int n, int k) {
+    gemv_mma_cols(x, w, y, rows, n, k);
 }
 
 // The gate|up product with SiLU(gate) * up applied to its sums: a lane group's two columns are

@@ -42,6 +42,7 @@ const SOURCES: &[(&str, &str, &[&str])] = &[
         &[
             "gemv_bf16",
             "gemv_mma",
+            "gemv_mma_two_per_sm",
             "gemv_mma_silu",
             "gemv_mma_rope",
             "gemm_mma",
@@ -94,6 +95,7 @@ pub struct Kernels {
     pub flash_merge: CudaFunction,
     pub gemv_bf16: CudaFunction,
     pub gemv_mma: CudaFunction,
+    pub gemv_mma_two_per_sm: CudaFunction,
     pub gemv_mma_silu: CudaFunction,
     pub gemv_mma_rope: CudaFunction,
     pub gemm_mma: CudaFunction,
@@ -206,6 +208,7 @@ impl Kernels {
             flash_merge: take("flash_merge"),
             gemv_bf16: take("gemv_bf16"),
             gemv_mma: take("gemv_mma"),
+            gemv_mma_two_per_sm: take("gemv_mma_two_per_sm"),
             gemv_mma_silu: take("gemv_mma_silu"),
             gemv_mma_rope: take("gemv_mma_rope"),
             gemm_mma: take("gemm_mma"),

@@ -21,7 +21,8 @@ fn gpu() -> Option<Gpu> {
     let ctx = CudaContext::new(0).expect("context");
     // SAFETY: one stream.
     unsafe { ctx.disable_event_tracking() };
-    let stream = ctx.default_stream();
+    // A stream of its own: the legacy default stream cannot be captured (`median_ms`).
+    let stream = ctx.new_stream().expect("stream");
     let k = Kernels::load(&ctx).expect("kernels compile");
     let gemm = Gemm::new(stream.clone(), &k, false, 0).expect("cublas");
     Some(Gpu {
@@ -758,7 +759,8 @@ fn cublas_chooses_once_per_shape_and_reads_unaligned_rows() {
 }
 
 /// A row's product is the same bits whether it is computed alone or with up to 7 others, on
-/// both GEMV kernels (one order of summation over k whatever the number of rows).
+/// both GEMV kernels (one order of summation over k whatever the number of rows), and the same
+/// from the o projection's form of the tensor-core GEMV.
 #[test]
 fn gemv_rows_are_bitwise_the_same_for_one_to_eight_rows() {
     let Some(g) = gpu() else { return };
@@ -786,6 +788,31 @@ fn gemv_rows_are_bitwise_the_same_for_one_to_eight_rows() {
                 );
             }
         }
+    }
+
+    // The o projection's form, registers for two blocks an SM, on a grid of one and a half
+    // blocks an SM (where `matmul_behind_attention` takes it): gemv_mma's bits.
+    let sms = g
+        .stream
+        .context()
+        .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .unwrap() as usize;
+    let (n, k) = (16 * (sms + sms / 2), 4096);
+    let (xd, wd) = (
+        g.bf16s(&rounded(&values(8 * k, 23))),
+        g.bf16s(&rounded(&values(n * k, 24))),
+    );
+    for rows in 1..=8 {
+        let (a, b) = (g.zeros_f32(rows * n), g.zeros_f32(rows * n));
+        g.gemm.gemv_mma(g.p(&xd), g.p(&wd), g.p(&a), rows, n, k).unwrap();
+        g.gemm
+            .matmul_behind_attention(g.p(&xd), g.p(&wd), g.p(&b), OutType::F32, rows, n, k)
+            .unwrap();
+        let bits = |y: &CudaSlice<f32>| -> Vec<u32> { g.read_f32(y).iter().map(|v| v.to_bits()).collect() };
+        assert!(
+            bits(&a) == bits(&b),
+            "{n}x{k}, {rows} rows: the o projection's form differs"
+        );
     }
 }
 
@@ -1233,11 +1260,14 @@ fn random_bf16(g: &Gpu, n: usize, seed: u64) -> CudaSlice<u16> {
 }
 
 /// Milliseconds of one call of `f`: the median over `reps` timings (CUDA events) of 10 calls
-/// queued back to back, as a step queues its kernels, after two warm-ups; `f` gets the call's
-/// index (to rotate its inputs). Each timing starts behind a fill of 256 MB, so that the calls
-/// are queued before the first starts: the time is the GPU's, as in a captured graph, without
-/// the host's latency to launch the first call.
+/// back to back, after two warm-ups; `f` gets the call's index (to rotate its inputs). The 10
+/// calls are captured once as a graph and each timing replays it, as a step's kernels run
+/// (METHOD.md: many small launches are timed by a graph's replays, which shrink the launch gaps);
+/// `QUARRY_BENCH_LAUNCH=stream` queues them as separate launches instead, the way this table was
+/// timed before. Each timing starts behind a fill of 256 MB, so that the calls are queued before
+/// the first starts: the time is the GPU's, without the host's latency to launch the first call.
 fn median_ms(g: &Gpu, reps: usize, f: &dyn Fn(usize)) -> f64 {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
     const CALLS: usize = 10;
     let ctx = g.stream.context().clone();
     let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
@@ -1245,14 +1275,31 @@ fn median_ms(g: &Gpu, reps: usize, f: &dyn Fn(usize)) -> f64 {
     let (gate_n, seed, scale) = (128u64 << 20, 1u64, 1.0f32);
     f(0);
     f(1);
+    let graph = (std::env::var("QUARRY_BENCH_LAUNCH").as_deref() != Ok("stream")).then(|| {
+        g.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .unwrap();
+        for c in 0..CALLS {
+            f(c);
+        }
+        let graph = g
+            .stream
+            .end_capture(CUgraphInstantiate_flags(0))
+            .unwrap()
+            .expect("a graph");
+        graph.upload().unwrap();
+        graph.launch().unwrap();
+        graph
+    });
     let mut times: Vec<f64> = (0..reps)
         .map(|i| {
             let (a, b) = (ctx.new_event(flags).unwrap(), ctx.new_event(flags).unwrap());
             let gate_args: [&dyn Arg; 4] = [&g.p(&gate), &gate_n, &seed, &scale];
             launch(&g.stream, &g.k.fill_uniform_bf16, (1024, 1), THREADS, &gate_args).unwrap();
             a.record(&g.stream).unwrap();
-            for c in 0..CALLS {
-                f(i * CALLS + c);
+            match &graph {
+                Some(graph) => graph.launch().unwrap(),
+                None => (0..CALLS).for_each(|c| f(i * CALLS + c)),
             }
             b.record(&g.stream).unwrap();
             g.stream.synchronize().unwrap();
@@ -1365,12 +1412,18 @@ fn kernel_speeds() {
         for rows in [1usize, 2, 4, 8] {
             let (xp, yp) = (g.p(&x), g.p(&y));
             let bytes = (n * k * 2) as f64;
-            for path in ["gemv_mma", "gemv", "cublas"] {
+            // The o projection runs behind attention in its own form (`matmul_behind_attention`).
+            let behind = (name == "o").then_some("gemv_mma behind attention");
+            for path in ["gemv_mma", "gemv", "cublas"].into_iter().chain(behind) {
                 let ms = median_ms(&g, 20, &|i| {
                     let wp = g.p(&ws[i % copies]);
                     match path {
                         "gemv_mma" => g.gemm.gemv_mma(xp, wp, yp, rows, n, k).unwrap(),
                         "gemv" => g.gemm.gemv(xp, wp, yp, rows, n, k).unwrap(),
+                        "gemv_mma behind attention" => g
+                            .gemm
+                            .matmul_behind_attention(xp, wp, yp, OutType::F32, rows, n, k)
+                            .unwrap(),
                         _ => g.gemm.cublas(xp, wp, yp, OutType::F32, rows, n, k).unwrap(),
                     }
                 });
