@@ -1438,6 +1438,25 @@ fn kernel_speeds() {
         }
     }
 
+    // What a GEMV launch costs besides its weights: o's grid (256 blocks) over one k-block of 32,
+    // back to back as above. The gap between o's time and its weights at the copy rate is about
+    // this, whatever the kernel does with them.
+    let (n, k) = (4096usize, 32usize);
+    let (w, x, y) = (
+        random_bf16(&g, n * k, 30),
+        random_bf16(&g, 8 * k, 31),
+        g.zeros_f32(8 * n),
+    );
+    for rows in [1usize, 8] {
+        let ms = median_ms(&g, 20, &|_| {
+            g.gemm.gemv_mma(g.p(&x), g.p(&w), g.p(&y), rows, n, k).unwrap()
+        });
+        println!(
+            "{:<44}{ms:>10.4}",
+            format!("gemv_mma o's grid over k = 32, {rows} rows")
+        );
+    }
+
     // Products of many rows: cuBLAS against the batch-invariant product in both tiles.
     let invariant = Gemm::new(g.stream.clone(), &g.k, true, 1 << 25).expect("gemm");
     for (name, n, k) in &shapes[..4] {
