@@ -34,6 +34,13 @@ fn gpu() -> Option<Gpu> {
 }
 
 impl Gpu {
+    /// The device's streaming multiprocessors.
+    fn sms(&self) -> usize {
+        self.stream
+            .context()
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .unwrap() as usize
+    }
     fn f32s(&self, v: &[f32]) -> CudaSlice<f32> {
         self.stream.clone_htod(v).unwrap()
     }
@@ -792,11 +799,7 @@ fn gemv_rows_are_bitwise_the_same_for_one_to_eight_rows() {
 
     // The o projection's form, registers for two blocks an SM, on a grid of one and a half
     // blocks an SM (where `matmul_behind_attention` takes it): gemv_mma's bits.
-    let sms = g
-        .stream
-        .context()
-        .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        .unwrap() as usize;
+    let sms = g.sms();
     let (n, k) = (16 * (sms + sms / 2), 4096);
     let (xd, wd) = (
         g.bf16s(&rounded(&values(8 * k, 23))),
@@ -1345,12 +1348,7 @@ fn kernel_speeds() {
         let q = random_bf16(&g, tokens * q_size, 3);
         let out = g.zeros_bf16(tokens * q_size);
         let partials = g.zeros_f32(attention::SCRATCH_FLOATS);
-        let sms = g
-            .stream
-            .context()
-            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .unwrap() as usize;
-        let plan = d.plan(&g, hd, heads, kv_heads, 4 * sms);
+        let plan = d.plan(&g, hd, heads, kv_heads, 4 * g.sms());
         let args = d.args(&g, [g.p(&q), g.p(&out), g.p(&kc), g.p(&vc)], heads, kv_heads, hd);
         let ms = median_ms(&g, 10, &|_| {
             attention::launch(&g.stream, &g.k, &args, plan, tokens, max_len, g.p(&partials)).unwrap()
