@@ -192,13 +192,96 @@ extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, GEMV_MMA_M
     gemv_mma_cols(x, w, y, rows, n, k);
 }
 
-// The same product with registers for two blocks an SM, for a product launched behind attention:
-// where its grid is at most two blocks an SM, all of it can sit beside attention's last kernel
-// and ask for its first weights, where one block an SM leaves half for a second wave. Back to
-// back it reads slower than gemv_mma (kernel_speeds), so only that product takes it.
-extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, 2)
-    gemv_mma_two_per_sm(const bf16* __restrict__ x, const bf16* __restrict__ w, float* __restrict__ y, int rows, int n, int k) {
-    gemv_mma_cols(x, w, y, rows, n, k);
+// The same product for a grid of two waves of gemv_mma (o and down on the 8B shape: 256 groups of
+// 16 columns on 132 SMs): a block takes two groups, so the grid is one wave, and each warp asks
+// for its segment of both groups' rows at once, 4 k-blocks of each in flight where gemv_mma has
+// 4 in all. One read of x serves both groups. Each group's sums are gemv_mma's chains, added in
+// gemv_mma's order: the same bits.
+#define GEMV_GROUPS 2
+#define GEMV_GROUPS_UNROLL 4
+extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, 1)
+    gemv_mma_two_groups(const bf16* __restrict__ x, const bf16* __restrict__ w, float* __restrict__ y, int rows,
+                        int n, int k) {
+    constexpr int C = GEMV_GROUPS, U = GEMV_GROUPS_UNROLL;
+    __shared__ float part[GEMV_MMA_MAX_WARPS][32][4 * C];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    int g = lane >> 2, t = lane & 3;
+    const uint4* wa[C];
+    const uint4* wb[C];
+#pragma unroll
+    for (int i = 0; i < C; i++) {
+        // Columns past n read the last one; their sums are never written.
+        int ca = (blockIdx.x * C + i) * GEMV_MMA_COLS + g, cb = ca + 8;
+        wa[i] = reinterpret_cast<const uint4*>(w + (size_t)min(ca, n - 1) * k) + t;
+        wb[i] = reinterpret_cast<const uint4*>(w + (size_t)min(cb, n - 1) * k) + t;
+    }
+    bool has_row = g < rows;
+    const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)(has_row ? g : 0) * k) + t;
+    uint4 zero = make_uint4(0, 0, 0, 0);
+    int blocks = k >> 5;
+    float c[C][4];
+#pragma unroll
+    for (int i = 0; i < C; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) c[i][e] = 0.0f;
+    int b = segment_begin(warp, warps, blocks), end = segment_begin(warp + 1, warps, blocks);
+    uint4 va[C][U], vb[C][U];
+    // As in gemv_mma_pair: the first round of weights is asked for before the wait.
+    bool loaded = b + U <= end;
+    if (loaded) {
+#pragma unroll
+        for (int u = 0; u < U; u++)
+#pragma unroll
+            for (int i = 0; i < C; i++) {
+                va[i][u] = load_streaming(wa[i] + (b + u) * 4);
+                vb[i][u] = load_streaming(wb[i] + (b + u) * 4);
+            }
+    }
+    after_previous_kernel();
+    for (; b + U <= end; b += U) {
+        uint4 vx[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int chunk = (b + u) * 4;
+            if (!loaded) {
+#pragma unroll
+                for (int i = 0; i < C; i++) {
+                    va[i][u] = load_streaming(wa[i] + chunk);
+                    vb[i][u] = load_streaming(wb[i] + chunk);
+                }
+            }
+            vx[u] = has_row ? xr[chunk] : zero;
+        }
+        loaded = false;
+#pragma unroll
+        for (int u = 0; u < U; u++)
+#pragma unroll
+            for (int i = 0; i < C; i++) gemv_mma_block(c[i], va[i][u], vb[i][u], vx[u]);
+    }
+    for (; b < end; b++) {
+        int chunk = b * 4;
+        uint4 vx = has_row ? xr[chunk] : zero;
+#pragma unroll
+        for (int i = 0; i < C; i++)
+            gemv_mma_block(c[i], load_streaming(wa[i] + chunk), load_streaming(wb[i] + chunk), vx);
+    }
+#pragma unroll
+    for (int i = 0; i < C; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) part[warp][lane][4 * i + e] = c[i][e];
+    __syncthreads();
+    // Warp i adds group i's sums.
+    if (warp >= C) return;
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int v = 0; v < warps; v++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) s[e] += part[v][lane][4 * warp + e];
+    int ca = (blockIdx.x * C + warp) * GEMV_MMA_COLS + g, cb = ca + 8;
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        int row = 2 * t + (e & 1), col = e < 2 ? ca : cb;
+        if (row < rows && col < n) y[(size_t)row * n + col] = s[e];
+    }
 }
 
 // The gate|up product with SiLU(gate) * up applied to its sums: a lane group's two columns are

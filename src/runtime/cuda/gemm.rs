@@ -27,7 +27,7 @@ pub struct Gemm {
     stream: Arc<CudaStream>,
     gemv: CudaFunction,
     gemv_mma: CudaFunction,
-    gemv_mma_two_per_sm: CudaFunction,
+    gemv_mma_two_groups: CudaFunction,
     gemv_mma_silu: CudaFunction,
     gemv_mma_rope: CudaFunction,
     /// The batch-invariant products' kernels, one per `GemmTile`, and the wgmma tiles' forms
@@ -361,7 +361,7 @@ impl Gemm {
             stream,
             gemv: kernels.gemv_bf16.clone(),
             gemv_mma: kernels.gemv_mma.clone(),
-            gemv_mma_two_per_sm: kernels.gemv_mma_two_per_sm.clone(),
+            gemv_mma_two_groups: kernels.gemv_mma_two_groups.clone(),
             gemv_mma_silu: kernels.gemv_mma_silu.clone(),
             gemv_mma_rope: kernels.gemv_mma_rope.clone(),
             tiles: all.map(|t| t.function(kernels, false).clone()),
@@ -503,35 +503,16 @@ impl Gemm {
     }
 
     /// `matmul` through the tensor-core GEMV kernel (`rows <= GEMV_MAX_ROWS`, `k` a multiple of
-    /// 32).
+    /// 32). Where its grid of 16-column blocks would be two waves at one block an SM (o and down
+    /// on the 8B shape), a form whose blocks take two groups of 16 runs it in one, with twice
+    /// the weights in flight a warp and the same bits (docs/gpu-kernels.md).
     pub fn gemv_mma(&self, x: u64, w: u64, y: u64, rows: usize, n: usize, k: usize) -> Result<()> {
-        let blocks = n.div_ceil(GEMV_MMA_COLS);
-        self.launch_gemv(&self.gemv_mma, blocks, GEMV_MMA_WARPS, [x, w, y], rows, n, k)
-    }
-
-    /// `matmul` for the product launched behind attention (the o projection), whose blocks may
-    /// start while attention's last kernel runs (flash_merge lets them). Where the tensor-core
-    /// GEMV's grid is one wave at two blocks an SM but two at one, it takes the form with
-    /// registers for two, so that the whole grid asks for its first weights before attention
-    /// ends: the batch-1 step of the 8B shape 1% shorter on an H100, though back to back that
-    /// form reads slower (docs/gpu-kernels.md). The same bits as `matmul`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul_behind_attention(
-        &self,
-        x: u64,
-        w: u64,
-        y: u64,
-        out: OutType,
-        rows: usize,
-        n: usize,
-        k: usize,
-    ) -> Result<()> {
-        let blocks = n.div_ceil(GEMV_MMA_COLS);
-        if Self::takes_mma_gemv(x, w, rows, k) && blocks > self.sms && blocks <= 2 * self.sms {
-            let f = &self.gemv_mma_two_per_sm;
-            return self.launch_gemv(f, blocks, GEMV_MMA_WARPS, [x, w, y], rows, n, k);
+        let groups = n.div_ceil(GEMV_MMA_COLS);
+        if groups.div_ceil(self.sms) == 2 {
+            let f = &self.gemv_mma_two_groups;
+            return self.launch_gemv(f, groups.div_ceil(2), GEMV_MMA_WARPS, [x, w, y], rows, n, k);
         }
-        self.matmul(x, w, y, out, rows, n, k)
+        self.launch_gemv(&self.gemv_mma, groups, GEMV_MMA_WARPS, [x, w, y], rows, n, k)
     }
 
     /// Whether `matmul` would run this product on the tensor-core GEMV, which alone has the

@@ -161,10 +161,7 @@ impl Ops<CudaWeights> for CudaStep<'_> {
             y = link.partial(self.reduce_slot, self.stream);
         }
         let (w, rows) = (self.ptr(weight), self.meta.tokens);
-        match input {
-            Act::Attn => self.gemm.matmul_behind_attention(x, w, y, OutType::F32, rows, n, k),
-            _ => self.gemm.matmul(x, w, y, OutType::F32, rows, n, k),
-        }
+        self.gemm.matmul(x, w, y, OutType::F32, rows, n, k)
     }
 
     fn qkv_rope_and_cache(&mut self, qkv: &CudaSlice<u16>, bias: Option<&CudaSlice<f32>>, layer: usize) -> Result<()> {

@@ -797,25 +797,31 @@ fn gemv_rows_are_bitwise_the_same_for_one_to_eight_rows() {
         }
     }
 
-    // The o projection's form, registers for two blocks an SM, on a grid of one and a half
-    // blocks an SM (where `matmul_behind_attention` takes it): gemv_mma's bits.
+    // Grids of two waves of 16-column blocks (o and down on the 8B shape) run in blocks of two
+    // groups: gemv_mma's bits. One and a half blocks an SM and a last group cut short (so the
+    // last block has one group past n), and exactly two an SM at down's k.
     let sms = g.sms();
-    let (n, k) = (16 * (sms + sms / 2), 4096);
-    let (xd, wd) = (
-        g.bf16s(&rounded(&values(8 * k, 23))),
-        g.bf16s(&rounded(&values(n * k, 24))),
-    );
-    for rows in 1..=8 {
-        let (a, b) = (g.zeros_f32(rows * n), g.zeros_f32(rows * n));
-        g.gemm.gemv_mma(g.p(&xd), g.p(&wd), g.p(&a), rows, n, k).unwrap();
-        g.gemm
-            .matmul_behind_attention(g.p(&xd), g.p(&wd), g.p(&b), OutType::F32, rows, n, k)
-            .unwrap();
-        let bits = |y: &CudaSlice<f32>| -> Vec<u32> { g.read_f32(y).iter().map(|v| v.to_bits()).collect() };
-        assert!(
-            bits(&a) == bits(&b),
-            "{n}x{k}, {rows} rows: the o projection's form differs"
+    for (n, k) in [(16 * (sms + sms / 2 + 1) - 8, 4096), (32 * sms, 14336)] {
+        let (xd, wd) = (
+            g.bf16s(&rounded(&values(8 * k, 23))),
+            g.bf16s(&rounded(&values(n * k, 24))),
         );
+        for rows in 1..=8 {
+            let (a, b) = (g.zeros_f32(rows * n), g.zeros_f32(rows * n));
+            let (r, n32, k32) = (rows as i32, n as i32, k as i32);
+            g.run(
+                &g.k.gemv_mma,
+                (n.div_ceil(16) as u32, 1),
+                512,
+                &[&g.p(&xd), &g.p(&wd), &g.p(&a), &r, &n32, &k32],
+            );
+            g.gemm.gemv_mma(g.p(&xd), g.p(&wd), g.p(&b), rows, n, k).unwrap();
+            let bits = |y: &CudaSlice<f32>| -> Vec<u32> { g.read_f32(y).iter().map(|v| v.to_bits()).collect() };
+            assert!(
+                bits(&a) == bits(&b),
+                "{n}x{k}, {rows} rows: blocks of two groups differ"
+            );
+        }
     }
 }
 
@@ -1410,18 +1416,19 @@ fn kernel_speeds() {
         for rows in [1usize, 2, 4, 8] {
             let (xp, yp) = (g.p(&x), g.p(&y));
             let bytes = (n * k * 2) as f64;
-            // The o projection runs behind attention in its own form (`matmul_behind_attention`).
-            let behind = (name == "o").then_some("gemv_mma behind attention");
-            for path in ["gemv_mma", "gemv", "cublas"].into_iter().chain(behind) {
+            // o and down take blocks of two groups; the row of one group a block beside them.
+            let two = matches!(name, "o" | "down").then_some("gemv_mma one group a block");
+            for path in ["gemv_mma", "gemv", "cublas"].into_iter().chain(two) {
                 let ms = median_ms(&g, 20, &|i| {
                     let wp = g.p(&ws[i % copies]);
                     match path {
                         "gemv_mma" => g.gemm.gemv_mma(xp, wp, yp, rows, n, k).unwrap(),
                         "gemv" => g.gemm.gemv(xp, wp, yp, rows, n, k).unwrap(),
-                        "gemv_mma behind attention" => g
-                            .gemm
-                            .matmul_behind_attention(xp, wp, yp, OutType::F32, rows, n, k)
-                            .unwrap(),
+                        "gemv_mma one group a block" => {
+                            let (r, n32, k32) = (rows as i32, n as i32, k as i32);
+                            let grid = (n.div_ceil(16) as u32, 1);
+                            launch(&g.stream, &g.k.gemv_mma, grid, 512, &[&xp, &wp, &yp, &r, &n32, &k32]).unwrap()
+                        }
                         _ => g.gemm.cublas(xp, wp, yp, OutType::F32, rows, n, k).unwrap(),
                     }
                 });
@@ -1436,8 +1443,8 @@ fn kernel_speeds() {
         }
     }
 
-    // What a GEMV launch costs besides its weights: o's grid (256 blocks) over one k-block of 32,
-    // back to back as above. The gap between o's time and its weights at the copy rate is about
+    // What a GEMV launch costs besides its weights: o's grid (256 groups of 16 columns, one wave
+    // of blocks of two) over one k-block of 32, back to back as above. The gap between o's time and its weights at the copy rate is about
     // this, whatever the kernel does with them.
     let (n, k) = (4096usize, 32usize);
     let (w, x, y) = (
