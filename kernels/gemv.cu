@@ -111,98 +111,16 @@ __device__ __forceinline__ void gemv_mma_block(float* c, uint4 wa, uint4 wb, uin
     mma_m16n8k16(c, wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
 }
 
-// One block's product for two columns per lane group (the mma's M rows g and g + 8, whose weight
-// rows are wa_row and wb_row: any two rows of w, which lets a caller pair the columns its epilogue
-// needs together). Warp 0 returns true with the block's sums in s: s[0], s[1] the first column
-// for rows 2t and 2t + 1, s[2], s[3] the second column for the same rows; the other warps return
-// false. Every caller thus sums over k in the same order.
-__device__ __forceinline__ bool gemv_mma_pair(const bf16* __restrict__ x, const bf16* __restrict__ wa_row,
-                                              const bf16* __restrict__ wb_row, int rows, int k, float* s) {
-    __shared__ float part[GEMV_MMA_MAX_WARPS][32][4];
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    int g = lane >> 2, t = lane & 3;
-    const uint4* wa = reinterpret_cast<const uint4*>(wa_row) + t;
-    const uint4* wb = reinterpret_cast<const uint4*>(wb_row) + t;
-    bool has_row = g < rows;
-    const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)(has_row ? g : 0) * k) + t;
-    uint4 zero = make_uint4(0, 0, 0, 0);
-    int blocks = k >> 5;
-    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    int b = segment_begin(warp, warps, blocks), end = segment_begin(warp + 1, warps, blocks);
-    uint4 va[GEMV_MMA_UNROLL], vb[GEMV_MMA_UNROLL];
-    // The weights are no earlier kernel's output: the first round of them is asked for before
-    // waiting on the kernel that writes x, so a short product's reads overlap that kernel's end.
-    bool loaded = b + GEMV_MMA_UNROLL <= end;
-    if (loaded) {
-#pragma unroll
-        for (int u = 0; u < GEMV_MMA_UNROLL; u++) {
-            int chunk = (b + u) * 4;
-            va[u] = load_streaming(wa + chunk);
-            vb[u] = load_streaming(wb + chunk);
-        }
-    }
-    after_previous_kernel();
-    for (; b + GEMV_MMA_UNROLL <= end; b += GEMV_MMA_UNROLL) {
-        uint4 vx[GEMV_MMA_UNROLL];
-#pragma unroll
-        for (int u = 0; u < GEMV_MMA_UNROLL; u++) {
-            int chunk = (b + u) * 4;
-            if (!loaded) {
-                va[u] = load_streaming(wa + chunk);
-                vb[u] = load_streaming(wb + chunk);
-            }
-            vx[u] = has_row ? xr[chunk] : zero;
-        }
-        loaded = false;
-#pragma unroll
-        for (int u = 0; u < GEMV_MMA_UNROLL; u++) gemv_mma_block(c, va[u], vb[u], vx[u]);
-    }
-    for (; b < end; b++) {
-        int chunk = b * 4;
-        gemv_mma_block(c, load_streaming(wa + chunk), load_streaming(wb + chunk), has_row ? xr[chunk] : zero);
-    }
-#pragma unroll
-    for (int e = 0; e < 4; e++) part[warp][lane][e] = c[e];
-    __syncthreads();
-    if (warp != 0) return false;
-#pragma unroll
-    for (int e = 0; e < 4; e++) s[e] = 0.0f;
-    for (int v = 0; v < warps; v++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) s[e] += part[v][lane][e];
-    return true;
-}
-
-__device__ __forceinline__ void gemv_mma_cols(const bf16* __restrict__ x, const bf16* __restrict__ w,
-                                              float* __restrict__ y, int rows, int n, int k) {
-    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    int ca = blockIdx.x * GEMV_MMA_COLS + g, cb = ca + 8;
-    // Columns past n read the last one; their sums are never written.
-    float s[4];
-    if (!gemv_mma_pair(x, w + (size_t)min(ca, n - 1) * k, w + (size_t)min(cb, n - 1) * k, rows, k, s)) return;
-#pragma unroll
-    for (int e = 0; e < 4; e++) {
-        int row = 2 * t + (e & 1), col = e < 2 ? ca : cb;
-        if (row < rows && col < n) y[(size_t)row * n + col] = s[e];
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, GEMV_MMA_MIN_BLOCKS)
-    gemv_mma(const bf16* __restrict__ x, const bf16* __restrict__ w, float* __restrict__ y, int rows, int n, int k) {
-    gemv_mma_cols(x, w, y, rows, n, k);
-}
-
-// The same product for a grid of two waves of gemv_mma (o and down on the 8B shape: 256 groups of
-// 16 columns on 132 SMs): a block takes two groups, so the grid is one wave, and each warp asks
-// for its segment of both groups' rows at once, 4 k-blocks of each in flight where gemv_mma has
-// 4 in all. One read of x serves both groups. Each group's sums are gemv_mma's chains, added in
-// gemv_mma's order: the same bits.
-#define GEMV_GROUPS 2
-#define GEMV_GROUPS_UNROLL 4
-extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, 1)
-    gemv_mma_two_groups(const bf16* __restrict__ x, const bf16* __restrict__ w, float* __restrict__ y, int rows,
-                        int n, int k) {
-    constexpr int C = GEMV_GROUPS, U = GEMV_GROUPS_UNROLL;
+// One block's product for C groups of two columns per lane group (the mma's M rows g and g + 8;
+// group i's weight rows are wa_rows[i] and wb_rows[i]: any two rows of w, which lets a caller pair
+// the columns its epilogue needs together). Each warp takes its segment of k for every group, one
+// read of x serving all of them. Warp i < C returns true with group i's sums in s: s[0], s[1] the
+// first column for rows 2t and 2t + 1, s[2], s[3] the second column for the same rows; the other
+// warps return false. Every caller and every C thus sums over k in the same order.
+template <int C>
+__device__ __forceinline__ bool gemv_mma_groups(const bf16* __restrict__ x, const bf16* const (&wa_rows)[C],
+                                                const bf16* const (&wb_rows)[C], int rows, int k, float* s) {
+    constexpr int U = GEMV_MMA_UNROLL;
     __shared__ float part[GEMV_MMA_MAX_WARPS][32][4 * C];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     int g = lane >> 2, t = lane & 3;
@@ -210,10 +128,8 @@ extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, 1)
     const uint4* wb[C];
 #pragma unroll
     for (int i = 0; i < C; i++) {
-        // Columns past n read the last one; their sums are never written.
-        int ca = (blockIdx.x * C + i) * GEMV_MMA_COLS + g, cb = ca + 8;
-        wa[i] = reinterpret_cast<const uint4*>(w + (size_t)min(ca, n - 1) * k) + t;
-        wb[i] = reinterpret_cast<const uint4*>(w + (size_t)min(cb, n - 1) * k) + t;
+        wa[i] = reinterpret_cast<const uint4*>(wa_rows[i]) + t;
+        wb[i] = reinterpret_cast<const uint4*>(wb_rows[i]) + t;
     }
     bool has_row = g < rows;
     const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)(has_row ? g : 0) * k) + t;
@@ -226,15 +142,17 @@ extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, 1)
         for (int e = 0; e < 4; e++) c[i][e] = 0.0f;
     int b = segment_begin(warp, warps, blocks), end = segment_begin(warp + 1, warps, blocks);
     uint4 va[C][U], vb[C][U];
-    // As in gemv_mma_pair: the first round of weights is asked for before the wait.
+    // The weights are no earlier kernel's output: the first round of them is asked for before
+    // waiting on the kernel that writes x, so a short product's reads overlap that kernel's end.
     bool loaded = b + U <= end;
     if (loaded) {
 #pragma unroll
         for (int u = 0; u < U; u++)
 #pragma unroll
             for (int i = 0; i < C; i++) {
-                va[i][u] = load_streaming(wa[i] + (b + u) * 4);
-                vb[i][u] = load_streaming(wb[i] + (b + u) * 4);
+                int chunk = (b + u) * 4;
+                va[i][u] = load_streaming(wa[i] + chunk);
+                vb[i][u] = load_streaming(wb[i] + chunk);
             }
     }
     after_previous_kernel();
@@ -260,28 +178,63 @@ extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, 1)
     }
     for (; b < end; b++) {
         int chunk = b * 4;
-        uint4 vx = has_row ? xr[chunk] : zero;
 #pragma unroll
         for (int i = 0; i < C; i++)
-            gemv_mma_block(c[i], load_streaming(wa[i] + chunk), load_streaming(wb[i] + chunk), vx);
+            gemv_mma_block(c[i], load_streaming(wa[i] + chunk), load_streaming(wb[i] + chunk),
+                           has_row ? xr[chunk] : zero);
     }
 #pragma unroll
     for (int i = 0; i < C; i++)
 #pragma unroll
         for (int e = 0; e < 4; e++) part[warp][lane][4 * i + e] = c[i][e];
     __syncthreads();
-    // Warp i adds group i's sums.
-    if (warp >= C) return;
-    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (warp >= C) return false;
+#pragma unroll
+    for (int e = 0; e < 4; e++) s[e] = 0.0f;
     for (int v = 0; v < warps; v++)
 #pragma unroll
         for (int e = 0; e < 4; e++) s[e] += part[v][lane][4 * warp + e];
-    int ca = (blockIdx.x * C + warp) * GEMV_MMA_COLS + g, cb = ca + 8;
+    return true;
+}
+
+// The plain product, blocks of C groups of 16 columns (rows of w): y[r, n] = sum_k x[r, k] w[n, k].
+template <int C>
+__device__ __forceinline__ void gemv_mma_cols(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                              float* __restrict__ y, int rows, int n, int k) {
+    int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    const bf16* wa[C];
+    const bf16* wb[C];
+#pragma unroll
+    for (int i = 0; i < C; i++) {
+        // Columns past n read the last one; their sums are never written.
+        int ca = (blockIdx.x * C + i) * GEMV_MMA_COLS + g, cb = ca + 8;
+        wa[i] = w + (size_t)min(ca, n - 1) * k;
+        wb[i] = w + (size_t)min(cb, n - 1) * k;
+    }
+    float s[4];
+    if (!gemv_mma_groups<C>(x, wa, wb, rows, k, s)) return;
+    // Warp i has group i's sums (warp 0 alone where there is one group).
+    int group = C == 1 ? 0 : threadIdx.x >> 5;
+    int ca = (blockIdx.x * C + group) * GEMV_MMA_COLS + g, cb = ca + 8;
 #pragma unroll
     for (int e = 0; e < 4; e++) {
         int row = 2 * t + (e & 1), col = e < 2 ? ca : cb;
         if (row < rows && col < n) y[(size_t)row * n + col] = s[e];
     }
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, GEMV_MMA_MIN_BLOCKS)
+    gemv_mma(const bf16* __restrict__ x, const bf16* __restrict__ w, float* __restrict__ y, int rows, int n, int k) {
+    gemv_mma_cols<1>(x, w, y, rows, n, k);
+}
+
+// The same product for a grid of two waves of gemv_mma (o and down on the 8B shape: 256 groups of
+// 16 columns on 132 SMs): a block takes two groups, so the grid is one wave, and each warp asks
+// for its segment of both groups' rows at once, twice gemv_mma's k-blocks in flight. The same bits.
+extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, 1)
+    gemv_mma_two_groups(const bf16* __restrict__ x, const bf16* __restrict__ w, float* __restrict__ y, int rows,
+                        int n, int k) {
+    gemv_mma_cols<2>(x, w, y, rows, n, k);
 }
 
 // The gate|up product with SiLU(gate) * up applied to its sums: a lane group's two columns are
@@ -293,7 +246,9 @@ extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, GEMV_MMA_M
     int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int j = blockIdx.x * (GEMV_MMA_COLS / 2) + g, jr = min(j, inter - 1);
     float s[4];
-    if (!gemv_mma_pair(x, w + (size_t)jr * k, w + (size_t)(inter + jr) * k, rows, k, s)) return;
+    const bf16* gate[1] = {w + (size_t)jr * k};
+    const bf16* up[1] = {w + (size_t)(inter + jr) * k};
+    if (!gemv_mma_groups<1>(x, gate, up, rows, k, s)) return;
 #pragma unroll
     for (int e = 0; e < 2; e++) {
         int row = 2 * t + e;
@@ -350,7 +305,9 @@ extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, GEMV_MMA_M
         }
     }
     float s[4];
-    if (!gemv_mma_pair(x, w + (size_t)ca * k, w + (size_t)cb * k, rows, k, s)) return;
+    const bf16* wa[1] = {w + (size_t)ca * k};
+    const bf16* wb[1] = {w + (size_t)cb * k};
+    if (!gemv_mma_groups<1>(x, wa, wb, rows, k, s)) return;
     if (!real) return;
 #pragma unroll
     for (int e = 0; e < 2; e++) {

@@ -160,8 +160,8 @@ impl Ops<CudaWeights> for CudaStep<'_> {
             self.reduce_slot = (input == Act::Hidden) as usize;
             y = link.partial(self.reduce_slot, self.stream);
         }
-        let (w, rows) = (self.ptr(weight), self.meta.tokens);
-        self.gemm.matmul(x, w, y, OutType::F32, rows, n, k)
+        self.gemm
+            .matmul(x, self.ptr(weight), y, OutType::F32, self.meta.tokens, n, k)
     }
 
     fn qkv_rope_and_cache(&mut self, qkv: &CudaSlice<u16>, bias: Option<&CudaSlice<f32>>, layer: usize) -> Result<()> {

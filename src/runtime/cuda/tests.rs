@@ -41,6 +41,13 @@ impl Gpu {
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .unwrap() as usize
     }
+    /// The tensor-core GEMV kernel in blocks of one group of 16 columns (16 warps a block),
+    /// whatever grid `Gemm::gemv_mma` would choose; queued, not waited for.
+    fn gemv_mma_one_group(&self, x: u64, w: u64, y: u64, rows: usize, n: usize, k: usize) {
+        let (r, n32, k32) = (rows as i32, n as i32, k as i32);
+        let grid = (n.div_ceil(16) as u32, 1);
+        launch(&self.stream, &self.k.gemv_mma, grid, 512, &[&x, &w, &y, &r, &n32, &k32]).unwrap();
+    }
     fn f32s(&self, v: &[f32]) -> CudaSlice<f32> {
         self.stream.clone_htod(v).unwrap()
     }
@@ -808,13 +815,7 @@ fn gemv_rows_are_bitwise_the_same_for_one_to_eight_rows() {
         );
         for rows in 1..=8 {
             let (a, b) = (g.zeros_f32(rows * n), g.zeros_f32(rows * n));
-            let (r, n32, k32) = (rows as i32, n as i32, k as i32);
-            g.run(
-                &g.k.gemv_mma,
-                (n.div_ceil(16) as u32, 1),
-                512,
-                &[&g.p(&xd), &g.p(&wd), &g.p(&a), &r, &n32, &k32],
-            );
+            g.gemv_mma_one_group(g.p(&xd), g.p(&wd), g.p(&a), rows, n, k);
             g.gemm.gemv_mma(g.p(&xd), g.p(&wd), g.p(&b), rows, n, k).unwrap();
             let bits = |y: &CudaSlice<f32>| -> Vec<u32> { g.read_f32(y).iter().map(|v| v.to_bits()).collect() };
             assert!(
@@ -1424,11 +1425,7 @@ fn kernel_speeds() {
                     match path {
                         "gemv_mma" => g.gemm.gemv_mma(xp, wp, yp, rows, n, k).unwrap(),
                         "gemv" => g.gemm.gemv(xp, wp, yp, rows, n, k).unwrap(),
-                        "gemv_mma one group a block" => {
-                            let (r, n32, k32) = (rows as i32, n as i32, k as i32);
-                            let grid = (n.div_ceil(16) as u32, 1);
-                            launch(&g.stream, &g.k.gemv_mma, grid, 512, &[&xp, &wp, &yp, &r, &n32, &k32]).unwrap()
-                        }
+                        "gemv_mma one group a block" => g.gemv_mma_one_group(xp, wp, yp, rows, n, k),
                         _ => g.gemm.cublas(xp, wp, yp, OutType::F32, rows, n, k).unwrap(),
                     }
                 });
@@ -1444,8 +1441,8 @@ fn kernel_speeds() {
     }
 
     // What a GEMV launch costs besides its weights: o's grid (256 groups of 16 columns, one wave
-    // of blocks of two) over one k-block of 32, back to back as above. The gap between o's time and its weights at the copy rate is about
-    // this, whatever the kernel does with them.
+    // of blocks of two) over one k-block of 32, back to back as above. The gap between o's time
+    // and its weights at the copy rate is about this, whatever the kernel does with them.
     let (n, k) = (4096usize, 32usize);
     let (w, x, y) = (
         random_bf16(&g, n * k, 30),
