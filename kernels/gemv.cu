@@ -111,6 +111,26 @@ __device__ __forceinline__ void gemv_mma_block(float* c, uint4 wa, uint4 wb, uin
     mma_m16n8k16(c, wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
 }
 
+// The end of every form's sum: each warp's chains for C groups, added in warp order (the
+// segments' order) by warp i for group i. Warp i < C returns true with group i's sums in s.
+template <int C>
+__device__ __forceinline__ bool gemv_mma_finish(const float (&c)[C][4], float* s) {
+    __shared__ float part[GEMV_MMA_MAX_WARPS][32][4 * C];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+#pragma unroll
+    for (int i = 0; i < C; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) part[warp][lane][4 * i + e] = c[i][e];
+    __syncthreads();
+    if (warp >= C) return false;
+#pragma unroll
+    for (int e = 0; e < 4; e++) s[e] = 0.0f;
+    for (int v = 0; v < warps; v++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) s[e] += part[v][lane][4 * warp + e];
+    return true;
+}
+
 // One block's product for C groups of two columns per lane group (the mma's M rows g and g + 8;
 // group i's weight rows are wa_rows[i] and wb_rows[i]: any two rows of w, which lets a caller pair
 // the columns its epilogue needs together). Each warp takes its segment of k for every group, one
@@ -121,7 +141,6 @@ template <int C>
 __device__ __forceinline__ bool gemv_mma_groups(const bf16* __restrict__ x, const bf16* const (&wa_rows)[C],
                                                 const bf16* const (&wb_rows)[C], int rows, int k, float* s) {
     constexpr int U = GEMV_MMA_UNROLL;
-    __shared__ float part[GEMV_MMA_MAX_WARPS][32][4 * C];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     int g = lane >> 2, t = lane & 3;
     const uint4* wa[C];
@@ -183,36 +202,109 @@ __device__ __forceinline__ bool gemv_mma_groups(const bf16* __restrict__ x, cons
             gemv_mma_block(c[i], load_streaming(wa[i] + chunk), load_streaming(wb[i] + chunk),
                            has_row ? xr[chunk] : zero);
     }
+    return gemv_mma_finish<C>(c, s);
+}
+
+// gemv_mma_groups' sums for C groups walked one group at a time: a step is 4 k-blocks of one
+// group (round r of the warp's segment, group i), and as soon as a step's mma have read its
+// registers, the step after next is asked for into them: two steps in flight while one is
+// multiplied. For a grid of C waves of gemv_mma (q|k|v on the 8B shape: 384 groups on
+// 132 SMs), which then runs in one, with the registers of 2 steps where asking for all C groups
+// at once would need C (and spills for 3). Each group's chain over k is gemv_mma's: the same bits.
+// Group i's weight rows are rows ra[i] and rb[i] of w (indices, not addresses: 3 groups' worth
+// of addresses would cost the registers of half a step).
+template <int C>
+__device__ __forceinline__ bool gemv_mma_rolling(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                                 const int (&ra)[C], const int (&rb)[C], int rows, int k,
+                                                 float* s) {
+    constexpr int U = GEMV_MMA_UNROLL;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    int g = lane >> 2, t = lane & 3;
+    // Each row's offset in 16-byte pieces, 32 bits wide (the host's grids of three waves have
+    // at most 48 x 132 rows).
+    const uint4* w4 = reinterpret_cast<const uint4*>(w) + t;
+    u32 oa[C], ob[C];
+#pragma unroll
+    for (int i = 0; i < C; i++) {
+        oa[i] = (u32)ra[i] * (u32)(k >> 3);
+        ob[i] = (u32)rb[i] * (u32)(k >> 3);
+    }
+    bool has_row = g < rows;
+    const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)(has_row ? g : 0) * k) + t;
+    uint4 zero = make_uint4(0, 0, 0, 0);
+    int blocks = k >> 5;
+    float c[C][4];
 #pragma unroll
     for (int i = 0; i < C; i++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) part[warp][lane][4 * i + e] = c[i][e];
-    __syncthreads();
-    if (warp >= C) return false;
+        for (int e = 0; e < 4; e++) c[i][e] = 0.0f;
+    int b0 = segment_begin(warp, warps, blocks), end = segment_begin(warp + 1, warps, blocks);
+    int rounds = (end - b0) / U, steps = rounds * C;
+    // Step st is group st % C of round st / C, in buffer st % 2. A pass is 2C steps (two
+    // rounds), so within it each step's group, buffer and round are known when compiled and
+    // the buffers stay in registers.
+    uint4 va[2][U], vb[2][U], vx[U];
+    auto load = [&](int buf, int i, u32 piece) {
 #pragma unroll
-    for (int e = 0; e < 4; e++) s[e] = 0.0f;
-    for (int v = 0; v < warps; v++)
+        for (int u = 0; u < U; u++) {
+            va[buf][u] = load_streaming(w4 + (oa[i] + piece + 4 * u));
+            vb[buf][u] = load_streaming(w4 + (ob[i] + piece + 4 * u));
+        }
+    };
+    // The weights are no earlier kernel's output: the first two steps are asked for before
+    // waiting on the kernel that writes x.
+    if (steps > 0) load(0, 0, b0 * 4);
+    if (steps > 1) load(1, 1 % C, (b0 + (1 / C) * U) * 4);
+    after_previous_kernel();
+    for (int s0 = 0; s0 < steps; s0 += 2 * C) {
+        u32 pass = (b0 + (s0 / C) * U) * 4;  // the pass's first piece
 #pragma unroll
-        for (int e = 0; e < 4; e++) s[e] += part[v][lane][4 * warp + e];
-    return true;
+        for (int j = 0; j < 2 * C; j++) {
+            if (j < C || s0 + C < steps) {
+                if (j % C == 0) {
+#pragma unroll
+                    for (int u = 0; u < U; u++) vx[u] = has_row ? xr[pass + (j / C) * U * 4 + 4 * u] : zero;
+                }
+#pragma unroll
+                for (int u = 0; u < U; u++) gemv_mma_block(c[j % C], va[j % 2][u], vb[j % 2][u], vx[u]);
+                if (s0 + j + 2 < steps) load(j % 2, (j + 2) % C, pass + ((j + 2) / C) * U * 4);
+            }
+        }
+    }
+    for (int b = b0 + rounds * U; b < end; b++) {
+        u32 piece = b * 4;
+        uint4 v = has_row ? xr[piece] : zero;
+#pragma unroll
+        for (int i = 0; i < C; i++)
+            gemv_mma_block(c[i], load_streaming(w4 + (oa[i] + piece)), load_streaming(w4 + (ob[i] + piece)), v);
+    }
+    return gemv_mma_finish<C>(c, s);
 }
 
 // The plain product, blocks of C groups of 16 columns (rows of w): y[r, n] = sum_k x[r, k] w[n, k].
-template <int C>
+template <int C, bool ROLL = false>
 __device__ __forceinline__ void gemv_mma_cols(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                               float* __restrict__ y, int rows, int n, int k) {
     int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    int ra[C], rb[C];
     const bf16* wa[C];
     const bf16* wb[C];
 #pragma unroll
     for (int i = 0; i < C; i++) {
         // Columns past n read the last one; their sums are never written.
-        int ca = (blockIdx.x * C + i) * GEMV_MMA_COLS + g, cb = ca + 8;
-        wa[i] = w + (size_t)min(ca, n - 1) * k;
-        wb[i] = w + (size_t)min(cb, n - 1) * k;
+        int ca = (blockIdx.x * C + i) * GEMV_MMA_COLS + g;
+        ra[i] = min(ca, n - 1);
+        rb[i] = min(ca + 8, n - 1);
+        wa[i] = w + (size_t)ra[i] * k;
+        wb[i] = w + (size_t)rb[i] * k;
     }
     float s[4];
-    if (!gemv_mma_groups<C>(x, wa, wb, rows, k, s)) return;
+    bool mine;
+    if constexpr (ROLL)
+        mine = gemv_mma_rolling<C>(x, w, ra, rb, rows, k, s);
+    else
+        mine = gemv_mma_groups<C>(x, wa, wb, rows, k, s);
+    if (!mine) return;
     // Warp i has group i's sums (warp 0 alone where there is one group).
     int group = C == 1 ? 0 : threadIdx.x >> 5;
     int ca = (blockIdx.x * C + group) * GEMV_MMA_COLS + g, cb = ca + 8;
@@ -235,6 +327,14 @@ extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, 1)
     gemv_mma_two_groups(const bf16* __restrict__ x, const bf16* __restrict__ w, float* __restrict__ y, int rows,
                         int n, int k) {
     gemv_mma_cols<2>(x, w, y, rows, n, k);
+}
+
+// The same product for a grid of three waves of gemv_mma (q|k|v's plain product on the 8B shape):
+// blocks of three groups walked in turn (gemv_mma_rolling), one wave. The same bits.
+extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, 1)
+    gemv_mma_three_groups(const bf16* __restrict__ x, const bf16* __restrict__ w, float* __restrict__ y, int rows,
+                          int n, int k) {
+    gemv_mma_cols<3, true>(x, w, y, rows, n, k);
 }
 
 // The gate|up product with SiLU(gate) * up applied to its sums: a lane group's two columns are
@@ -260,55 +360,88 @@ extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, GEMV_MMA_M
 // q and k rotated, q written as attention's bf16 input and k and v into the token's KV slot. A
 // lane group's two columns are a rotary pair of a q or k head (adjacent or half a head apart, as
 // `halves` says), or two neighbouring columns of v; pairs are numbered q and k heads first, then
-// v. Arguments after k are rope_and_cache's.
-extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, GEMV_MMA_MIN_BLOCKS)
-    gemv_mma_rope(const bf16* __restrict__ x, const bf16* __restrict__ w, int rows, int k, const float* bias,
-                  const u32* positions, const float* cos_t, const float* sin_t, int heads, int kv_heads,
-                  int head_dim, int halves, const u32* slots, bf16* q_out, bf16* k_cache, bf16* v_cache) {
-    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+// v. A block takes C groups of 8 pairs (gemv_mma_rolling's walk where C > 1). Arguments after k
+// are rope_and_cache's.
+struct RopePair {
+    int p, h, j, a, b, ca, cb;
+    bool real, rotated;
+};
+
+__device__ __forceinline__ RopePair rope_pair(int p, int heads, int kv_heads, int head_dim, int halves) {
     int half = head_dim / 2;
     int rotated = (heads + kv_heads) * half, pairs = rotated + kv_heads * half;
-    int p = min(blockIdx.x * (GEMV_MMA_COLS / 2) + g, pairs - 1);
-    bool real = blockIdx.x * (GEMV_MMA_COLS / 2) + g < pairs;
-    int h = p / half, j = p - h * half;
-    int a = halves ? j : 2 * j, b = halves ? j + half : 2 * j + 1;
-    int ca, cb;
-    if (p < rotated) {
-        ca = h * head_dim + a;
-        cb = h * head_dim + b;
+    RopePair r;
+    r.real = p < pairs;
+    r.p = min(p, pairs - 1);
+    r.h = r.p / half;
+    r.j = r.p - r.h * half;
+    r.a = halves ? r.j : 2 * r.j;
+    r.b = halves ? r.j + half : 2 * r.j + 1;
+    r.rotated = r.p < rotated;
+    if (r.rotated) {
+        r.ca = r.h * head_dim + r.a;
+        r.cb = r.h * head_dim + r.b;
     } else {
-        ca = (heads + kv_heads) * head_dim + 2 * (p - rotated);
-        cb = ca + 1;
+        r.ca = (heads + kv_heads) * head_dim + 2 * (r.p - rotated);
+        r.cb = r.ca + 1;
     }
-    int q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+    return r;
+}
+
+template <int C>
+__device__ __forceinline__ void gemv_mma_rope_groups(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                                     int rows, int k, const float* bias, const u32* positions,
+                                                     const float* cos_t, const float* sin_t, int heads,
+                                                     int kv_heads, int head_dim, int halves, const u32* slots,
+                                                     bf16* q_out, bf16* k_cache, bf16* v_cache) {
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int half = head_dim / 2, kv_size = kv_heads * head_dim;
+    int ra[C], rb[C];
+#pragma unroll
+    for (int i = 0; i < C; i++) {
+        RopePair r = rope_pair((blockIdx.x * C + i) * (GEMV_MMA_COLS / 2) + g, heads, kv_heads, head_dim, halves);
+        ra[i] = r.ca;
+        rb[i] = r.cb;
+    }
+    // The pair this warp finishes (warp i < C: group i).
+    int mine_at = (blockIdx.x * C + min((int)(threadIdx.x >> 5), C - 1)) * (GEMV_MMA_COLS / 2) + g;
+    RopePair r = rope_pair(mine_at, heads, kv_heads, head_dim, halves);
     // What the sums are finished with (the bias, the rotation's angles, the slots: weights,
     // tables and uploads, which no kernel writes) is read before the product, by the warp that
     // finishes them, so that the blocks of the last wave end without two more round trips
     // (position, then angle) after their last mma.
     float bias_a = 0.0f, bias_b = 0.0f, cos_r[2] = {1.0f, 1.0f}, sin_r[2] = {0.0f, 0.0f};
-    size_t slot_r[2] = {0, 0};
-    if (threadIdx.x < 32 && real) {
+    u32 slot_r[2] = {0, 0};
+    if ((threadIdx.x >> 5) < C && r.real) {
         if (bias) {
-            bias_a = bias[ca];
-            bias_b = bias[cb];
+            bias_a = bias[r.ca];
+            bias_b = bias[r.cb];
         }
 #pragma unroll
         for (int e = 0; e < 2; e++) {
             int row = 2 * t + e;
             if (row >= rows) continue;
-            slot_r[e] = (size_t)slots[row] * kv_size;
-            if (p < rotated) {
-                size_t at = (size_t)positions[row] * half + j;
+            slot_r[e] = slots[row];
+            if (r.rotated) {
+                size_t at = (size_t)positions[row] * half + r.j;
                 cos_r[e] = cos_t[at];
                 sin_r[e] = sin_t[at];
             }
         }
     }
     float s[4];
-    const bf16* wa[1] = {w + (size_t)ca * k};
-    const bf16* wb[1] = {w + (size_t)cb * k};
-    if (!gemv_mma_groups<1>(x, wa, wb, rows, k, s)) return;
-    if (!real) return;
+    bool mine;
+    if constexpr (C == 1) {
+        const bf16* wa[1] = {w + (size_t)ra[0] * k};
+        const bf16* wb[1] = {w + (size_t)rb[0] * k};
+        mine = gemv_mma_groups<1>(x, wa, wb, rows, k, s);
+    } else {
+        mine = gemv_mma_rolling<C>(x, w, ra, rb, rows, k, s);
+    }
+    if (!mine) return;
+    r = rope_pair(mine_at, heads, kv_heads, head_dim, halves);
+    if (!r.real) return;
+    int q_size = heads * head_dim;
 #pragma unroll
     for (int e = 0; e < 2; e++) {
         int row = 2 * t + e;
@@ -318,18 +451,30 @@ extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, GEMV_MMA_M
             x0 += bias_a;
             x1 += bias_b;
         }
-        size_t slot = slot_r[e];
-        if (p < rotated) {
-            bf16* dst = h < heads ? q_out + (size_t)row * q_size + h * head_dim
-                                  : k_cache + slot + (h - heads) * head_dim;
-            rotate_pair(x0, x1, cos_r[e], sin_r[e], dst + a, dst + b);
+        size_t slot = (size_t)slot_r[e] * kv_size;
+        if (r.rotated) {
+            bf16* dst = r.h < heads ? q_out + (size_t)row * q_size + r.h * head_dim
+                                    : k_cache + slot + (r.h - heads) * head_dim;
+            rotate_pair(x0, x1, cos_r[e], sin_r[e], dst + r.a, dst + r.b);
         } else {
-            bf16* dst = v_cache + slot + (ca - (heads + kv_heads) * head_dim);
+            bf16* dst = v_cache + slot + (r.ca - (heads + kv_heads) * head_dim);
             dst[0] = f32_to_bf16(x0);
             dst[1] = f32_to_bf16(x1);
         }
     }
 }
+
+#define GEMV_ROPE_KERNEL(NAME, C)                                                                                \
+    extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, GEMV_MMA_MIN_BLOCKS)                  \
+        NAME(const bf16* __restrict__ x, const bf16* __restrict__ w, int rows, int k, const float* bias,          \
+             const u32* positions, const float* cos_t, const float* sin_t, int heads, int kv_heads, int head_dim, \
+             int halves, const u32* slots, bf16* q_out, bf16* k_cache, bf16* v_cache) {                           \
+        gemv_mma_rope_groups<C>(x, w, rows, k, bias, positions, cos_t, sin_t, heads, kv_heads, head_dim, halves,  \
+                                slots, q_out, k_cache, v_cache);                                                  \
+    }
+GEMV_ROPE_KERNEL(gemv_mma_rope, 1)
+// For a grid of three waves of gemv_mma_rope (the 8B shape's 384 groups on 132 SMs): one wave.
+GEMV_ROPE_KERNEL(gemv_mma_rope_three, 3)
 
 // y[r, n] = sum_k x[r, k] * w[n, k] for any number of rows, with gemv_mma's bits: the batch-
 // invariant product (`--batch-invariant`), where a row's result must not depend on whether its

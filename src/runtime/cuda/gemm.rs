@@ -28,8 +28,10 @@ pub struct Gemm {
     gemv: CudaFunction,
     gemv_mma: CudaFunction,
     gemv_mma_two_groups: CudaFunction,
+    gemv_mma_three_groups: CudaFunction,
     gemv_mma_silu: CudaFunction,
     gemv_mma_rope: CudaFunction,
+    gemv_mma_rope_three: CudaFunction,
     /// The batch-invariant products' kernels, one per `GemmTile`, and the wgmma tiles' forms
     /// that read x permuted (`permute_k32`, into `scratch`).
     tiles: [CudaFunction; 4],
@@ -362,8 +364,10 @@ impl Gemm {
             gemv: kernels.gemv_bf16.clone(),
             gemv_mma: kernels.gemv_mma.clone(),
             gemv_mma_two_groups: kernels.gemv_mma_two_groups.clone(),
+            gemv_mma_three_groups: kernels.gemv_mma_three_groups.clone(),
             gemv_mma_silu: kernels.gemv_mma_silu.clone(),
             gemv_mma_rope: kernels.gemv_mma_rope.clone(),
+            gemv_mma_rope_three: kernels.gemv_mma_rope_three.clone(),
             tiles: all.map(|t| t.function(kernels, false).clone()),
             tiles_permuted: all.map(|t| t.function(kernels, true).clone()),
             permute: kernels.permute_k32.clone(),
@@ -503,16 +507,28 @@ impl Gemm {
     }
 
     /// `matmul` through the tensor-core GEMV kernel (`rows <= GEMV_MAX_ROWS`, `k` a multiple of
-    /// 32). Where its grid of 16-column blocks would be two waves at one block an SM (o and down
-    /// on the 8B shape), a form whose blocks take two groups of 16 runs it in one, with twice
-    /// the weights in flight a warp and the same bits (docs/gpu-kernels.md).
+    /// 32). Where its grid of 16-column blocks would be two or three waves at one block an SM
+    /// (o and down on the 8B shape: two; q|k|v: three), a form whose blocks take two or three
+    /// groups of 16 runs it in one, with the same bits (docs/gpu-kernels.md).
     pub fn gemv_mma(&self, x: u64, w: u64, y: u64, rows: usize, n: usize, k: usize) -> Result<()> {
         let groups = n.div_ceil(GEMV_MMA_COLS);
-        if groups.div_ceil(self.sms) == 2 {
-            let f = &self.gemv_mma_two_groups;
-            return self.launch_gemv(f, groups.div_ceil(2), GEMV_MMA_WARPS, [x, w, y], rows, n, k);
+        let (f, per_block) = match self.groups_a_block(groups, n, k) {
+            2 => (&self.gemv_mma_two_groups, 2),
+            3 => (&self.gemv_mma_three_groups, 3),
+            _ => (&self.gemv_mma, 1),
+        };
+        self.launch_gemv(f, groups.div_ceil(per_block), GEMV_MMA_WARPS, [x, w, y], rows, n, k)
+    }
+
+    /// Groups of 16 columns a block that put a GEMV grid of `groups` (over `n` rows of `k`) in
+    /// one wave at one block an SM, where a form for that many exists (2 or 3); else 1. The
+    /// three-group forms take rows' offsets in 16-byte pieces as 32-bit numbers.
+    fn groups_a_block(&self, groups: usize, n: usize, k: usize) -> usize {
+        match groups.div_ceil(self.sms) {
+            2 => 2,
+            3 if n * k / 8 <= u32::MAX as usize => 3,
+            _ => 1,
         }
-        self.launch_gemv(&self.gemv_mma, groups, GEMV_MMA_WARPS, [x, w, y], rows, n, k)
     }
 
     /// Whether `matmul` would run this product on the tensor-core GEMV, which alone has the
@@ -535,17 +551,18 @@ impl Gemm {
     /// where `takes_mma_gemv`.
     pub fn gemv_rope(&self, x: u64, w: u64, rows: usize, k: usize, rope: &RopeArgs) -> Result<()> {
         let pairs = (rope.heads + 2 * rope.kv_heads) as usize * rope.head_dim as usize / 2;
-        let blocks = pairs.div_ceil(GEMV_MMA_COLS / 2);
+        let groups = pairs.div_ceil(GEMV_MMA_COLS / 2);
+        // The 8B shape's 384 groups: one wave of blocks of three, as gemv_mma runs them.
+        let width = 2 * pairs;
+        let (f, per_block) = match self.groups_a_block(groups, width, k) {
+            3 => (&self.gemv_mma_rope_three, 3),
+            _ => (&self.gemv_mma_rope, 1),
+        };
         let (r, k32) = (rows as i32, k as i32);
         let mut args: Vec<&dyn super::Arg> = vec![&x, &w, &r, &k32, &rope.bias];
         args.extend(rope.kernel_args());
-        super::launch(
-            &self.stream,
-            &self.gemv_mma_rope,
-            (blocks as u32, 1),
-            (GEMV_MMA_WARPS * 32) as u32,
-            &args,
-        )
+        let blocks = groups.div_ceil(per_block) as u32;
+        super::launch(&self.stream, f, (blocks, 1), (GEMV_MMA_WARPS * 32) as u32, &args)
     }
 
     /// Both GEMV kernels take `(x, w, y, rows, n, k)`.

@@ -804,11 +804,19 @@ fn gemv_rows_are_bitwise_the_same_for_one_to_eight_rows() {
         }
     }
 
-    // Grids of two waves of 16-column blocks (o and down on the 8B shape) run in blocks of two
-    // groups: gemv_mma's bits. One and a half blocks an SM and a last group cut short (so the
-    // last block has one group past n), and exactly two an SM at down's k.
+    // Grids of two or three waves of 16-column blocks (o and down on the 8B shape; q|k|v) run
+    // in blocks of two or three groups: gemv_mma's bits. One and a half (two and a half) blocks
+    // an SM with a last group cut short, so the last block has a group past n; exactly two an
+    // SM at down's k; exactly three at a k whose segments are an odd number of rounds of 4
+    // k-blocks and a tail (14 k-blocks a warp).
     let sms = g.sms();
-    for (n, k) in [(16 * (sms + sms / 2 + 1) - 8, 4096), (32 * sms, 14336)] {
+    let grids = [
+        (16 * (sms + sms / 2 + 1) - 8, 4096),
+        (32 * sms, 14336),
+        (16 * (2 * sms + sms / 2 + 1) - 8, 4096),
+        (48 * sms, 7168),
+    ];
+    for (n, k) in grids {
         let (xd, wd) = (
             g.bf16s(&rounded(&values(8 * k, 23))),
             g.bf16s(&rounded(&values(n * k, 24))),
@@ -820,7 +828,7 @@ fn gemv_rows_are_bitwise_the_same_for_one_to_eight_rows() {
             let bits = |y: &CudaSlice<f32>| -> Vec<u32> { g.read_f32(y).iter().map(|v| v.to_bits()).collect() };
             assert!(
                 bits(&a) == bits(&b),
-                "{n}x{k}, {rows} rows: blocks of two groups differ"
+                "{n}x{k}, {rows} rows: blocks of several groups differ"
             );
         }
     }
@@ -919,11 +927,19 @@ fn batch_invariant_products_give_every_row_the_bits_it_gets_alone() {
 fn fused_gemv_epilogues_give_the_bits_of_the_separate_kernels() {
     let Some(g) = gpu() else { return };
     let bits = |s: &CudaSlice<u16>| -> Vec<u16> { g.stream.clone_dtoh(s).unwrap() };
+    // A q|k|v whose rope grid is three waves of 8-pair groups with the last block of three cut
+    // short: (heads + 2) x 4 groups of one kv head of 64, past two an SM and not a multiple of 3.
+    let sms = g.sms();
+    let mut wide_heads = (2 * sms + 1).div_ceil(4) - 2;
+    if (wide_heads + 2) * 4 % 3 == 0 {
+        wide_heads += 1;
+    }
     // (hidden, heads, kv_heads, head_dim, intermediate, bias)
     for (d, heads, kv_heads, head_dim, inter, bias) in [
         (576usize, 9usize, 3usize, 64usize, 1536usize, false),
         (4096, 32, 8, 128, 14336, false),
         (896, 14, 2, 64, 4864, true),
+        (576, wide_heads, 1, 64, 1536, true),
     ] {
         let (q_size, kv_size) = (heads * head_dim, kv_heads * head_dim);
         let width = q_size + 2 * kv_size;
