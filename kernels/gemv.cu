@@ -220,8 +220,8 @@ __device__ __forceinline__ bool gemv_mma_rolling(const bf16* __restrict__ x, con
     constexpr int U = GEMV_MMA_UNROLL;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     int g = lane >> 2, t = lane & 3;
-    // Each row's offset in 16-byte pieces, 32 bits wide (the host's grids of three waves have
-    // at most 48 x 132 rows).
+    // Each row's offset in 16-byte pieces, 32 bits wide (the host takes these forms only where
+    // every piece of w has such an offset).
     const uint4* w4 = reinterpret_cast<const uint4*>(w) + t;
     u32 oa[C], ob[C];
 #pragma unroll
