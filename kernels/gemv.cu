@@ -132,14 +132,14 @@ __device__ __forceinline__ bool gemv_mma_finish(const float (&c)[C][4], float* s
 }
 
 // One block's product for C groups of two columns per lane group (the mma's M rows g and g + 8;
-// group i's weight rows are wa_rows[i] and wb_rows[i]: any two rows of w, which lets a caller pair
-// the columns its epilogue needs together). Each warp takes its segment of k for every group, one
+// group i's weight rows are rows ra[i] and rb[i] of w: any two, which lets a caller pair the
+// columns its epilogue needs together). Each warp takes its segment of k for every group, one
 // read of x serving all of them. Warp i < C returns true with group i's sums in s: s[0], s[1] the
 // first column for rows 2t and 2t + 1, s[2], s[3] the second column for the same rows; the other
 // warps return false. Every caller and every C thus sums over k in the same order.
 template <int C>
-__device__ __forceinline__ bool gemv_mma_groups(const bf16* __restrict__ x, const bf16* const (&wa_rows)[C],
-                                                const bf16* const (&wb_rows)[C], int rows, int k, float* s) {
+__device__ __forceinline__ bool gemv_mma_groups(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                                const int (&ra)[C], const int (&rb)[C], int rows, int k, float* s) {
     constexpr int U = GEMV_MMA_UNROLL;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     int g = lane >> 2, t = lane & 3;
@@ -147,8 +147,8 @@ __device__ __forceinline__ bool gemv_mma_groups(const bf16* __restrict__ x, cons
     const uint4* wb[C];
 #pragma unroll
     for (int i = 0; i < C; i++) {
-        wa[i] = reinterpret_cast<const uint4*>(wa_rows[i]) + t;
-        wb[i] = reinterpret_cast<const uint4*>(wb_rows[i]) + t;
+        wa[i] = reinterpret_cast<const uint4*>(w + (size_t)ra[i] * k) + t;
+        wb[i] = reinterpret_cast<const uint4*>(w + (size_t)rb[i] * k) + t;
     }
     bool has_row = g < rows;
     const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)(has_row ? g : 0) * k) + t;
@@ -211,8 +211,8 @@ __device__ __forceinline__ bool gemv_mma_groups(const bf16* __restrict__ x, cons
 // multiplied. For a grid of C waves of gemv_mma (q|k|v on the 8B shape: 384 groups on
 // 132 SMs), which then runs in one, with the registers of 2 steps where asking for all C groups
 // at once would need C (and spills for 3). Each group's chain over k is gemv_mma's: the same bits.
-// Group i's weight rows are rows ra[i] and rb[i] of w (indices, not addresses: 3 groups' worth
-// of addresses would cost the registers of half a step).
+// Its rows' offsets are kept as 32-bit numbers, not addresses: 3 groups' worth of addresses
+// would cost the registers of half a step.
 template <int C>
 __device__ __forceinline__ bool gemv_mma_rolling(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                                  const int (&ra)[C], const int (&rb)[C], int rows, int k,
@@ -287,23 +287,19 @@ __device__ __forceinline__ void gemv_mma_cols(const bf16* __restrict__ x, const 
                                               float* __restrict__ y, int rows, int n, int k) {
     int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
     int ra[C], rb[C];
-    const bf16* wa[C];
-    const bf16* wb[C];
 #pragma unroll
     for (int i = 0; i < C; i++) {
         // Columns past n read the last one; their sums are never written.
         int ca = (blockIdx.x * C + i) * GEMV_MMA_COLS + g;
         ra[i] = min(ca, n - 1);
         rb[i] = min(ca + 8, n - 1);
-        wa[i] = w + (size_t)ra[i] * k;
-        wb[i] = w + (size_t)rb[i] * k;
     }
     float s[4];
     bool mine;
     if constexpr (ROLL)
         mine = gemv_mma_rolling<C>(x, w, ra, rb, rows, k, s);
     else
-        mine = gemv_mma_groups<C>(x, wa, wb, rows, k, s);
+        mine = gemv_mma_groups<C>(x, w, ra, rb, rows, k, s);
     if (!mine) return;
     // Warp i has group i's sums (warp 0 alone where there is one group).
     int group = C == 1 ? 0 : threadIdx.x >> 5;
@@ -346,9 +342,8 @@ extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, GEMV_MMA_M
     int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int j = blockIdx.x * (GEMV_MMA_COLS / 2) + g, jr = min(j, inter - 1);
     float s[4];
-    const bf16* gate[1] = {w + (size_t)jr * k};
-    const bf16* up[1] = {w + (size_t)(inter + jr) * k};
-    if (!gemv_mma_groups<1>(x, gate, up, rows, k, s)) return;
+    int gate[1] = {jr}, up[1] = {inter + jr};
+    if (!gemv_mma_groups<1>(x, w, gate, up, rows, k, s)) return;
 #pragma unroll
     for (int e = 0; e < 2; e++) {
         int row = 2 * t + e;
@@ -431,13 +426,10 @@ __device__ __forceinline__ void gemv_mma_rope_groups(const bf16* __restrict__ x,
     }
     float s[4];
     bool mine;
-    if constexpr (C == 1) {
-        const bf16* wa[1] = {w + (size_t)ra[0] * k};
-        const bf16* wb[1] = {w + (size_t)rb[0] * k};
-        mine = gemv_mma_groups<1>(x, wa, wb, rows, k, s);
-    } else {
+    if constexpr (C == 1)
+        mine = gemv_mma_groups<1>(x, w, ra, rb, rows, k, s);
+    else
         mine = gemv_mma_rolling<C>(x, w, ra, rb, rows, k, s);
-    }
     if (!mine) return;
     r = rope_pair(mine_at, heads, kv_heads, head_dim, halves);
     if (!r.real) return;
