@@ -1433,9 +1433,10 @@ fn kernel_speeds() {
         for rows in [1usize, 2, 4, 8] {
             let (xp, yp) = (g.p(&x), g.p(&y));
             let bytes = (n * k * 2) as f64;
-            // o and down take blocks of two groups; the row of one group a block beside them.
-            let two = matches!(name, "o" | "down").then_some("gemv_mma one group a block");
-            for path in ["gemv_mma", "gemv", "cublas"].into_iter().chain(two) {
+            // o and down take blocks of two groups, q|k|v of three; the row of one group a block
+            // beside them.
+            let several = matches!(name, "o" | "down" | "qkv").then_some("gemv_mma one group a block");
+            for path in ["gemv_mma", "gemv", "cublas"].into_iter().chain(several) {
                 let ms = median_ms(&g, 20, &|i| {
                     let wp = g.p(&ws[i % copies]);
                     match path {
