@@ -111,6 +111,100 @@ __device__ __forceinline__ void gemv_mma_block(float* c, uint4 wa, uint4 wb, uin
     mma_m16n8k16(c, wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
 }
 
+// What a product does around its wait on the kernel before, before its first read of x:
+// nothing, or (StreamNorm) make x itself. `early` runs before the wait, the call after it.
+struct NoPrologue {
+    __device__ __forceinline__ void early() const {}
+    __device__ __forceinline__ void operator()() const {}
+};
+
+// x's row stride in shared memory where a product makes its own x: 64 bytes past the row, so
+// that the two rows a quarter warp reads (lanes g and g + 1) fall in different banks.
+#define GEMV_X_PAD 32
+// add_rms_norm's block (the host's ROW_THREADS) and its pieces a thread (NORM_PIECES).
+#define GEMV_NORM_THREADS 1024
+#define GEMV_NORM_PIECES 4
+
+// add_rms_norm's output for `rows` rows of the residual stream whose branch is already added
+// (no residual, no write-back), made by every block of the product that reads it, into shared
+// memory as that product's x: the norm's launch, its wait and the product's read of its output
+// leave the step's chain. The block's threads stand in for the norm's 1,024 (thread i for
+// i, i + blockDim, ...), so each sum of squares is taken in the norm's order (each of its
+// threads' pieces, its warps' butterflies, then the butterfly of the 32 warps' sums) and each
+// value scaled as it scales it: the norm's bits. The weight, which no kernel writes, is copied
+// into shared memory before the wait; after it, every row's sums are taken at once (one
+// round trip for the stream, two barriers whatever the rows). The host takes this only where
+// the norm's fast path would (d a multiple of 4, at most 4 pieces a thread) and blockDim
+// divides 1,024.
+struct StreamNorm {
+    const float* stream;
+    const float* weight;
+    bf16* x;
+    float* w_smem;
+    int stride, rows, d;
+    float eps;
+    __device__ __forceinline__ void early() const {
+        for (int c = threadIdx.x; c < (d >> 2); c += blockDim.x)
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(w_smem + 4 * c)),
+                         "l"(weight + 4 * c));
+        asm volatile("cp.async.commit_group;\n" ::);
+    }
+    __device__ __forceinline__ void operator()() const {
+        __shared__ float partial[GEMV_MAX_ROWS][32];
+        __shared__ float scales[GEMV_MAX_ROWS];
+        int pieces = d >> 2, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+        for (int r = 0; r < rows; r++) {
+            const float4* xr = reinterpret_cast<const float4*>(stream + (size_t)r * d);
+            for (int i = threadIdx.x; i < GEMV_NORM_THREADS; i += blockDim.x) {
+                float ss = 0.0f;
+#pragma unroll
+                for (int j = 0; j < GEMV_NORM_PIECES; j++) {
+                    int c = i + j * GEMV_NORM_THREADS;
+                    if (c >= pieces) continue;
+                    float4 a = xr[c];
+                    ss += a.x * a.x;
+                    ss += a.y * a.y;
+                    ss += a.z * a.z;
+                    ss += a.w * a.w;
+                }
+                ss = warp_sum(ss);
+                if (lane == 0) partial[r][i >> 5] = ss;
+            }
+        }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        __syncthreads();
+        if (warp < rows) {
+            float total = warp_sum(partial[warp][lane]);
+            if (lane == 0) scales[warp] = rsqrtf(total / (float)d + eps);
+        }
+        __syncthreads();
+        const float4* w4 = reinterpret_cast<const float4*>(w_smem);
+        for (int r = 0; r < rows; r++) {
+            const float4* xr = reinterpret_cast<const float4*>(stream + (size_t)r * d);
+            float scale = scales[r];
+            uint2* out = reinterpret_cast<uint2*>(x + (size_t)r * stride);
+            for (int c = threadIdx.x; c < pieces; c += blockDim.x) {
+                float4 v = xr[c], w = w4[c];
+                uint2 packed;
+                packed.x = (u32)f32_to_bf16(v.x * scale * w.x) | ((u32)f32_to_bf16(v.y * scale * w.y) << 16);
+                packed.y = (u32)f32_to_bf16(v.z * scale * w.z) | ((u32)f32_to_bf16(v.w * scale * w.w) << 16);
+                out[c] = packed;
+            }
+        }
+        __syncthreads();
+    }
+};
+
+// What a form that makes its x as the stream's norm reads: the stream (rows x k, f32) and the
+// norm's weight and epsilon.
+struct NormIn {
+    const float* stream;
+    const float* weight;
+    float eps;
+};
+
+extern __shared__ __align__(16) unsigned char gemv_dynamic_smem[];
+
 // The end of every form's sum: each warp's chains for C groups, added in warp order (the
 // segments' order) by warp i for group i. Warp i < C returns true with group i's sums in s.
 template <int C>
@@ -137,9 +231,10 @@ __device__ __forceinline__ bool gemv_mma_finish(const float (&c)[C][4], float* s
 // read of x serving all of them. Warp i < C returns true with group i's sums in s: s[0], s[1] the
 // first column for rows 2t and 2t + 1, s[2], s[3] the second column for the same rows; the other
 // warps return false. Every caller and every C thus sums over k in the same order.
-template <int C>
-__device__ __forceinline__ bool gemv_mma_groups(const bf16* __restrict__ x, const bf16* __restrict__ w,
-                                                const int (&ra)[C], const int (&rb)[C], int rows, int k, float* s) {
+template <int C, class P = NoPrologue>
+__device__ __forceinline__ bool gemv_mma_groups(const bf16* __restrict__ x, int xs, const bf16* __restrict__ w,
+                                                const int (&ra)[C], const int (&rb)[C], int rows, int k, float* s,
+                                                const P& prologue = P()) {
     constexpr int U = GEMV_MMA_UNROLL;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     int g = lane >> 2, t = lane & 3;
@@ -151,7 +246,7 @@ __device__ __forceinline__ bool gemv_mma_groups(const bf16* __restrict__ x, cons
         wb[i] = reinterpret_cast<const uint4*>(w + (size_t)rb[i] * k) + t;
     }
     bool has_row = g < rows;
-    const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)(has_row ? g : 0) * k) + t;
+    const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)(has_row ? g : 0) * xs) + t;
     uint4 zero = make_uint4(0, 0, 0, 0);
     int blocks = k >> 5;
     float c[C][4];
@@ -174,7 +269,9 @@ __device__ __forceinline__ bool gemv_mma_groups(const bf16* __restrict__ x, cons
                 vb[i][u] = load_streaming(wb[i] + chunk);
             }
     }
+    prologue.early();
     after_previous_kernel();
+    prologue();
     for (; b + U <= end; b += U) {
         uint4 vx[U];
 #pragma unroll
@@ -213,10 +310,10 @@ __device__ __forceinline__ bool gemv_mma_groups(const bf16* __restrict__ x, cons
 // at once would need C (and spills for 3). Each group's chain over k is gemv_mma's: the same bits.
 // Its rows' offsets are kept as 32-bit numbers, not addresses: 3 groups' worth of addresses
 // would cost the registers of half a step.
-template <int C>
-__device__ __forceinline__ bool gemv_mma_rolling(const bf16* __restrict__ x, const bf16* __restrict__ w,
+template <int C, class P = NoPrologue>
+__device__ __forceinline__ bool gemv_mma_rolling(const bf16* __restrict__ x, int xs, const bf16* __restrict__ w,
                                                  const int (&ra)[C], const int (&rb)[C], int rows, int k,
-                                                 float* s) {
+                                                 float* s, const P& prologue = P()) {
     constexpr int U = GEMV_MMA_UNROLL;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     int g = lane >> 2, t = lane & 3;
@@ -230,7 +327,7 @@ __device__ __forceinline__ bool gemv_mma_rolling(const bf16* __restrict__ x, con
         ob[i] = (u32)rb[i] * (u32)(k >> 3);
     }
     bool has_row = g < rows;
-    const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)(has_row ? g : 0) * k) + t;
+    const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)(has_row ? g : 0) * xs) + t;
     uint4 zero = make_uint4(0, 0, 0, 0);
     int blocks = k >> 5;
     float c[C][4];
@@ -255,7 +352,9 @@ __device__ __forceinline__ bool gemv_mma_rolling(const bf16* __restrict__ x, con
     // waiting on the kernel that writes x.
     if (steps > 0) load(0, 0, b0 * 4);
     if (steps > 1) load(1, 1 % C, (b0 + (1 / C) * U) * 4);
+    prologue.early();
     after_previous_kernel();
+    prologue();
     for (int s0 = 0; s0 < steps; s0 += 2 * C) {
         u32 pass = (b0 + (s0 / C) * U) * 4;  // the pass's first piece
 #pragma unroll
@@ -282,7 +381,10 @@ __device__ __forceinline__ bool gemv_mma_rolling(const bf16* __restrict__ x, con
 }
 
 // The plain product, blocks of C groups of 16 columns (rows of w): y[r, n] = sum_k x[r, k] w[n, k].
-template <int C, bool ROLL = false>
+// ADD: y[r, n] += the product instead: the down projection adding its branch into the residual
+// stream, whose last writer (the norm before gate|up) ran two kernels back, so its values are
+// read before the wait and the end costs no round trip more.
+template <int C, bool ROLL = false, bool ADD = false>
 __device__ __forceinline__ void gemv_mma_cols(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                               float* __restrict__ y, int rows, int n, int k) {
     int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
@@ -294,26 +396,53 @@ __device__ __forceinline__ void gemv_mma_cols(const bf16* __restrict__ x, const 
         ra[i] = min(ca, n - 1);
         rb[i] = min(ca + 8, n - 1);
     }
+    // Warp i finishes group i (warp 0 alone where there is one group).
+    int group = C == 1 ? 0 : min((int)(threadIdx.x >> 5), C - 1);
+    int ca = (blockIdx.x * C + group) * GEMV_MMA_COLS + g, cb = ca + 8;
+    float before[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (ADD && (int)(threadIdx.x >> 5) < C) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int row = 2 * t + (e & 1), col = e < 2 ? ca : cb;
+            if (row < rows && col < n) before[e] = y[(size_t)row * n + col];
+        }
+    }
     float s[4];
     bool mine;
     if constexpr (ROLL)
-        mine = gemv_mma_rolling<C>(x, w, ra, rb, rows, k, s);
+        mine = gemv_mma_rolling<C>(x, k, w, ra, rb, rows, k, s);
     else
-        mine = gemv_mma_groups<C>(x, w, ra, rb, rows, k, s);
+        mine = gemv_mma_groups<C>(x, k, w, ra, rb, rows, k, s);
     if (!mine) return;
-    // Warp i has group i's sums (warp 0 alone where there is one group).
-    int group = C == 1 ? 0 : threadIdx.x >> 5;
-    int ca = (blockIdx.x * C + group) * GEMV_MMA_COLS + g, cb = ca + 8;
 #pragma unroll
     for (int e = 0; e < 4; e++) {
         int row = 2 * t + (e & 1), col = e < 2 ? ca : cb;
-        if (row < rows && col < n) y[(size_t)row * n + col] = s[e];
+        if (row < rows && col < n) y[(size_t)row * n + col] = ADD ? before[e] + s[e] : s[e];
     }
 }
 
 extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, GEMV_MMA_MIN_BLOCKS)
     gemv_mma(const bf16* __restrict__ x, const bf16* __restrict__ w, float* __restrict__ y, int rows, int n, int k) {
     gemv_mma_cols<1>(x, w, y, rows, n, k);
+}
+
+// The same products adding into y (`Gemm::gemv_mma_add`: the down projection into the stream).
+extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, GEMV_MMA_MIN_BLOCKS)
+    gemv_mma_add(const bf16* __restrict__ x, const bf16* __restrict__ w, float* __restrict__ y, int rows, int n,
+                 int k) {
+    gemv_mma_cols<1, false, true>(x, w, y, rows, n, k);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, 1)
+    gemv_mma_two_groups_add(const bf16* __restrict__ x, const bf16* __restrict__ w, float* __restrict__ y,
+                            int rows, int n, int k) {
+    gemv_mma_cols<2, false, true>(x, w, y, rows, n, k);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, 1)
+    gemv_mma_three_groups_add(const bf16* __restrict__ x, const bf16* __restrict__ w, float* __restrict__ y,
+                              int rows, int n, int k) {
+    gemv_mma_cols<3, true, true>(x, w, y, rows, n, k);
 }
 
 // The same product for a grid of two waves of gemv_mma (o and down on the 8B shape: 256 groups of
@@ -343,7 +472,7 @@ extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, GEMV_MMA_M
     int j = blockIdx.x * (GEMV_MMA_COLS / 2) + g, jr = min(j, inter - 1);
     float s[4];
     int gate[1] = {jr}, up[1] = {inter + jr};
-    if (!gemv_mma_groups<1>(x, w, gate, up, rows, k, s)) return;
+    if (!gemv_mma_groups<1>(x, k, w, gate, up, rows, k, s)) return;
 #pragma unroll
     for (int e = 0; e < 2; e++) {
         int row = 2 * t + e;
@@ -356,7 +485,8 @@ extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, GEMV_MMA_M
 // lane group's two columns are a rotary pair of a q or k head (adjacent or half a head apart, as
 // `halves` says), or two neighbouring columns of v; pairs are numbered q and k heads first, then
 // v. A block takes C groups of 8 pairs (gemv_mma_rolling's walk where C > 1). Arguments after k
-// are rope_and_cache's.
+// are rope_and_cache's. NORM: x is not read but made by the block as the residual stream's norm
+// (StreamNorm, `norm`): the attention norm runs inside the product that reads it.
 struct RopePair {
     int p, h, j, a, b, ca, cb;
     bool real, rotated;
@@ -383,12 +513,12 @@ __device__ __forceinline__ RopePair rope_pair(int p, int heads, int kv_heads, in
     return r;
 }
 
-template <int C>
+template <int C, bool NORM>
 __device__ __forceinline__ void gemv_mma_rope_groups(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                                      int rows, int k, const float* bias, const u32* positions,
                                                      const float* cos_t, const float* sin_t, int heads,
                                                      int kv_heads, int head_dim, int halves, const u32* slots,
-                                                     bf16* q_out, bf16* k_cache, bf16* v_cache) {
+                                                     bf16* q_out, bf16* k_cache, bf16* v_cache, NormIn norm) {
     int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int half = head_dim / 2, kv_size = kv_heads * head_dim;
     int ra[C], rb[C];
@@ -426,10 +556,20 @@ __device__ __forceinline__ void gemv_mma_rope_groups(const bf16* __restrict__ x,
     }
     float s[4];
     bool mine;
-    if constexpr (C == 1)
-        mine = gemv_mma_groups<1>(x, w, ra, rb, rows, k, s);
-    else
-        mine = gemv_mma_rolling<C>(x, w, ra, rb, rows, k, s);
+    if constexpr (NORM) {
+        // x, rows of k + GEMV_X_PAD, then the norm's weight, in dynamic shared memory.
+        bf16* xs = reinterpret_cast<bf16*>(gemv_dynamic_smem);
+        float* ws = reinterpret_cast<float*>(xs + (size_t)rows * (k + GEMV_X_PAD));
+        StreamNorm make{norm.stream, norm.weight, xs, ws, k + GEMV_X_PAD, rows, k, norm.eps};
+        if constexpr (C == 1)
+            mine = gemv_mma_groups<1>(xs, k + GEMV_X_PAD, w, ra, rb, rows, k, s, make);
+        else
+            mine = gemv_mma_rolling<C>(xs, k + GEMV_X_PAD, w, ra, rb, rows, k, s, make);
+    } else if constexpr (C == 1) {
+        mine = gemv_mma_groups<1>(x, k, w, ra, rb, rows, k, s);
+    } else {
+        mine = gemv_mma_rolling<C>(x, k, w, ra, rb, rows, k, s);
+    }
     if (!mine) return;
     r = rope_pair(mine_at, heads, kv_heads, head_dim, halves);
     if (!r.real) return;
@@ -456,14 +596,22 @@ __device__ __forceinline__ void gemv_mma_rope_groups(const bf16* __restrict__ x,
     }
 }
 
+#define GEMV_ROPE_PARAMS                                                                                         \
+    const bf16 *__restrict__ x, const bf16 *__restrict__ w, int rows, int k, const float *bias,                    \
+        const u32 *positions, const float *cos_t, const float *sin_t, int heads, int kv_heads, int head_dim,     \
+        int halves, const u32 *slots, bf16 *q_out, bf16 *k_cache, bf16 *v_cache
+#define GEMV_ROPE_ARGS \
+    x, w, rows, k, bias, positions, cos_t, sin_t, heads, kv_heads, head_dim, halves, slots, q_out, k_cache, v_cache
 #define GEMV_ROPE_KERNEL(NAME, C)                                                                                \
     extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, GEMV_MMA_MIN_BLOCKS)                  \
-        NAME(const bf16* __restrict__ x, const bf16* __restrict__ w, int rows, int k, const float* bias,          \
-             const u32* positions, const float* cos_t, const float* sin_t, int heads, int kv_heads, int head_dim, \
-             int halves, const u32* slots, bf16* q_out, bf16* k_cache, bf16* v_cache) {                           \
-        gemv_mma_rope_groups<C>(x, w, rows, k, bias, positions, cos_t, sin_t, heads, kv_heads, head_dim, halves,  \
-                                slots, q_out, k_cache, v_cache);                                                  \
+        NAME(GEMV_ROPE_PARAMS) {                                                                                 \
+        gemv_mma_rope_groups<C, false>(GEMV_ROPE_ARGS, {});                                                      \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(GEMV_MMA_MAX_WARPS * 32, GEMV_MMA_MIN_BLOCKS)                  \
+        NAME##_norm(GEMV_ROPE_PARAMS, const float* norm_stream, const float* norm_weight, float eps) {           \
+        gemv_mma_rope_groups<C, true>(GEMV_ROPE_ARGS, {norm_stream, norm_weight, eps});                          \
     }
+// Each with a form (NAME_norm) that makes its x as the residual stream's norm (StreamNorm).
 GEMV_ROPE_KERNEL(gemv_mma_rope, 1)
 // For a grid of three waves of gemv_mma_rope (the 8B shape's 384 groups on 132 SMs): one wave.
 GEMV_ROPE_KERNEL(gemv_mma_rope_three, 3)

@@ -29,9 +29,13 @@ pub struct Gemm {
     gemv_mma: CudaFunction,
     gemv_mma_two_groups: CudaFunction,
     gemv_mma_three_groups: CudaFunction,
+    /// The same three forms adding their product into y.
+    gemv_mma_add: [CudaFunction; 3],
     gemv_mma_silu: CudaFunction,
     gemv_mma_rope: CudaFunction,
     gemv_mma_rope_three: CudaFunction,
+    /// The rope forms that make x as the stream's norm: one group a block, three.
+    gemv_mma_rope_norm: [CudaFunction; 2],
     /// The batch-invariant products' kernels, one per `GemmTile`, and the wgmma tiles' forms
     /// that read x permuted (`permute_k32`, into `scratch`).
     tiles: [CudaFunction; 4],
@@ -275,8 +279,34 @@ impl GemmTile {
     }
 }
 
-/// Lets the batch-invariant products take the shared memory they need (over the 48 KB default).
+/// The residual stream's RMS norm that the q|k|v product makes as its x (kernels/gemv.cu's
+/// `StreamNorm`, add_rms_norm's bits): device addresses of the stream (f32, rows x d) and the
+/// norm's weight.
+pub struct StreamNorm {
+    pub stream: u64,
+    pub weight: u64,
+    pub eps: f32,
+}
+
+/// The shared memory the rope forms may take for x made from the stream: 8 rows of up to 8,166.
+const FUSED_NORM_SMEM: usize = 160 << 10;
+
+/// x's bytes in shared memory (rows padded by 64 bytes, kernels/gemv.cu's GEMV_X_PAD), then
+/// the norm's weight (f32).
+fn norm_smem(rows: usize, d: usize) -> usize {
+    rows * (d + 32) * 2 + d * 4
+}
+
+/// Lets the batch-invariant products take the shared memory they need (over the 48 KB default),
+/// and the rope forms theirs for x made from the stream.
 pub fn prepare(k: &Kernels) -> Result<()> {
+    for f in [&k.gemv_mma_rope_norm, &k.gemv_mma_rope_three_norm] {
+        f.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            FUSED_NORM_SMEM as i32,
+        )
+        .map_err(|e| RuntimeError::Device(format!("shared memory for the q|k|v product with its norm: {e}")))?;
+    }
     for &tile in GemmTile::available(k) {
         for permuted in [false, true] {
             tile.function(k, permuted)
@@ -365,9 +395,18 @@ impl Gemm {
             gemv_mma: kernels.gemv_mma.clone(),
             gemv_mma_two_groups: kernels.gemv_mma_two_groups.clone(),
             gemv_mma_three_groups: kernels.gemv_mma_three_groups.clone(),
+            gemv_mma_add: [
+                kernels.gemv_mma_add.clone(),
+                kernels.gemv_mma_two_groups_add.clone(),
+                kernels.gemv_mma_three_groups_add.clone(),
+            ],
             gemv_mma_silu: kernels.gemv_mma_silu.clone(),
             gemv_mma_rope: kernels.gemv_mma_rope.clone(),
             gemv_mma_rope_three: kernels.gemv_mma_rope_three.clone(),
+            gemv_mma_rope_norm: [
+                kernels.gemv_mma_rope_norm.clone(),
+                kernels.gemv_mma_rope_three_norm.clone(),
+            ],
             tiles: all.map(|t| t.function(kernels, false).clone()),
             tiles_permuted: all.map(|t| t.function(kernels, true).clone()),
             permute: kernels.permute_k32.clone(),
@@ -520,6 +559,25 @@ impl Gemm {
         self.launch_gemv(f, groups.div_ceil(per_block), GEMV_MMA_WARPS, [x, w, y], rows, n, k)
     }
 
+    /// `gemv_mma` adding its product into `y` (`y += x w^T`), with the bits of `gemv_mma` then
+    /// the addition: each element added once, by the thread that finishes its sum.
+    pub fn gemv_mma_add(&self, x: u64, w: u64, y: u64, rows: usize, n: usize, k: usize) -> Result<()> {
+        let groups = n.div_ceil(GEMV_MMA_COLS);
+        let per_block = self.groups_a_block(groups, n, k);
+        let f = &self.gemv_mma_add[per_block - 1];
+        self.launch_gemv(f, groups.div_ceil(per_block), GEMV_MMA_WARPS, [x, w, y], rows, n, k)
+    }
+
+    /// Whether `gemv_rope` can make its own x as the norm of `rows` rows of a `d`-wide stream:
+    /// where it takes the GEMV, at add_rms_norm's fast path's widths, in the shared memory
+    /// `prepare` lets it take.
+    pub fn fuses_norm(x: u64, w: u64, rows: usize, d: usize) -> bool {
+        Self::takes_mma_gemv(x, w, rows, d)
+            && d.is_multiple_of(4)
+            && d / 4 <= 4 * super::ROW_THREADS as usize
+            && norm_smem(rows, d) <= FUSED_NORM_SMEM
+    }
+
     /// Groups of 16 columns a block that put a GEMV grid of `groups` (over `n` rows of `k`) in
     /// one wave at one block an SM, where a form for that many exists (2 or 3); else 1. The
     /// three-group forms take rows' offsets in 16-byte pieces as 32-bit numbers.
@@ -549,20 +607,42 @@ impl Gemm {
     /// The q|k|v product with the rope-and-cache kernel's work done on its sums (and `rope.bias`
     /// added first): the bits of `gemv_mma`, `add_bias` and `rope_and_cache`, in one launch. Only
     /// where `takes_mma_gemv`.
-    pub fn gemv_rope(&self, x: u64, w: u64, rows: usize, k: usize, rope: &RopeArgs) -> Result<()> {
+    /// `norm`: x is not read but made by the kernel as that norm of the stream (`fuses_norm`).
+    pub fn gemv_rope(
+        &self,
+        x: u64,
+        w: u64,
+        rows: usize,
+        k: usize,
+        rope: &RopeArgs,
+        norm: Option<&StreamNorm>,
+    ) -> Result<()> {
         let pairs = (rope.heads + 2 * rope.kv_heads) as usize * rope.head_dim as usize / 2;
         let groups = pairs.div_ceil(GEMV_MMA_COLS / 2);
         // The 8B shape's 384 groups: one wave of blocks of three, as gemv_mma runs them.
         let width = 2 * pairs;
-        let (f, per_block) = match self.groups_a_block(groups, width, k) {
-            3 => (&self.gemv_mma_rope_three, 3),
-            _ => (&self.gemv_mma_rope, 1),
+        let (f, per_block) = match (self.groups_a_block(groups, width, k), norm.is_some()) {
+            (3, false) => (&self.gemv_mma_rope_three, 3),
+            (3, true) => (&self.gemv_mma_rope_norm[1], 3),
+            (_, false) => (&self.gemv_mma_rope, 1),
+            (_, true) => (&self.gemv_mma_rope_norm[0], 1),
         };
         let (r, k32) = (rows as i32, k as i32);
         let mut args: Vec<&dyn super::Arg> = vec![&x, &w, &r, &k32, &rope.bias];
         args.extend(rope.kernel_args());
+        if let Some(nm) = norm {
+            args.extend([&nm.stream as &dyn super::Arg, &nm.weight, &nm.eps]);
+        }
+        let smem = norm.map_or(0, |_| norm_smem(rows, k)) as u32;
         let blocks = groups.div_ceil(per_block) as u32;
-        super::launch(&self.stream, f, (blocks, 1), (GEMV_MMA_WARPS * 32) as u32, &args)
+        super::launch_smem(
+            &self.stream,
+            f,
+            (blocks, 1, 1),
+            (GEMV_MMA_WARPS * 32) as u32,
+            smem,
+            &args,
+        )
     }
 
     /// Both GEMV kernels take `(x, w, y, rows, n, k)`.

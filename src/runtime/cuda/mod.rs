@@ -520,6 +520,8 @@ impl CudaBackend {
             },
             rank: self.rank.as_ref(),
             reduce_slot: 0,
+            branch_in_stream: false,
+            pending_norm: None,
         }
     }
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
 use super::attention::{self, AttentionArgs, Plan};
-use super::gemm::{Gemm, OutType, RopeArgs};
+use super::gemm::{Gemm, OutType, RopeArgs, StreamNorm};
 use super::kernels::Kernels;
 use super::tensor_parallel::RankLink;
 use super::timing::{Phase, Timing};
@@ -71,6 +71,12 @@ pub struct CudaStep<'a> {
     /// attention's output projection and the MLP's down projection take one each, so that
     /// the all-reduces alternate between them.
     pub reduce_slot: usize,
+    /// Whether the MLP's down projection added its branch into the stream itself (the GEMV
+    /// does, on one GPU), so that the norm after it adds nothing.
+    pub branch_in_stream: bool,
+    /// The attention norm left to the q|k|v product, which makes it as its x where it can
+    /// (`Gemm::fuses_norm`): the norm's weight.
+    pub pending_norm: Option<u64>,
 }
 
 impl CudaStep<'_> {
@@ -108,6 +114,26 @@ impl CudaStep<'_> {
         }
     }
 
+    /// add_rms_norm's kernel on every token into `Normed`; `residual` (0: none) joins the
+    /// stream first.
+    fn norm_kernel(&self, residual: u64, weight: u64) -> Result<()> {
+        let (null, write_back) = (0u64, 1i32);
+        let (d, eps) = (self.cfg.hidden_size as i32, self.cfg.rms_norm_eps);
+        self.per_token(
+            &self.kernels.add_rms_norm,
+            &[
+                &self.buf.x,
+                &residual,
+                &null,
+                &write_back,
+                &weight,
+                &self.buf.normed,
+                &d,
+                &eps,
+            ],
+        )
+    }
+
     /// An activation's address and width.
     fn act(&self, a: Act) -> (u64, usize) {
         let c = self.cfg;
@@ -134,22 +160,16 @@ impl Ops<CudaWeights> for CudaStep<'_> {
 
     fn add_rms_norm(&mut self, first: bool, weight: &CudaSlice<f32>) -> Result<()> {
         self.mark(Phase::Elementwise);
-        let residual = if first { 0u64 } else { self.buf.branch };
-        let (null, write_back) = (0u64, 1i32);
-        let (d, eps) = (self.cfg.hidden_size as i32, self.cfg.rms_norm_eps);
-        self.per_token(
-            &self.kernels.add_rms_norm,
-            &[
-                &self.buf.x,
-                &residual,
-                &null,
-                &write_back,
-                &self.ptr(weight),
-                &self.buf.normed,
-                &d,
-                &eps,
-            ],
-        )
+        let in_stream = std::mem::take(&mut self.branch_in_stream);
+        let weight = self.ptr(weight);
+        // The stream holds every branch (before the first block, or after a down projection
+        // that added its own): this is the attention norm, which the q|k|v product may make.
+        if (first || in_stream) && self.rank.is_none() {
+            self.pending_norm = Some(weight);
+            return Ok(());
+        }
+        let residual = if first || in_stream { 0u64 } else { self.buf.branch };
+        self.norm_kernel(residual, weight)
     }
 
     fn linear(&mut self, weight: &CudaSlice<u16>, input: Act, output: Act) -> Result<()> {
@@ -160,16 +180,37 @@ impl Ops<CudaWeights> for CudaStep<'_> {
             self.reduce_slot = (input == Act::Hidden) as usize;
             y = link.partial(self.reduce_slot, self.stream);
         }
+        // On one GPU the down projection's GEMV adds its branch into the stream, so that the
+        // next block's attention norm reads the stream alone and q|k|v can make it itself.
+        let (w, rows) = (self.ptr(weight), self.meta.tokens);
+        if (output, input) == (Act::Branch, Act::Hidden) && self.rank.is_none() && Gemm::takes_mma_gemv(x, w, rows, k) {
+            self.branch_in_stream = true;
+            return self.gemm.gemv_mma_add(x, w, self.buf.x, rows, n, k);
+        }
         self.gemm
             .matmul(x, self.ptr(weight), y, OutType::F32, self.meta.tokens, n, k)
     }
 
     fn qkv_rope_and_cache(&mut self, qkv: &CudaSlice<u16>, bias: Option<&CudaSlice<f32>>, layer: usize) -> Result<()> {
         let rope = self.rope_args(bias, layer);
-        let (x, k, w) = (self.buf.normed, self.cfg.hidden_size, self.ptr(qkv));
-        if Gemm::takes_mma_gemv(x, w, self.meta.tokens, k) {
+        let (x, k, w, rows) = (self.buf.normed, self.cfg.hidden_size, self.ptr(qkv), self.meta.tokens);
+        // The attention norm, left pending: made by the product as its x, or run here.
+        let mut norm = None;
+        if let Some(weight) = self.pending_norm.take() {
+            if Gemm::fuses_norm(x, w, rows, k) {
+                let eps = self.cfg.rms_norm_eps;
+                norm = Some(StreamNorm {
+                    stream: self.buf.x,
+                    weight,
+                    eps,
+                });
+            } else {
+                self.norm_kernel(0, weight)?;
+            }
+        }
+        if Gemm::takes_mma_gemv(x, w, rows, k) {
             self.mark(Phase::Gemm);
-            return self.gemm.gemv_rope(x, w, self.meta.tokens, k, &rope);
+            return self.gemm.gemv_rope(x, w, rows, k, &rope, norm.as_ref());
         }
         self.linear(qkv, Act::Normed, Act::Qkv)?;
         self.mark(Phase::Elementwise);
@@ -245,8 +286,10 @@ impl Ops<CudaWeights> for CudaStep<'_> {
             return Ok(());
         }
         self.mark(Phase::Head);
-        // The last layer's branch joins the stream only in the rows read here.
+        // The last layer's branch joins the stream only in the rows read here (where its down
+        // projection did not add it).
         let (d, eps, write_back) = (self.cfg.hidden_size as i32, self.cfg.rms_norm_eps, 0i32);
+        let branch = if self.branch_in_stream { 0u64 } else { self.buf.branch };
         launch(
             self.stream,
             &self.kernels.add_rms_norm,
@@ -254,7 +297,7 @@ impl Ops<CudaWeights> for CudaStep<'_> {
             ROW_THREADS,
             &[
                 &self.buf.x,
-                &self.buf.branch,
+                &branch,
                 &self.meta.picked,
                 &write_back,
                 &self.ptr(norm),

@@ -992,7 +992,7 @@ fn fused_gemv_epilogues_give_the_bits_of_the_separate_kernels() {
                 };
                 let (q1, k1, v1) = outputs();
                 g.gemm
-                    .gemv_rope(g.p(&xd), g.p(&qkv_d), rows, d, &args(&q1, &k1, &v1))
+                    .gemv_rope(g.p(&xd), g.p(&qkv_d), rows, d, &args(&q1, &k1, &v1), None)
                     .unwrap();
                 let (q2, k2, v2) = outputs();
                 let a = args(&q2, &k2, &v2);
@@ -1021,6 +1021,137 @@ fn fused_gemv_epilogues_give_the_bits_of_the_separate_kernels() {
                 }
                 assert!(bits(&k1).iter().any(|&b| b != 0), "the cache was written, {tag}");
             }
+        }
+    }
+}
+
+/// The GEMV adding its product into y (the down projection into the residual stream) gives the
+/// bits of the product written apart and then added, in each of its forms: one group a block,
+/// two, and three walked in turn (grids of one, two and three waves).
+#[test]
+fn gemv_adding_into_y_gives_the_bits_of_the_product_then_the_sum() {
+    let Some(g) = gpu() else { return };
+    let sms = g.sms();
+    let k = 576usize;
+    for n in [200usize, 16 * (2 * sms) - 8, 16 * (3 * sms) - 8] {
+        let x = rounded(&values(8 * k, 61));
+        let (xd, wd) = (g.bf16s(&x), g.bf16s(&rounded(&values(n * k, 62))));
+        for rows in 1..=8usize {
+            let y0 = values(rows * n, 63);
+            let (apart, sum) = (g.zeros_f32(rows * n), g.f32s(&y0));
+            g.gemm.gemv_mma(g.p(&xd), g.p(&wd), g.p(&apart), rows, n, k).unwrap();
+            g.gemm.gemv_mma_add(g.p(&xd), g.p(&wd), g.p(&sum), rows, n, k).unwrap();
+            let want: Vec<u32> = g
+                .read_f32(&apart)
+                .iter()
+                .zip(&y0)
+                .map(|(p, y)| (y + p).to_bits())
+                .collect();
+            let got: Vec<u32> = g.read_f32(&sum).iter().map(|v| v.to_bits()).collect();
+            assert!(got == want, "n={n} rows={rows}");
+        }
+    }
+}
+
+/// A product adding its branch into the stream, then q|k|v making its x as the stream's RMS
+/// norm in shared memory (the step's down projection and the next block's attention norm on one
+/// GPU), give the bits of the branch written apart, `add_rms_norm` (which adds it and writes the
+/// stream back), and the q|k|v product reading the norm's output: for 1 to 8 rows, in blocks of
+/// one group and of three, where the given x (zeros) is never read.
+#[test]
+fn qkv_making_the_streams_norm_gives_the_bits_of_the_norm_kernel() {
+    let Some(g) = gpu() else { return };
+    let bits = |s: &CudaSlice<u16>| -> Vec<u16> { g.stream.clone_dtoh(s).unwrap() };
+    let eps = 1e-5f32;
+    // (hidden, heads, kv_heads, head_dim): q|k|v in blocks of one group, three, and one.
+    for (d, heads, kv_heads, head_dim) in [
+        (576usize, 9usize, 3usize, 64usize),
+        (4096, 32, 8, 128),
+        (896, 14, 2, 64),
+    ] {
+        let (q_size, kv_size) = (heads * head_dim, kv_heads * head_dim);
+        let width = q_size + 2 * kv_size;
+        // The branch's product (the down projection's part), here of q_size inputs.
+        let h = g.bf16s(&rounded(&values(8 * q_size, 71)));
+        let w_down = g.bf16s(&rounded(&values(d * q_size, 72)));
+        let stream0 = values(8 * d, 73);
+        let norm_w = g.f32s(&values(d, 74));
+        let w_qkv = g.bf16s(&rounded(&values(width * d, 75)));
+        let (cos, sin) = crate::runtime::cpu::rope_tables(head_dim, 10_000.0, 64);
+        let (cos_d, sin_d) = (g.f32s(&cos), g.f32s(&sin));
+        let positions = g.u32s(&[0, 1, 17, 63, 5, 9, 2, 40]);
+        let slots = g.u32s(&[3, 0, 15, 7, 8, 1, 12, 4]);
+        let unread = g.zeros_bf16(8 * d);
+        for rows in 1..=8usize {
+            let tag = format!("d={d} rows={rows}");
+            let (x_apart, branch, normed) = (
+                g.f32s(&stream0[..rows * d]),
+                g.zeros_f32(rows * d),
+                g.zeros_bf16(rows * d),
+            );
+            g.gemm
+                .gemv_mma(g.p(&h), g.p(&w_down), g.p(&branch), rows, d, q_size)
+                .unwrap();
+            let (one, di) = (1i32, d as i32);
+            g.run(
+                &g.k.add_rms_norm,
+                (rows as u32, 1),
+                ROW_THREADS,
+                &[
+                    &g.p(&x_apart),
+                    &g.p(&branch),
+                    &0u64,
+                    &one,
+                    &g.p(&norm_w),
+                    &g.p(&normed),
+                    &di,
+                    &eps,
+                ],
+            );
+            let x_fused = g.f32s(&stream0[..rows * d]);
+            g.gemm
+                .gemv_mma_add(g.p(&h), g.p(&w_down), g.p(&x_fused), rows, d, q_size)
+                .unwrap();
+            let f32_bits = |s: &CudaSlice<f32>| -> Vec<u32> { g.read_f32(s).iter().map(|v| v.to_bits()).collect() };
+            assert!(f32_bits(&x_fused) == f32_bits(&x_apart), "the stream, {tag}");
+            let norm = gemm::StreamNorm {
+                stream: g.p(&x_fused),
+                weight: g.p(&norm_w),
+                eps,
+            };
+
+            let outputs = || {
+                (
+                    g.zeros_bf16(rows * q_size),
+                    g.zeros_bf16(16 * kv_size),
+                    g.zeros_bf16(16 * kv_size),
+                )
+            };
+            let args = |q: &CudaSlice<u16>, kc: &CudaSlice<u16>, vc: &CudaSlice<u16>| gemm::RopeArgs {
+                bias: 0,
+                positions: g.p(&positions),
+                cos: g.p(&cos_d),
+                sin: g.p(&sin_d),
+                heads: heads as i32,
+                kv_heads: kv_heads as i32,
+                head_dim: head_dim as i32,
+                halves: 1,
+                slots: g.p(&slots),
+                q: g.p(q),
+                k_cache: g.p(kc),
+                v_cache: g.p(vc),
+            };
+            let ((q1, k1, v1), (q2, k2, v2)) = (outputs(), outputs());
+            g.gemm
+                .gemv_rope(g.p(&unread), g.p(&w_qkv), rows, d, &args(&q1, &k1, &v1), Some(&norm))
+                .unwrap();
+            g.gemm
+                .gemv_rope(g.p(&normed), g.p(&w_qkv), rows, d, &args(&q2, &k2, &v2), None)
+                .unwrap();
+            for (what, got, want) in [("q", &q1, &q2), ("k cache", &k1, &k2), ("v cache", &v1, &v2)] {
+                assert!(bits(got) == bits(want), "q|k|v with rope, {what}, {tag}");
+            }
+            assert!(bits(&q1).iter().any(|&b| b != 0), "q was written, {tag}");
         }
     }
 }
