@@ -919,6 +919,53 @@ fn batch_invariant_products_give_every_row_the_bits_it_gets_alone() {
     }
 }
 
+/// What the fused q|k|v tests rotate and cache with: the rope tables of a head width, eight
+/// rows' positions and KV slots.
+struct RopeInputs {
+    cos: CudaSlice<f32>,
+    sin: CudaSlice<f32>,
+    positions: CudaSlice<u32>,
+    slots: CudaSlice<u32>,
+}
+
+impl RopeInputs {
+    fn new(g: &Gpu, head_dim: usize) -> Self {
+        let (cos, sin) = crate::runtime::cpu::rope_tables(head_dim, 10_000.0, 64);
+        RopeInputs {
+            cos: g.f32s(&cos),
+            sin: g.f32s(&sin),
+            positions: g.u32s(&[0, 1, 17, 63, 5, 9, 2, 40]),
+            slots: g.u32s(&[3, 0, 15, 7, 8, 1, 12, 4]),
+        }
+    }
+
+    /// `(heads, kv_heads, head_dim)`, the rope style, a bias address (0: none) and the outputs:
+    /// q, the k cache and the v cache.
+    fn args(
+        &self,
+        g: &Gpu,
+        (heads, kv_heads, head_dim): (usize, usize, usize),
+        halves: i32,
+        bias: u64,
+        [q, k_cache, v_cache]: [&CudaSlice<u16>; 3],
+    ) -> gemm::RopeArgs {
+        gemm::RopeArgs {
+            bias,
+            positions: g.p(&self.positions),
+            cos: g.p(&self.cos),
+            sin: g.p(&self.sin),
+            heads: heads as i32,
+            kv_heads: kv_heads as i32,
+            head_dim: head_dim as i32,
+            halves,
+            slots: g.p(&self.slots),
+            q: g.p(q),
+            k_cache: g.p(k_cache),
+            v_cache: g.p(v_cache),
+        }
+    }
+}
+
 /// The GEMV with its epilogue fused (SiLU on gate|up; bias, rope and the cache write on q|k|v)
 /// gives the bits of the product followed by the separate kernels, for 1 to 8 rows, both rope
 /// styles, with and without a bias; the rope outputs are checked against the CPU reference by
@@ -947,10 +994,7 @@ fn fused_gemv_epilogues_give_the_bits_of_the_separate_kernels() {
         let (w_qkv, w_gu) = (rounded(&values(width * d, 42)), rounded(&values(2 * inter * d, 43)));
         let (xd, qkv_d, gu_d) = (g.bf16s(&x), g.bf16s(&w_qkv), g.bf16s(&w_gu));
         let bias_d = g.f32s(&values(width, 44));
-        let (cos, sin) = crate::runtime::cpu::rope_tables(head_dim, 10_000.0, 64);
-        let (cos_d, sin_d) = (g.f32s(&cos), g.f32s(&sin));
-        let positions = g.u32s(&[0, 1, 17, 63, 5, 9, 2, 40]);
-        let slots = g.u32s(&[3, 0, 15, 7, 8, 1, 12, 4]);
+        let rope = RopeInputs::new(&g, head_dim);
         for rows in 1..=8usize {
             let tag = format!("d={d} heads={heads}/{kv_heads}x{head_dim} bias={bias} rows={rows}");
             // SiLU(gate) * up.
@@ -976,19 +1020,10 @@ fn fused_gemv_epilogues_give_the_bits_of_the_separate_kernels() {
                         g.zeros_bf16(16 * kv_size),
                     )
                 };
-                let args = |q: &CudaSlice<u16>, kc: &CudaSlice<u16>, vc: &CudaSlice<u16>| gemm::RopeArgs {
-                    bias: if bias { g.p(&bias_d) } else { 0 },
-                    positions: g.p(&positions),
-                    cos: g.p(&cos_d),
-                    sin: g.p(&sin_d),
-                    heads: heads as i32,
-                    kv_heads: kv_heads as i32,
-                    head_dim: head_dim as i32,
-                    halves,
-                    slots: g.p(&slots),
-                    q: g.p(q),
-                    k_cache: g.p(kc),
-                    v_cache: g.p(vc),
+                let bias_p = if bias { g.p(&bias_d) } else { 0 };
+                let shape = (heads, kv_heads, head_dim);
+                let args = |q: &CudaSlice<u16>, kc: &CudaSlice<u16>, vc: &CudaSlice<u16>| {
+                    rope.args(&g, shape, halves, bias_p, [q, kc, vc])
                 };
                 let (q1, k1, v1) = outputs();
                 g.gemm
@@ -1077,10 +1112,7 @@ fn qkv_making_the_streams_norm_gives_the_bits_of_the_norm_kernel() {
         let stream0 = values(8 * d, 73);
         let norm_w = g.f32s(&values(d, 74));
         let w_qkv = g.bf16s(&rounded(&values(width * d, 75)));
-        let (cos, sin) = crate::runtime::cpu::rope_tables(head_dim, 10_000.0, 64);
-        let (cos_d, sin_d) = (g.f32s(&cos), g.f32s(&sin));
-        let positions = g.u32s(&[0, 1, 17, 63, 5, 9, 2, 40]);
-        let slots = g.u32s(&[3, 0, 15, 7, 8, 1, 12, 4]);
+        let rope = RopeInputs::new(&g, head_dim);
         let unread = g.zeros_bf16(8 * d);
         for rows in 1..=8usize {
             let tag = format!("d={d} rows={rows}");
@@ -1127,20 +1159,9 @@ fn qkv_making_the_streams_norm_gives_the_bits_of_the_norm_kernel() {
                     g.zeros_bf16(16 * kv_size),
                 )
             };
-            let args = |q: &CudaSlice<u16>, kc: &CudaSlice<u16>, vc: &CudaSlice<u16>| gemm::RopeArgs {
-                bias: 0,
-                positions: g.p(&positions),
-                cos: g.p(&cos_d),
-                sin: g.p(&sin_d),
-                heads: heads as i32,
-                kv_heads: kv_heads as i32,
-                head_dim: head_dim as i32,
-                halves: 1,
-                slots: g.p(&slots),
-                q: g.p(q),
-                k_cache: g.p(kc),
-                v_cache: g.p(vc),
-            };
+            let shape = (heads, kv_heads, head_dim);
+            let args =
+                |q: &CudaSlice<u16>, kc: &CudaSlice<u16>, vc: &CudaSlice<u16>| rope.args(&g, shape, 1, 0, [q, kc, vc]);
             let ((q1, k1, v1), (q2, k2, v2)) = (outputs(), outputs());
             g.gemm
                 .gemv_rope(g.p(&unread), g.p(&w_qkv), rows, d, &args(&q1, &k1, &v1), Some(&norm))
