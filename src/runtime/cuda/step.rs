@@ -187,8 +187,7 @@ impl Ops<CudaWeights> for CudaStep<'_> {
             self.branch_in_stream = true;
             return self.gemm.gemv_mma_add(x, w, self.buf.x, rows, n, k);
         }
-        self.gemm
-            .matmul(x, self.ptr(weight), y, OutType::F32, self.meta.tokens, n, k)
+        self.gemm.matmul(x, w, y, OutType::F32, rows, n, k)
     }
 
     fn qkv_rope_and_cache(&mut self, qkv: &CudaSlice<u16>, bias: Option<&CudaSlice<f32>>, layer: usize) -> Result<()> {
