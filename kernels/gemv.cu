@@ -121,9 +121,6 @@ struct NoPrologue {
 // x's row stride in shared memory where a product makes its own x: 64 bytes past the row, so
 // that the two rows a quarter warp reads (lanes g and g + 1) fall in different banks.
 #define GEMV_X_PAD 32
-// add_rms_norm's block (the host's ROW_THREADS) and its pieces a thread (NORM_PIECES).
-#define GEMV_NORM_THREADS 1024
-#define GEMV_NORM_PIECES 4
 
 // add_rms_norm's output for `rows` rows of the residual stream whose branch is already added
 // (no residual, no write-back), made by every block of the product that reads it, into shared
@@ -131,7 +128,7 @@ struct NoPrologue {
 // leave the step's chain. The block's threads stand in for the norm's 1,024 (thread i for
 // i, i + blockDim, ...), so each sum of squares is taken in the norm's order (each of its
 // threads' pieces, its warps' butterflies, then the butterfly of the 32 warps' sums) and each
-// value scaled as it scales it: the norm's bits. The weight, which no kernel writes, is copied
+// value scaled as it scales it (the prelude's add_squares and norm_piece): the norm's bits. The weight, which no kernel writes, is copied
 // into shared memory before the wait; after it, every row's sums are taken at once (one
 // round trip for the stream, two barriers whatever the rows). The host takes this only where
 // the norm's fast path would (d a multiple of 4, at most 4 pieces a thread) and blockDim
@@ -155,17 +152,13 @@ struct StreamNorm {
         int pieces = d >> 2, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
         for (int r = 0; r < rows; r++) {
             const float4* xr = reinterpret_cast<const float4*>(stream + (size_t)r * d);
-            for (int i = threadIdx.x; i < GEMV_NORM_THREADS; i += blockDim.x) {
+            for (int i = threadIdx.x; i < NORM_THREADS; i += blockDim.x) {
                 float ss = 0.0f;
 #pragma unroll
-                for (int j = 0; j < GEMV_NORM_PIECES; j++) {
-                    int c = i + j * GEMV_NORM_THREADS;
+                for (int j = 0; j < NORM_PIECES; j++) {
+                    int c = i + j * NORM_THREADS;
                     if (c >= pieces) continue;
-                    float4 a = xr[c];
-                    ss += a.x * a.x;
-                    ss += a.y * a.y;
-                    ss += a.z * a.z;
-                    ss += a.w * a.w;
+                    ss = add_squares(ss, xr[c]);
                 }
                 ss = warp_sum(ss);
                 if (lane == 0) partial[r][i >> 5] = ss;
@@ -183,13 +176,7 @@ struct StreamNorm {
             const float4* xr = reinterpret_cast<const float4*>(stream + (size_t)r * d);
             float scale = scales[r];
             uint2* out = reinterpret_cast<uint2*>(x + (size_t)r * stride);
-            for (int c = threadIdx.x; c < pieces; c += blockDim.x) {
-                float4 v = xr[c], w = w4[c];
-                uint2 packed;
-                packed.x = (u32)f32_to_bf16(v.x * scale * w.x) | ((u32)f32_to_bf16(v.y * scale * w.y) << 16);
-                packed.y = (u32)f32_to_bf16(v.z * scale * w.z) | ((u32)f32_to_bf16(v.w * scale * w.w) << 16);
-                out[c] = packed;
-            }
+            for (int c = threadIdx.x; c < pieces; c += blockDim.x) out[c] = norm_piece(xr[c], scale, w4[c]);
         }
         __syncthreads();
     }

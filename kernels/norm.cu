@@ -9,7 +9,6 @@
 // way a row's sum runs in an order set by its width and the block alone, never by the batch.
 // The host launches blocks of 1,024 threads (ROW_THREADS): the bound keeps a thread's registers
 // within what such a block may take.
-#define NORM_PIECES 4
 extern "C" __global__ void __launch_bounds__(1024)
     add_rms_norm(float* x, const float* y, const u32* rows, int write_back, const float* weight, bf16* out, int d,
                  float eps) {
@@ -53,20 +52,14 @@ extern "C" __global__ void __launch_bounds__(1024)
                 if (write_back) reinterpret_cast<float4*>(xr)[c] = a;
             }
             v[j] = a;
-            ss += a.x * a.x;
-            ss += a.y * a.y;
-            ss += a.z * a.z;
-            ss += a.w * a.w;
+            ss = add_squares(ss, a);
         }
         float scale = rsqrtf(block_sum(ss) / (float)d + eps);
 #pragma unroll
         for (int j = 0; j < NORM_PIECES; j++) {
             int c = threadIdx.x + j * blockDim.x;
             if (c >= pieces) continue;
-            uint2 packed;
-            packed.x = (u32)f32_to_bf16(v[j].x * scale * w[j].x) | ((u32)f32_to_bf16(v[j].y * scale * w[j].y) << 16);
-            packed.y = (u32)f32_to_bf16(v[j].z * scale * w[j].z) | ((u32)f32_to_bf16(v[j].w * scale * w[j].w) << 16);
-            reinterpret_cast<uint2*>(o)[c] = packed;
+            reinterpret_cast<uint2*>(o)[c] = norm_piece(v[j], scale, w[j]);
         }
         return;
     }

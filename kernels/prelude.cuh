@@ -94,6 +94,28 @@ __device__ __forceinline__ float block_sum(float v) {
     return block_reduce<false>(v);
 }
 
+// add_rms_norm's arithmetic (kernels/norm.cu), which a kernel that makes the norm's output itself
+// (gemv.cu's StreamNorm) shares so that its bits are the norm's: a block of NORM_THREADS (the
+// host's ROW_THREADS), each thread summing the squares of at most NORM_PIECES pieces of 4 in
+// order, and each piece scaled, then weighted, into 4 bf16.
+#define NORM_THREADS 1024
+#define NORM_PIECES 4
+
+__device__ __forceinline__ float add_squares(float ss, float4 a) {
+    ss += a.x * a.x;
+    ss += a.y * a.y;
+    ss += a.z * a.z;
+    ss += a.w * a.w;
+    return ss;
+}
+
+__device__ __forceinline__ uint2 norm_piece(float4 v, float scale, float4 w) {
+    uint2 packed;
+    packed.x = (u32)f32_to_bf16(v.x * scale * w.x) | ((u32)f32_to_bf16(v.y * scale * w.y) << 16);
+    packed.y = (u32)f32_to_bf16(v.z * scale * w.z) | ((u32)f32_to_bf16(v.w * scale * w.w) << 16);
+    return packed;
+}
+
 __device__ __forceinline__ u32 smem_u32(const void* p) {
     return (u32)__cvta_generic_to_shared(p);
 }

@@ -3,8 +3,8 @@
 // from this folder) at the 8B shape (hidden 4096, intermediate 14336) for 1 to 512 rows,
 // launched back to back with programmatic dependent launch as a step launches them, buffers
 // rotating among copies larger than L2; prints GB/s of the bytes each moves, and writes the
-// outputs for bit checks. A variant that defines NORM_PIECES (the norm in registers) is timed
-// with silu_mul4, else with silu_mul.
+// outputs for bit checks. SiLU is timed with silu_mul4, or with silu_mul where -DSILU_ONE_A_THREAD
+// is given (activation.cu before ec88ff1, which has no silu_mul4).
 //   nvcc -O3 -arch=sm_90 -std=c++17 -DNORM_SRC='"../../kernels/norm.cu"' -DACT_SRC='"../../kernels/activation.cu"' norm_bench.cu
 #include <cstdio>
 #include <cstdlib>
@@ -76,7 +76,7 @@ int main(int argc, char** argv) {
             CK(cudaMalloc(&os[c], n * 2));
         }
         auto run = [&](int c) {
-#ifdef NORM_PIECES
+#ifndef SILU_ONE_A_THREAD
             launch(s, silu_mul4, (int)((n / 4 + 255) / 256), 256, (const float*)gs[c], os[c], inter, (long long)n);
 #else
             launch(s, silu_mul, (int)((n + 255) / 256), 256, (const float*)gs[c], os[c], inter, (long long)n);
